@@ -1,0 +1,120 @@
+"""The aggregator function: LIFL's step-based processing model (appendix G).
+
+Recv takes object keys from the task's FIFO; Agg folds them into the running FedAvg sum as
+they arrive (eager; see ``lifl.fedavg`` for the folding policy); Send hands the result's key
+to the parent, or, for the top of the hierarchy, writes the averaged model and installs it.
+Recv and Agg overlap: whatever queued while a fold ran is folded together next.
+
+The same code serves every role; the invocation says which one, the fan-in and the parent.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from lifl import format as fmt
+from lifl.channel import KIND_CLOSE, KeyMessage, now_ns
+from lifl.fedavg import Contribution, StreamingFedAvg, average_into
+from lifl.kernels import TensorTable, Tensors
+from lifl.runtime import Context, Invocation
+
+_tables: dict[tuple[int, int], tuple[fmt.Layout, fmt.ModelSpec, TensorTable]] = {}
+_headers: dict[int, tuple[fmt.ModelSpec, bytes, bytes]] = {}
+
+
+def _table(layout: fmt.Layout, spec: fmt.ModelSpec) -> TensorTable:
+    key = (id(layout), id(spec))
+    hit = _tables.get(key)
+    if hit is None:
+        if len(_tables) > 256:
+            _tables.clear()
+        hit = _tables[key] = (layout, spec, TensorTable(layout, spec))
+    return hit[2]
+
+
+def _spec_headers(spec: fmt.ModelSpec) -> tuple[bytes, bytes]:
+    """(model header, partial-sum header) for a job's model."""
+    hit = _headers.get(id(spec))
+    if hit is None or hit[0] is not spec:
+        hit = _headers[id(spec)] = (spec, fmt.spec_header(spec), fmt.spec_header(spec.partial()))
+    return hit[1], hit[2]
+
+
+def _mapped(ctx: Context, mm: Any, spec: fmt.ModelSpec) -> Tensors:
+    return Tensors(mm, _table(ctx.layout(mm), spec))
+
+
+def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
+    spec = inv.spec
+    model_header, partial_header = _spec_headers(spec)
+    agg = StreamingFedAvg(inv.fan_in)
+    handoff_us: list[float] = []
+    recv_s = agg_s = 0.0
+    live: list[Tensors] = []
+
+    def new_accumulator() -> tuple[Tensors, bytes]:
+        key, mm = ctx.alloc(inv.task, partial_header, spec.partial().data_bytes)
+        tensors = _mapped(ctx, mm, spec)
+        live.append(tensors)
+        return tensors, key
+
+    try:
+        # Recv + Agg
+        while not agg.complete:
+            t0 = time.perf_counter()
+            first = ctx.recv(inv.task)
+            batch: list[Contribution] = []
+            for msg in [first, *ctx.poll(inv.task)]:
+                if msg.kind == KIND_CLOSE:
+                    agg.resize(msg.count)
+                    continue
+                tensors = _mapped(ctx, ctx.open(msg.key), spec)
+                handoff_us.append((now_ns() - msg.sent_ns) / 1e3)
+                live.append(tensors)
+                batch.append(Contribution(tensors, msg.samples, msg.count, msg.partial, msg.key))
+            t1 = time.perf_counter()
+            folded = agg.offer(batch, new_accumulator)
+            t2 = time.perf_counter()
+            recv_s += t1 - t0
+            agg_s += t2 - t1
+            if folded:
+                for c in folded:
+                    c.tensors.release()
+                    live.remove(c.tensors)
+                ctx.call(
+                    "folded", task=inv.task, keys=[c.token.hex() for c in folded],
+                    updates=sum(c.updates for c in folded if not c.partial), seconds=t2 - t1,
+                )
+        result = agg.result()
+
+        # Send
+        t3 = time.perf_counter()
+        sent_ns = now_ns()
+        if inv.parent_task:
+            ctx.call("handoff", task=inv.task, key=result.token.hex())
+            ctx.send(KeyMessage(
+                dest=inv.parent_instance, task=inv.parent_task, key=result.token, samples=result.samples,
+                count=result.updates, partial=result.partial, src=ctx.instance_id, sent_ns=sent_ns,
+            ))
+        else:
+            key = result.token
+            if result.partial:  # a single client update needs no averaging: it is the model
+                key, mm = ctx.alloc(inv.task, model_header, spec.data_bytes)
+                out = _mapped(ctx, mm, spec)
+                live.append(out)
+                average_into(out, result)
+            ctx.call("install", task=inv.task, key=key.hex(), samples=result.samples, updates=result.updates)
+        send_s = time.perf_counter() - t3
+    finally:
+        for tensors in live:
+            tensors.release()
+    return {
+        "role": inv.role,
+        "inputs": agg.received,
+        "samples": result.samples,
+        "handoff_us": handoff_us,
+        "recv_s": recv_s,
+        "agg_s": agg_s,
+        "send_s": send_s,
+    }

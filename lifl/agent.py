@@ -1,0 +1,801 @@
+"""The node agent: owns the node's shared memory, runs its aggregator instances and routes keys.
+
+- The gateway asks it for objects to receive updates into (``admit``), which also reserves
+  a slot of the job's round in Redis and enforces the job's in-flight budget, then hands
+  the sealed update over (``submit``).
+- For each round the agent plans the node's hierarchy (``lifl.planner``): one middle, a top
+  that reuses the middle's instance once the middle is done (§5.3), and leaves created as
+  updates arrive. Tasks go to idle warm instances of the tenant, or to new ones (a cold
+  start is a process spawn); instances idle longer than ``keep_warm`` are stopped.
+- Keys move between aggregators over the key channel; the agent provisions every
+  instance's endpoint before starting it, so keys can wait for a cold-starting instance.
+- Every object reference belongs to a holder (an upload, a task, a job's model, a
+  gateway's read). A holder that disappears is released; if an aggregator dies mid-round,
+  the node's work on that round is dropped and its slots reopen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from lifl import format as fmt
+from lifl.channel import KIND_CLOSE, KeyMessage, UnixKeyChannel, now_ns
+from lifl.errors import BadRequest, Conflict, Internal, LiflError, NotFound, Overloaded
+from lifl.jobs import JobSpec
+from lifl.planner import LEAF, MIDDLE, ROLES, TOP, InstanceView, RoundPlan, expired, pick_warm
+from lifl.rpc import Connection, error_reply
+from lifl.state import (
+    NO_MODEL,
+    RESERVE_FULL,
+    RESERVE_NO_JOB,
+    RESERVE_NO_MODEL,
+    RESERVE_OK,
+    RESERVE_STALE,
+    ClusterState,
+)
+from lifl.store import ObjectStore, SHM_DIR, Tenant, remove_node_objects
+
+DEFAULT_HANDLER = "lifl.functions.aggregator.handler:handle"
+
+
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to signal us when our parent (the node supervisor) dies."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
+def check_traversable(directory: Path) -> None:
+    """Tenant functions run as other users: they must be able to reach the channel sockets."""
+    for d in [directory.resolve(), *directory.resolve().parents]:
+        if not os.stat(d).st_mode & 0o001:
+            raise SystemExit(
+                f"lifl agent: {d} is not searchable by other users, so tenant functions cannot reach "
+                f"{directory}; choose a --run-dir whose parents are world-searchable (e.g. /run/lifl)"
+            )
+
+
+@dataclass
+class AgentConfig:
+    node: str
+    run_dir: Path
+    redis_url: str
+    shm_capacity: int
+    pool_limit: int
+    max_instances: int = 16
+    keep_warm: float = 60.0
+    isolate: bool = field(default_factory=lambda: os.geteuid() == 0)
+    handler: str = DEFAULT_HANDLER
+
+    @property
+    def socket_path(self) -> Path:
+        return self.run_dir / "agent.sock"
+
+    @property
+    def chan_dir(self) -> Path:
+        return self.run_dir / "chan"
+
+
+@dataclass(eq=False)
+class Task:
+    id: int
+    job: str
+    version: int
+    role: str
+    fan_in: int
+    parent: Task | None
+    instance: Instance | None = None
+    running: bool = False
+    pending: list[KeyMessage] = field(default_factory=list)  # keys waiting for an instance
+
+    @property
+    def holder(self) -> tuple[str, int]:
+        return ("task", self.id)
+
+
+@dataclass(eq=False)
+class Instance:
+    id: int
+    tenant: Tenant
+    proc: subprocess.Popen
+    conn: Connection
+    task: Task | None = None
+    next_task: Task | None = None  # planned: the top after this middle (reuse)
+    last_used: float = field(default_factory=time.monotonic)
+    specs_sent: set[str] = field(default_factory=set)
+
+    @property
+    def idle(self) -> bool:
+        return self.task is None and self.next_task is None
+
+
+@dataclass(eq=False)
+class Round:
+    version: int
+    plan: RoundPlan
+    middle: Task
+    top: Task
+    leaves: list[Task] = field(default_factory=list)
+    submitted: int = 0
+    aggregated: int = 0
+    started: float = field(default_factory=time.time)
+
+    @property
+    def tasks(self) -> list[Task]:
+        return [*self.leaves, self.middle, self.top]
+
+
+@dataclass(eq=False)
+class JobRun:
+    spec: JobSpec
+    tenant: Tenant
+    model_spec: fmt.ModelSpec | None = None
+    model_key: bytes | None = None
+    version: int = NO_MODEL
+    inflight: int = 0  # admitted or submitted updates not yet folded
+    round: Round | None = None
+    model_upload: bool = False
+
+
+@dataclass(eq=False)
+class Upload:
+    job: str
+    version: int  # NO_MODEL for an initial-model upload
+    holder: tuple[str, int]
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.steps = Histogram(
+            "lifl_aggregator_step_seconds", "Time per aggregator step (recv waits for keys, agg folds, send hands off)",
+            ["role", "step"], registry=r, buckets=(1e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
+        )
+        self.handoff = Histogram(
+            "lifl_key_handoff_seconds", "Key delivery until the receiver holds a readable view",
+            registry=r, buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 5e-3, 0.05, 1),
+        )
+        self.queue = Gauge("lifl_queue_length", "Updates received but not yet aggregated", ["job"], registry=r)
+        self.instances = Gauge("lifl_aggregator_instances", "Aggregator instances by role (idle: warm, unassigned)", ["role"], registry=r)
+        self.starts = Counter("lifl_aggregator_starts", "Task starts by instance temperature", ["kind"], registry=r)
+        self.rounds = Counter("lifl_node_rounds", "Rounds this node finished, by outcome", ["job", "outcome"], registry=r)
+        self.shm = Gauge("lifl_shm_bytes", "Shared memory held by objects (used) and by the recycling pool", ["state"], registry=r)
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, state: ClusterState) -> None:
+        self.config = config
+        self.state = state
+        self.lock = threading.RLock()
+        self.store = ObjectStore(config.node, config.shm_capacity, config.pool_limit)
+        self.metrics = Metrics()
+        self.jobs: dict[str, JobRun] = {}
+        self.instances: dict[int, Instance] = {}
+        self.tasks: dict[int, Task] = {}
+        self.uploads: dict[bytes, Upload] = {}
+        self.waiting: deque[Task] = deque()
+        self.outbox: deque[tuple[Tenant, KeyMessage]] = deque()
+        self.recent: deque[dict[str, Any]] = deque(maxlen=512)  # finished tasks' statistics
+        self._senders: dict[str, UnixKeyChannel] = {}
+        self._tenants: dict[str, Tenant] = {}
+        self._next_id = 0
+        self._stopping = threading.Event()
+        self._listener: socket.socket | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Clean up what a killed predecessor left, then listen on the agent socket."""
+        stale = remove_node_objects(self.config.node)
+        if stale:
+            print(f"lifl agent: removed {stale} shared-memory objects left by a previous run", file=sys.stderr)
+        self.config.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.config.isolate:
+            check_traversable(self.config.run_dir)
+        self.config.chan_dir.mkdir(exist_ok=True)
+        os.chmod(self.config.run_dir, 0o755)
+        os.chmod(self.config.chan_dir, 0o755)
+        path = self.config.socket_path
+        path.unlink(missing_ok=True)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(path))
+        os.chmod(path, 0o600)
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept_loop, name="agent-accept", daemon=True).start()
+        threading.Thread(target=self._monitor_loop, name="agent-monitor", daemon=True).start()
+
+    def stop(self) -> None:
+        """Clean shutdown: stop every instance and unlink every object."""
+        self._stopping.set()
+        if self._listener:
+            self._listener.close()
+        with self.lock:
+            instances = list(self.instances.values())
+            for inst in instances:
+                inst.conn.close()
+        deadline = time.monotonic() + 3
+        for inst in instances:
+            try:
+                inst.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                inst.proc.kill()
+                inst.proc.wait()
+        with self.lock:
+            self.store.close()
+        remove_node_objects(self.config.node)
+        self.config.socket_path.unlink(missing_ok=True)
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stopping.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            conn_id = self._new_id()
+            threading.Thread(target=self._serve_gateway, args=(Connection(sock), conn_id), daemon=True).start()
+
+    def _new_id(self) -> int:
+        with self.lock:
+            self._next_id += 1
+            return self._next_id
+
+    # -- request dispatch -----------------------------------------------------------------------
+    def _serve(self, conn: Connection, handlers: dict[str, Any], on_close: Any) -> None:
+        try:
+            while True:
+                message, fds = conn.recv()
+                request_id, op = message.pop("id", None), message.pop("op", "")
+                handler = handlers.get(op)
+                reply_fds: list[int] = []
+                try:
+                    if handler is None:
+                        raise BadRequest(f"unknown operation {op!r}")
+                    with self.lock:
+                        result, reply_fds = handler(message, fds)
+                    reply = {"id": request_id, "ok": True, **result}
+                except LiflError as e:
+                    reply = error_reply(request_id, e)
+                except Exception as e:  # report, keep serving: one bad request must not kill the node
+                    traceback.print_exc()
+                    reply = error_reply(request_id, Internal(f"{type(e).__name__}: {e}"))
+                try:
+                    conn.send(reply, reply_fds)
+                finally:
+                    for fd in reply_fds:
+                        os.close(fd)
+        except (EOFError, ConnectionError, OSError):
+            pass
+        finally:
+            with self.lock:
+                on_close()
+
+    def _serve_gateway(self, conn: Connection, conn_id: int) -> None:
+        holder = ("conn", conn_id)
+        handlers = {
+            "hello": lambda m, f: ({"node": self.config.node}, []),
+            "admit": lambda m, f: self.admit(holder, m["job"], int(m["version"]), int(m["size"])),
+            "admit_model": lambda m, f: self.admit_model(holder, m["job"], int(m["size"])),
+            "abort": lambda m, f: self.abort(holder, bytes.fromhex(m["key"]), m.get("reason", "aborted")),
+            "submit": lambda m, f: self.submit(holder, bytes.fromhex(m["key"]), int(m["samples"])),
+            "install_model": lambda m, f: self.install_model(holder, bytes.fromhex(m["key"])),
+            "open_model": lambda m, f: self.open_model(holder, m["job"]),
+            "release": lambda m, f: self.release(holder, bytes.fromhex(m["key"])),
+            "metrics": lambda m, f: ({"text": self.metrics_text()}, []),
+            "status": lambda m, f: (self.status(), []),
+            "recent": lambda m, f: ({"tasks": list(self.recent)}, []),
+        }
+        self._serve(conn, handlers, lambda: self._gateway_gone(holder))
+
+    # -- jobs -----------------------------------------------------------------------------------
+    def tenant(self, name: str) -> Tenant:
+        t = self._tenants.get(name)
+        if t is None:
+            if self.config.isolate:
+                uid = self.state.tenant_id(name)
+                t = Tenant(name, uid, uid)
+            else:
+                t = Tenant(name)
+            directory = self.config.chan_dir / name
+            directory.mkdir(exist_ok=True)
+            os.chmod(directory, 0o750)
+            if t.gid is not None:
+                os.chown(directory, -1, t.gid)
+            self._tenants[name] = t
+            self._senders[name] = UnixKeyChannel.sender(directory)
+        return t
+
+    def job(self, name: str) -> JobRun:
+        run = self.jobs.get(name)
+        if run is None:
+            j = self.state.job(name)
+            run = JobRun(j.spec, self.tenant(j.spec.tenant), j.model_spec, None, j.version)
+            self.jobs[name] = run
+        return run
+
+    def admit(self, holder: tuple[str, int], job: str, version: int, size: int) -> tuple[dict[str, Any], list[int]]:
+        run = self.job(job)
+        status, current = self.state.reserve(job, version)
+        if status == RESERVE_NO_JOB:
+            raise NotFound(f"job {job!r} does not exist", code="no_such_job")
+        if status == RESERVE_NO_MODEL:
+            raise Conflict(f"job {job!r} has no model yet; PUT /v1/jobs/{job}/model first", code="no_model")
+        if status == RESERVE_STALE:
+            raise Conflict(
+                f"update was trained from version {version}, the current version is {current}",
+                code="version_conflict", extra={"version": current},
+            )
+        if status == RESERVE_FULL:
+            raise Conflict(
+                f"round of version {current} already has its {run.spec.goal} updates; pull the next version",
+                code="round_full", extra={"version": current},
+            )
+        assert status == RESERVE_OK
+        try:
+            if run.inflight >= run.spec.inflight_budget:
+                raise Overloaded(f"job {job!r} has {run.inflight} updates in flight, its budget", code="inflight_budget")
+            seg = self.store.create(run.tenant, size, holder)
+        except LiflError:
+            self.state.count(job, version, "reserved", -1)
+            raise
+        run.inflight += 1
+        self.uploads[seg.key] = Upload(job, version, holder)
+        self._publish_gauges(run, job)
+        return {"key": seg.key.hex(), "version": version}, [os.dup(seg.fd)]
+
+    def admit_model(self, holder: tuple[str, int], job: str, size: int) -> tuple[dict[str, Any], list[int]]:
+        run = self.job(job)
+        if self.state.version(job) != NO_MODEL:
+            raise Conflict(f"job {job!r} already has a model", code="model_exists")
+        if run.model_upload:
+            raise Conflict(f"the model of job {job!r} is being uploaded already", code="model_upload_in_progress")
+        if size > run.spec.max_update_bytes:
+            raise BadRequest(f"model of {size} bytes exceeds the job's limit", code="payload_too_large")
+        seg = self.store.create(run.tenant, size, holder)
+        run.model_upload = True
+        self.uploads[seg.key] = Upload(job, NO_MODEL, holder)
+        return {"key": seg.key.hex()}, [os.dup(seg.fd)]
+
+    def abort(self, holder: tuple[str, int], key: bytes, reason: str) -> tuple[dict[str, Any], list[int]]:
+        upload = self._upload(holder, key)
+        self._drop_upload(key, upload, reason)
+        return {}, []
+
+    def _upload(self, holder: tuple[str, int], key: bytes) -> Upload:
+        upload = self.uploads.get(key)
+        if upload is None or upload.holder != holder:
+            raise NotFound(f"no upload {key.hex()} on this connection", code="no_such_upload")
+        return upload
+
+    def _drop_upload(self, key: bytes, upload: Upload, reason: str) -> None:
+        del self.uploads[key]
+        self.store.release(key, upload.holder)
+        run = self.jobs[upload.job]
+        if upload.version == NO_MODEL:
+            run.model_upload = False
+            return
+        run.inflight -= 1
+        self.state.count(upload.job, upload.version, "reserved", -1)
+        self.state.count(upload.job, upload.version, f"rejected.{reason}")
+        self._publish_gauges(run, upload.job)
+
+    def install_model(self, holder: tuple[str, int], key: bytes) -> tuple[dict[str, Any], list[int]]:
+        upload = self._upload(holder, key)
+        if upload.version != NO_MODEL:
+            raise BadRequest("this upload is an update, not a model")
+        run = self.jobs[upload.job]
+        seg = self.store.seal(key)
+        spec = self._read_layout(seg.fd).spec()
+        del self.uploads[key]
+        run.model_upload = False
+        try:
+            self.state.set_initial_model(upload.job, key.hex(), self.config.node, spec)
+        except LiflError:
+            self.store.release(key, holder)
+            raise
+        self.store.move_ref(key, holder, ("model", upload.job))
+        run.model_key, run.model_spec, run.version = key, spec, 0
+        return {"version": 0}, []
+
+    @staticmethod
+    def _read_layout(fd: int) -> fmt.Layout:
+        prefix = os.pread(fd, fmt.PREFIX_BYTES, 0)
+        n = fmt.header_length(prefix)
+        return fmt.parse_header(os.pread(fd, n, fmt.PREFIX_BYTES))
+
+    def open_model(self, holder: tuple[str, int], job: str) -> tuple[dict[str, Any], list[int]]:
+        run = self.job(job)
+        if run.model_key is None:
+            version = self.state.version(job)
+            if version == NO_MODEL:
+                raise Conflict(f"job {job!r} has no model yet", code="no_model")
+            raise NotFound(f"the model of job {job!r} is not on node {self.config.node}", code="model_elsewhere")
+        seg = self.store.add_ref(run.model_key, holder)
+        fd = os.open(SHM_DIR / seg.name[1:], os.O_RDONLY)
+        return {"key": run.model_key.hex(), "version": run.version, "size": seg.size}, [fd]
+
+    def release(self, holder: tuple[str, int], key: bytes) -> tuple[dict[str, Any], list[int]]:
+        self.store.release(key, holder)
+        return {}, []
+
+    def _gateway_gone(self, holder: tuple[str, int]) -> None:
+        for key, upload in list(self.uploads.items()):
+            if upload.holder == holder:
+                self._drop_upload(key, upload, "connection_lost")
+        self.store.release_holder(holder)
+
+    # -- rounds ---------------------------------------------------------------------------------
+    def submit(self, holder: tuple[str, int], key: bytes, samples: int) -> tuple[dict[str, Any], list[int]]:
+        upload = self._upload(holder, key)
+        if upload.version == NO_MODEL:
+            raise BadRequest("this upload is a model, not an update")
+        if samples < 1:
+            raise BadRequest(f"samples must be positive, got {samples}")
+        run = self.jobs[upload.job]
+        self.store.seal(key)
+        del self.uploads[key]
+        self.state.count(upload.job, upload.version, "accepted")
+        rnd = run.round
+        if rnd is None or rnd.version != upload.version:
+            rnd = run.round = self._new_round(upload.job, run, upload.version)
+        index, fan_in = rnd.plan.leaf_of(rnd.submitted)
+        if index == len(rnd.leaves):
+            leaf = self._new_task(upload.job, rnd.version, LEAF, fan_in, rnd.middle)
+            rnd.leaves.append(leaf)
+            self._assign(leaf)
+        leaf = rnd.leaves[index]
+        rnd.submitted += 1
+        self.store.move_ref(key, holder, leaf.holder)
+        self._deliver(leaf, KeyMessage(dest=0, task=leaf.id, key=key, samples=samples, count=1, sent_ns=now_ns()))
+        return {"queued": run.inflight, "round": rnd.version}, []
+
+    def _new_round(self, job: str, run: JobRun, version: int) -> Round:
+        plan = RoundPlan(run.spec.goal, run.spec.leaf_fan_in)
+        top = self._new_task(job, version, TOP, 1, None)
+        middle = self._new_task(job, version, MIDDLE, plan.middle_fan_in, top)
+        rnd = Round(version, plan, middle, top)
+        self._assign(middle)
+        return rnd
+
+    def _new_task(self, job: str, version: int, role: str, fan_in: int, parent: Task | None) -> Task:
+        self._next_id += 1
+        task = Task(self._next_id, job, version, role, fan_in, parent)
+        self.tasks[task.id] = task
+        return task
+
+    def _assign(self, task: Task) -> None:
+        """Start a task on a warm instance, a new one, or queue it until one frees up."""
+        run = self.jobs[task.job]
+        if not self._startable(task):
+            self.waiting.append(task)
+            return
+        views = [InstanceView(i.id, i.tenant.name, i.idle, i.last_used) for i in self.instances.values()]
+        chosen = pick_warm(views, run.tenant.name)
+        if chosen is not None:
+            self.metrics.starts.labels("warm").inc()
+            inst = self.instances[chosen]
+        elif len(self.instances) < self.config.max_instances:
+            self.metrics.starts.labels("cold").inc()
+            inst = self._spawn(run.tenant)
+        else:
+            self.waiting.append(task)
+            return
+        self._start(inst, task)
+
+    @staticmethod
+    def _startable(task: Task) -> bool:
+        """A task can start once its parent has an instance to send its result to (a middle's
+        parent, the top, takes over the middle's own instance)."""
+        return task.parent is None or task.role == MIDDLE or task.parent.instance is not None
+
+    def _start(self, inst: Instance, task: Task) -> None:
+        if task.role == MIDDLE:  # the top reuses the middle's instance once the middle is done (§5.3)
+            assert task.parent is not None
+            inst.next_task, task.parent.instance = task.parent, inst
+        inst.task, task.instance, task.running = task, inst, True
+        parent = task.parent
+        push = {
+            "op": "invoke", "task": task.id, "job": task.job, "version": task.version, "role": task.role,
+            "fan_in": task.fan_in, "parent_instance": parent.instance.id if parent and parent.instance else 0,
+            "parent_task": parent.id if parent else 0,
+        }
+        if task.job not in inst.specs_sent:
+            push["spec"] = self.jobs[task.job].model_spec.to_json()
+            inst.specs_sent.add(task.job)
+        inst.conn.send(push)
+        for msg in task.pending:
+            self._deliver(task, msg)
+        task.pending.clear()
+        self._refresh_instance_gauges()
+
+    def _deliver(self, task: Task, msg: KeyMessage) -> None:
+        if task.instance is None:
+            task.pending.append(msg)
+            return
+        msg = KeyMessage(**{**msg.__dict__, "dest": task.instance.id})
+        tenant = task.instance.tenant
+        if self.outbox or not self._senders[tenant.name].try_send(msg):
+            self.outbox.append((tenant, msg))  # the instance's queue is full; the monitor retries
+
+    # -- instances --------------------------------------------------------------------------------
+    def _spawn(self, tenant: Tenant) -> Instance:
+        self._next_id += 1
+        iid = self._next_id
+        chan = UnixKeyChannel.provision(self.config.chan_dir / tenant.name, iid, tenant.gid)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        cmd = [
+            sys.executable, "-m", "lifl.runtime", "--instance", str(iid), "--tenant", tenant.name,
+            "--node", self.config.node, "--chan-dir", str(self.config.chan_dir / tenant.name),
+            "--control-fd", str(theirs.fileno()), "--channel-fd", str(chan.fileno()), "--handler", self.config.handler,
+        ]
+        if tenant.uid is not None:
+            cmd += ["--user", str(tenant.uid)]
+        env = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "LANG", "LC_ALL")}
+        env["HOME"] = "/"
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), chan.fileno()), cwd="/", env=env)
+        theirs.close()
+        chan.close()
+        inst = Instance(iid, tenant, proc, Connection(ours))
+        self.instances[iid] = inst
+        threading.Thread(target=self._serve_instance, args=(inst,), name=f"instance-{iid}", daemon=True).start()
+        return inst
+
+    def _serve_instance(self, inst: Instance) -> None:
+        handlers = {
+            "alloc": lambda m, f: self.alloc(inst, self._task_of(inst, m), int(m["size"])),
+            "folded": lambda m, f: self.folded(self._task_of(inst, m), m["keys"], int(m["updates"])),
+            "handoff": lambda m, f: self.handoff(self._task_of(inst, m), bytes.fromhex(m["key"])),
+            "install": lambda m, f: self.install(self._task_of(inst, m), bytes.fromhex(m["key"]), int(m["samples"]), int(m["updates"])),
+            "done": lambda m, f: self.done(inst, int(m["task"]), m.get("stats") or {}),
+            "failed": lambda m, f: self.failed(inst, int(m["task"]), m.get("error", "")),
+        }
+        self._serve(inst.conn, handlers, lambda: self._instance_gone(inst, "its process exited"))
+
+    def _task_of(self, inst: Instance, message: dict[str, Any]) -> Task:
+        task = self.tasks.get(int(message.get("task", 0)))
+        if task is None or task.instance is not inst or not task.running:
+            raise NotFound(f"task {message.get('task')} is not running on instance {inst.id}", code="no_such_task")
+        return task
+
+    def alloc(self, inst: Instance, task: Task, size: int) -> tuple[dict[str, Any], list[int]]:
+        seg = self.store.create(inst.tenant, size, task.holder)
+        return {"key": seg.key.hex()}, [os.dup(seg.fd)]
+
+    def folded(self, task: Task, keys: list[str], updates: int) -> tuple[dict[str, Any], list[int]]:
+        for key in keys:
+            self.store.release(bytes.fromhex(key), task.holder)
+        run = self.jobs[task.job]
+        run.inflight -= updates
+        if run.round is not None and run.round.version == task.version:
+            run.round.aggregated += updates
+        self.state.count(task.job, task.version, "aggregated", updates)
+        self._publish_gauges(run, task.job)
+        return {}, []
+
+    def handoff(self, task: Task, key: bytes) -> tuple[dict[str, Any], list[int]]:
+        if task.parent is None:
+            raise BadRequest("the top of the hierarchy installs its result, it has no parent")
+        seg = self.store.get(key)
+        if not seg.sealed:
+            self.store.seal(key)
+        self.store.move_ref(key, task.holder, task.parent.holder)
+        return {}, []
+
+    def install(self, task: Task, key: bytes, samples: int, updates: int) -> tuple[dict[str, Any], list[int]]:
+        run = self.jobs[task.job]
+        rnd = run.round
+        if task.role != TOP or rnd is None or rnd.top is not task:
+            raise BadRequest(f"task {task.id} is not the top of a running round")
+        if not self.store.get(key).sealed:
+            self.store.seal(key)
+        summary = {
+            "version": task.version + 1, "updates": updates, "samples": samples,
+            "seconds": round(time.time() - rnd.started, 6), "outcome": "complete",
+        }
+        if not self.state.install(task.job, task.version, key.hex(), self.config.node, summary):
+            raise Conflict(f"job {task.job!r} moved past version {task.version} meanwhile", code="version_conflict")
+        run.inflight -= rnd.submitted - rnd.aggregated  # updates forwarded whole, never folded
+        self.store.move_ref(key, task.holder, ("model", task.job))
+        if run.model_key is not None:
+            self.store.release(run.model_key, ("model", task.job))
+        run.model_key, run.version, run.round = key, task.version + 1, None
+        self.metrics.rounds.labels(task.job, "complete").inc()
+        self._publish_gauges(run, task.job)
+        return {"version": run.version}, []
+
+    def done(self, inst: Instance, task_id: int, stats: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """The instance finished a task (or acknowledged its cancellation) and is free again."""
+        task = self.tasks.get(task_id)
+        if task is not None and task.instance is inst:
+            self._finish(task)
+        if task is not None and not stats.get("cancelled"):
+            role = stats.get("role", task.role)
+            for step in ("recv", "agg", "send"):
+                if f"{step}_s" in stats:
+                    self.metrics.steps.labels(role, step).observe(stats[f"{step}_s"])
+            for us in stats.get("handoff_us", []):
+                self.metrics.handoff.observe(us / 1e6)
+            self.recent.append({"task": task.id, "job": task.job, "instance": inst.id, **stats})
+        inst.task = None
+        inst.last_used = time.monotonic()
+        self._next_for(inst)
+        return {}, []
+
+    def failed(self, inst: Instance, task_id: int, error: str) -> tuple[dict[str, Any], list[int]]:
+        task = self.tasks.get(task_id)
+        inst.task = None
+        if task is not None:
+            print(f"lifl agent: task {task.id} ({task.role} of {task.job}) failed: {error}", file=sys.stderr)
+            self._abandon_round(task.job, task.version, f"{task.role} failed: {error}")
+        self._next_for(inst)
+        return {}, []
+
+    def _finish(self, task: Task) -> None:
+        task.running = False
+        self.store.release_holder(task.holder)
+        self.tasks.pop(task.id, None)
+
+    def _next_for(self, inst: Instance) -> None:
+        """Give a freed instance its planned next task, or the oldest waiting one of its tenant."""
+        if inst.next_task is not None:
+            task, inst.next_task = inst.next_task, None
+            self._start(inst, task)
+            return
+        for task in list(self.waiting):
+            if self.jobs[task.job].tenant == inst.tenant and self._startable(task):
+                self.waiting.remove(task)
+                self.metrics.starts.labels("warm").inc()
+                self._start(inst, task)
+                if task.role == MIDDLE:  # its leaves can start now
+                    for leaf in [t for t in self.waiting if t.parent is task]:
+                        self.waiting.remove(leaf)
+                        self._assign(leaf)
+                return
+        self._refresh_instance_gauges()
+
+    def _instance_gone(self, inst: Instance, why: str) -> None:
+        if self.instances.pop(inst.id, None) is None:
+            return
+        inst.conn.close()
+        UnixKeyChannel.retire(self.config.chan_dir / inst.tenant.name, inst.id)
+        for task in (inst.task, inst.next_task):
+            if task is not None and not self._stopping.is_set():
+                self._abandon_round(task.job, task.version, f"aggregator instance {inst.id} died ({why})")
+        self._refresh_instance_gauges()
+
+    def _abandon_round(self, job: str, version: int, reason: str) -> None:
+        """Drop the node's work on a round: release its objects, cancel its tasks, reopen its slots."""
+        run = self.jobs.get(job)
+        rnd = run.round if run else None
+        if run is None or rnd is None or rnd.version != version:
+            return
+        print(f"lifl agent: abandoning round {version} of {job}: {reason}", file=sys.stderr)
+        run.round = None
+        for task in rnd.tasks:
+            self.store.release_holder(task.holder)
+            if task in self.waiting:
+                self.waiting.remove(task)
+            inst = task.instance
+            if inst is not None and inst.id in self.instances:
+                if inst.next_task is task:
+                    inst.next_task = None
+                if inst.task is task:
+                    inst.conn.send({"op": "cancel", "task": task.id, "reason": reason})
+            self.tasks.pop(task.id, None)
+        lost = rnd.submitted
+        run.inflight -= lost - rnd.aggregated
+        for name, delta in (("reserved", -lost), ("accepted", -lost), ("aggregated", -rnd.aggregated), ("lost", lost)):
+            self.state.count(job, version, name, delta)
+        self.metrics.rounds.labels(job, "abandoned").inc()
+        self._publish_gauges(run, job)
+
+    # -- monitoring -------------------------------------------------------------------------------
+    def _monitor_loop(self) -> None:
+        last_publish = 0.0
+        while not self._stopping.wait(0.005 if self.outbox else 0.1):
+            with self.lock:
+                self._flush_outbox()
+                for inst in list(self.instances.values()):
+                    if inst.proc.poll() is not None:
+                        self._instance_gone(inst, f"exit status {inst.proc.returncode}")
+                views = [InstanceView(i.id, i.tenant.name, i.idle, i.last_used) for i in self.instances.values()]
+                for iid in expired(views, time.monotonic(), self.config.keep_warm):
+                    self.instances[iid].conn.close()  # it exits on EOF; the reader thread cleans up
+                if time.monotonic() - last_publish >= 1.0:
+                    last_publish = time.monotonic()
+                    self.store.trim_pool(idle_seconds=max(self.config.keep_warm, 30.0))
+                    try:
+                        self.state.publish_node(self.config.node, self.status())
+                    except Exception as e:  # Redis restarting: the next tick retries
+                        print(f"lifl agent: cannot publish status: {e}", file=sys.stderr)
+
+    def _flush_outbox(self) -> None:
+        while self.outbox:
+            tenant, msg = self.outbox[0]
+            if not self._senders[tenant.name].try_send(msg):
+                return
+            self.outbox.popleft()
+
+    def _publish_gauges(self, run: JobRun, job: str) -> None:
+        self.metrics.queue.labels(job).set(run.inflight)
+        self.metrics.shm.labels("used").set(self.store.used_bytes)
+        self.metrics.shm.labels("pooled").set(self.store.pooled_bytes)
+
+    def _refresh_instance_gauges(self) -> None:
+        counts = dict.fromkeys((*ROLES, "idle"), 0)
+        for inst in self.instances.values():
+            counts[inst.task.role if inst.task else ("idle" if inst.idle else TOP)] += 1
+        for role, n in counts.items():
+            self.metrics.instances.labels(role).set(n)
+
+    def status(self) -> dict[str, Any]:
+        jobs: dict[str, dict[str, int]] = {}
+        for name, run in self.jobs.items():
+            jobs[name] = {**dict.fromkeys(ROLES, 0), "queued": run.inflight}
+        for inst in self.instances.values():
+            for task in (inst.task, inst.next_task):
+                if task is not None:
+                    jobs.setdefault(task.job, {**dict.fromkeys(ROLES, 0), "queued": 0})[task.role] += 1
+        return {
+            "node": self.config.node,
+            "time": time.time(),
+            "instances": {"total": len(self.instances), "idle": sum(i.idle for i in self.instances.values())},
+            "jobs": jobs,
+            "shm": {
+                "used": self.store.used_bytes, "pooled": self.store.pooled_bytes, "capacity": self.store.capacity,
+                "objects": self.store.object_count(), "created": self.store.created, "recycled": self.store.recycled,
+            },
+        }
+
+    def metrics_text(self) -> str:
+        self._publish_gauges_all()
+        return generate_latest(self.metrics.registry).decode()
+
+    def _publish_gauges_all(self) -> None:
+        for name, run in self.jobs.items():
+            self._publish_gauges(run, name)
+        self._refresh_instance_gauges()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="lifl-agent", description="lifl node agent (started by `lifl up`)")
+    p.add_argument("--node", required=True)
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--redis", required=True)
+    p.add_argument("--shm-capacity", type=int, required=True)
+    p.add_argument("--pool-limit", type=int, required=True)
+    p.add_argument("--max-instances", type=int, default=16)
+    p.add_argument("--keep-warm", type=float, default=60.0)
+    args = p.parse_args(argv)
+    set_parent_death_signal()
+    config = AgentConfig(
+        args.node, args.run_dir, args.redis, args.shm_capacity, args.pool_limit, args.max_instances, args.keep_warm,
+    )
+    agent = Agent(config, ClusterState(args.redis))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    agent.start()
+    print("ready", flush=True)
+    stop.wait()
+    agent.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Errors that cross a boundary: each carries its HTTP status, gRPC status and a stable code.
+
+Every error body on the HTTP API is ``{"error": {"code": ..., "message": ...}}``; the gRPC
+API sends the same code in the ``lifl-error-code`` trailer and the message as grpc-message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class LiflError(Exception):
+    """Base error; subclasses fix the HTTP/gRPC status, callers pick a precise ``code``."""
+
+    status = 400
+    grpc_status = "INVALID_ARGUMENT"
+    default_code = "bad_request"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        retry_after: float | None = None,
+        extra: dict[str, Any] | None = None,
+        grpc_status: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code or self.default_code
+        self.retry_after = retry_after
+        self.extra = extra or {}
+        if grpc_status is not None:
+            self.grpc_status = grpc_status
+
+    def body(self) -> dict[str, Any]:
+        error: dict[str, Any] = {"code": self.code, "message": self.message}
+        error.update(self.extra)
+        return {"error": error}
+
+
+class BadRequest(LiflError):
+    """Malformed input: bad syntax, truncated or inconsistent bytes (HTTP 400)."""
+
+
+class NotFound(LiflError):
+    status = 404
+    grpc_status = "NOT_FOUND"
+    default_code = "not_found"
+
+
+class Conflict(LiflError):
+    """The request is well formed but conflicts with current state (HTTP 409)."""
+
+    status = 409
+    grpc_status = "ABORTED"
+    default_code = "conflict"
+
+
+class PayloadTooLarge(LiflError):
+    status = 413
+    grpc_status = "INVALID_ARGUMENT"
+    default_code = "payload_too_large"
+
+
+class Unprocessable(LiflError):
+    """Well-formed bytes whose content is not acceptable: wrong tensors, NaN/Inf (HTTP 422)."""
+
+    status = 422
+    grpc_status = "INVALID_ARGUMENT"
+    default_code = "invalid_update"
+
+
+class Overloaded(LiflError):
+    """Back-pressure: shared memory or an in-flight budget is exhausted; retry later (HTTP 503)."""
+
+    status = 503
+    grpc_status = "RESOURCE_EXHAUSTED"
+    default_code = "overloaded"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
+        super().__init__(message, code=code, retry_after=retry_after)
+
+
+class Internal(LiflError):
+    status = 500
+    grpc_status = "INTERNAL"
+    default_code = "internal"

@@ -1,0 +1,97 @@
+"""Streaming FedAvg: the Agg step of an aggregator, without I/O.
+
+The result is sum(c_k * w_k) / sum(c_k) over whatever arrived, in any order. The running sum
+is kept in accumulator dtypes (float64, int128): float32 sums lose the answer whenever
+updates cancel, and dividing only at the end avoids the bias of running-mean updates.
+
+Folding policy, chosen for memory traffic (every fold is one fused pass over memory):
+- a lone first input is *held*, not copied: scaling one update into an accumulator is a
+  copy, not aggregation. When a second input arrives both are combined in one pass into a
+  fresh accumulator, which costs no more traffic per update than a memcpy.
+- every later batch is folded as soon as it is offered (eager), all queued inputs together.
+- an aggregator with one input forwards it untouched: a leaf that receives a single update
+  passes its key on, and a top with a single client update installs it as the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lifl.kernels import Tensors, finalize, fold
+
+
+@dataclass
+class Contribution:
+    """One input or output of an aggregator: a client update or a partial sum."""
+
+    tensors: Tensors
+    samples: int  # sum of the clients' sample counts it stands for
+    updates: int  # number of client updates it stands for
+    partial: bool  # True: tensors hold sum(c*w) in accumulator dtypes; False: a client's w
+    token: Any = None  # the caller's handle (object key, mapping) for releasing it
+
+    @property
+    def weight(self) -> int:
+        return 1 if self.partial else self.samples
+
+
+class StreamingFedAvg:
+    def __init__(self, fan_in: int) -> None:
+        if fan_in < 1:
+            raise ValueError(f"fan-in must be at least 1, got {fan_in}")
+        self.fan_in = fan_in
+        self.received = 0
+        self._held: Contribution | None = None
+        self._acc: Contribution | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.received >= self.fan_in
+
+    def resize(self, fan_in: int) -> None:
+        """Change how many inputs will arrive in all (a deadline or a lost input lowered it)."""
+        if fan_in < self.received:
+            raise ValueError(f"cannot lower the fan-in to {fan_in}: {self.received} inputs arrived already")
+        self.fan_in = fan_in
+
+    def offer(self, batch: Sequence[Contribution], new_accumulator: Callable[[], tuple[Tensors, Any]]) -> list[Contribution]:
+        """Fold a batch of arrived inputs; returns those now folded in, which the caller may release."""
+        if not batch:
+            return []
+        if self.received + len(batch) > self.fan_in:
+            raise ValueError(f"received {self.received + len(batch)} inputs for a fan-in of {self.fan_in}")
+        self.received += len(batch)
+        if self._acc is None:
+            pending = ([self._held] if self._held else []) + list(batch)
+            if len(pending) == 1:  # hold it: a second input or completion (forward) comes next
+                self._held = pending[0]
+                return []
+            self._held = None
+            tensors, token = new_accumulator()
+            fold(tensors, [(c.tensors, c.weight) for c in pending], init=True)
+            self._acc = Contribution(tensors, 0, 0, True, token)
+            folded = pending
+        else:
+            fold(self._acc.tensors, [(c.tensors, c.weight) for c in batch], init=False)
+            folded = list(batch)
+        self._acc.samples += sum(c.samples for c in folded)
+        self._acc.updates += sum(c.updates for c in folded)
+        return folded
+
+    def result(self) -> Contribution:
+        """The sum once complete: the accumulator, or the single input itself."""
+        if not self.complete:
+            raise RuntimeError(f"aggregation has {self.received} of {self.fan_in} inputs")
+        result = self._acc or self._held
+        if result is None:
+            raise RuntimeError("aggregation closed with no inputs")
+        return result
+
+
+def average_into(out: Tensors, total: Contribution) -> None:
+    """Write the FedAvg result of a partial sum into ``out`` (model dtypes)."""
+    if not total.partial:
+        raise ValueError("a single client update is already its own average")
+    finalize(out, total.tensors, total.samples)

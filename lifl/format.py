@@ -1,0 +1,322 @@
+"""The update format: safetensors layout, identical on the wire, in shared memory and on disk.
+
+A blob is an 8-byte little-endian header length N, a JSON header of N bytes, then raw
+little-endian tensor bytes. Readers map tensors in place (``views``); nothing is copied.
+
+Validation is split so that a streaming receiver can reject early: ``header_length`` and
+``parse_header`` need only the first 8 + N bytes; ``check_matches`` compares against the
+job's model; the tensor bytes are checked for finiteness as they arrive (``lifl.kernels``).
+
+Aggregators keep their running sums in *partial* objects: the same layout with accumulator
+dtypes (F64 for float tensors, I128 for integer ones), which never come from outside.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lifl.errors import BadRequest, PayloadTooLarge, Unprocessable
+
+PREFIX_BYTES = 8
+MAX_HEADER_BYTES = 16 << 20
+MAX_RANK = 32
+MAX_NAME_BYTES = 1024
+DATA_ALIGN = 64  # headers are space-padded so tensor data starts on a cache line
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str
+    code: int  # shared with kernels.c
+    itemsize: int
+    kind: str  # "f" float, "i" integer
+    storage: np.dtype  # numpy dtype of the raw bytes (BF16 is stored as uint16)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+F16 = DType("F16", 1, 2, "f", np.dtype("<f2"))
+BF16 = DType("BF16", 2, 2, "f", np.dtype("<u2"))
+F32 = DType("F32", 3, 4, "f", np.dtype("<f4"))
+F64 = DType("F64", 4, 8, "f", np.dtype("<f8"))
+I32 = DType("I32", 5, 4, "i", np.dtype("<i4"))
+I64 = DType("I64", 6, 8, "i", np.dtype("<i8"))
+I128 = DType("I128", 7, 16, "i", np.dtype("V16"))  # partial sums of integer tensors only
+
+WIRE_DTYPES: dict[str, DType] = {d.name: d for d in (F16, BF16, F32, F64, I32, I64)}
+_PARTIAL_DTYPES: dict[str, DType] = {**WIRE_DTYPES, I128.name: I128}
+_NUMPY_TO_DTYPE = {F16.storage: F16, F32.storage: F32, F64.storage: F64, I32.storage: I32, I64.storage: I64}
+
+
+def accumulator_dtype(dtype: DType) -> DType:
+    """The dtype in which an aggregator sums tensors of ``dtype`` exactly enough."""
+    return F64 if dtype.kind == "f" else I128
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Tensor names, dtypes and shapes of a job's model, in the order of the initial model."""
+
+    tensors: tuple[TensorSpec, ...]
+    _by_name: dict[str, TensorSpec] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {t.name: t for t in self.tensors})
+
+    def __getitem__(self, name: str) -> TensorSpec:
+        return self._by_name[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def partial(self) -> ModelSpec:
+        return ModelSpec(tuple(TensorSpec(t.name, accumulator_dtype(t.dtype), t.shape) for t in self.tensors))
+
+    def to_json(self) -> list[list[Any]]:
+        return [[t.name, t.dtype.name, list(t.shape)] for t in self.tensors]
+
+    @classmethod
+    def from_json(cls, obj: list[list[Any]]) -> ModelSpec:
+        return cls(tuple(TensorSpec(n, _PARTIAL_DTYPES[d], tuple(s)) for n, d, s in obj))
+
+
+@dataclass(frozen=True)
+class Entry:
+    spec: TensorSpec
+    begin: int  # relative to the start of the data section
+    end: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where every tensor of one blob lies; ``entries`` are in data order."""
+
+    header_len: int
+    entries: tuple[Entry, ...]
+    metadata: dict[str, str]
+
+    @property
+    def data_start(self) -> int:
+        return PREFIX_BYTES + self.header_len
+
+    @property
+    def data_len(self) -> int:
+        return self.entries[-1].end if self.entries else 0
+
+    @property
+    def total_size(self) -> int:
+        return self.data_start + self.data_len
+
+    def spec(self) -> ModelSpec:
+        return ModelSpec(tuple(e.spec for e in self.entries))
+
+
+def header_length(prefix: bytes | bytearray | memoryview, limit: int | None = None) -> int:
+    """Decode and bound-check the 8-byte header length."""
+    if len(prefix) < PREFIX_BYTES:
+        raise BadRequest(f"blob is {len(prefix)} bytes, shorter than its 8-byte header length", code="truncated")
+    (n,) = struct.unpack_from("<Q", prefix, 0)
+    if n < 2:
+        raise BadRequest(f"header length {n} is too small for a JSON object", code="bad_header")
+    if n > MAX_HEADER_BYTES:
+        raise PayloadTooLarge(f"header length {n} exceeds the maximum of {MAX_HEADER_BYTES} bytes", code="header_too_large")
+    if limit is not None and PREFIX_BYTES + n > limit:
+        raise PayloadTooLarge(f"header of {n} bytes alone exceeds the size limit of {limit} bytes")
+    return n
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise BadRequest(f"header names {k!r} twice", code="bad_header")
+        out[k] = v
+    return out
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def parse_header(header: bytes | bytearray | memoryview, *, allow_partial: bool = False, limit: int | None = None) -> Layout:
+    """Parse and structurally validate a JSON header (without the 8-byte prefix)."""
+    n = len(header)
+    try:
+        text = bytes(header).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"header is not UTF-8 ({e.reason} at byte {e.start})", code="bad_header") from None
+    if not text.startswith("{"):
+        raise BadRequest("header must be a JSON object starting with '{'", code="bad_header")
+    try:
+        obj = json.loads(text.rstrip(" "), object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"header is not valid JSON: {e.msg} at position {e.pos}", code="bad_header") from None
+    if not isinstance(obj, dict):
+        raise BadRequest("header must be a JSON object", code="bad_header")
+    dtypes = _PARTIAL_DTYPES if allow_partial else WIRE_DTYPES
+    metadata = obj.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise BadRequest("__metadata__ must map strings to strings", code="bad_header")
+    entries = []
+    for name, info in obj.items():
+        if not name or len(name.encode()) > MAX_NAME_BYTES:
+            raise BadRequest(f"tensor name {name[:64]!r} must be 1..{MAX_NAME_BYTES} bytes", code="bad_tensor")
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise BadRequest(f"tensor {name!r} must have exactly dtype, shape and data_offsets", code="bad_tensor")
+        dname, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not isinstance(dname, str) or dname not in dtypes:
+            raise Unprocessable(
+                f"tensor {name!r} has unsupported dtype {dname!r}; supported: {', '.join(WIRE_DTYPES)}",
+                code="unsupported_dtype",
+            )
+        if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(_is_int(d) and d >= 0 for d in shape):
+            raise BadRequest(f"tensor {name!r} shape must be a list of at most {MAX_RANK} non-negative integers", code="bad_tensor")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+            raise BadRequest(f"tensor {name!r} data_offsets must be [begin, end] integers", code="bad_offsets")
+        begin, end = offsets
+        spec = TensorSpec(name, dtypes[dname], tuple(shape))
+        if begin < 0 or end < begin:
+            raise BadRequest(f"tensor {name!r} data_offsets [{begin}, {end}] are out of order or negative", code="bad_offsets")
+        if end - begin != spec.nbytes:
+            raise BadRequest(
+                f"tensor {name!r} spans {end - begin} bytes but {dname}{list(shape)} needs {spec.nbytes}",
+                code="bad_offsets",
+            )
+        entries.append(Entry(spec, begin, end))
+    entries.sort(key=lambda e: (e.begin, e.end))
+    cursor = 0
+    for e in entries:
+        if e.begin < cursor:
+            raise BadRequest(f"tensor {e.spec.name!r} at [{e.begin}, {e.end}] overlaps the previous tensor", code="overlapping_offsets")
+        if e.begin > cursor:
+            raise BadRequest(f"tensor {e.spec.name!r} starts at {e.begin}, leaving a gap after byte {cursor}", code="bad_offsets")
+        cursor = e.end
+    layout = Layout(n, tuple(entries), metadata)
+    if limit is not None and layout.total_size > limit:
+        raise PayloadTooLarge(f"blob declares {layout.total_size} bytes, over the limit of {limit} bytes")
+    return layout
+
+
+def check_matches(layout: Layout, spec: ModelSpec) -> None:
+    """The blob's tensors must be exactly the model's: same names, dtypes and shapes."""
+    have = {e.spec.name: e.spec for e in layout.entries}
+    for t in spec.tensors:
+        got = have.get(t.name)
+        if got is None:
+            raise Unprocessable(f"tensor {t.name!r} of the model is missing", code="missing_tensor")
+        if got.dtype != t.dtype:
+            raise Unprocessable(f"tensor {t.name!r} is {got.dtype.name}, the model's is {t.dtype.name}", code="dtype_mismatch")
+        if got.shape != t.shape:
+            raise Unprocessable(f"tensor {t.name!r} has shape {list(got.shape)}, the model's is {list(t.shape)}", code="shape_mismatch")
+    for name in have:
+        if name not in spec:
+            raise Unprocessable(f"tensor {name!r} is not part of the model", code="unexpected_tensor")
+
+
+def parse_layout(blob: bytes | bytearray | memoryview, *, allow_partial: bool = False, limit: int | None = None) -> Layout:
+    """Parse the header of a complete blob and check that its length is exactly the declared one."""
+    n = header_length(blob, limit)
+    if len(blob) < PREFIX_BYTES + n:
+        raise BadRequest(f"blob of {len(blob)} bytes ends inside its {n}-byte header", code="truncated")
+    layout = parse_header(memoryview(blob)[PREFIX_BYTES : PREFIX_BYTES + n], allow_partial=allow_partial, limit=limit)
+    if len(blob) < layout.total_size:
+        raise BadRequest(f"blob has {len(blob)} bytes but its header declares {layout.total_size}", code="truncated")
+    if len(blob) > layout.total_size:
+        raise BadRequest(f"blob has {len(blob) - layout.total_size} bytes after the last tensor", code="trailing_bytes")
+    return layout
+
+
+def validate(blob: bytes | bytearray | memoryview, spec: ModelSpec | None = None, *, limit: int | None = None) -> Layout:
+    """Full validation of a complete blob: structure, model match and finite floats."""
+    from lifl.kernels import FiniteChecker  # the kernels import this module
+
+    layout = parse_layout(blob, limit=limit)
+    if spec is not None:
+        check_matches(layout, spec)
+    FiniteChecker(layout).check(blob, layout.total_size)
+    return layout
+
+
+def encode_header(entries: list[tuple[str, DType, tuple[int, ...]]], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Prefix + space-padded JSON header for tensors laid out contiguously in the given order."""
+    obj: dict[str, Any] = {}
+    if metadata:
+        obj["__metadata__"] = dict(metadata)
+    offset = 0
+    for name, dtype, shape in entries:
+        nbytes = TensorSpec(name, dtype, shape).nbytes
+        obj[name] = {"dtype": dtype.name, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(obj, separators=(",", ":")).encode()
+    padded = len(text) + (-(PREFIX_BYTES + len(text)) % DATA_ALIGN)
+    return struct.pack("<Q", padded) + text.ljust(padded, b" ")
+
+
+def spec_header(spec: ModelSpec, metadata: Mapping[str, str] | None = None) -> bytes:
+    return encode_header([(t.name, t.dtype, t.shape) for t in spec.tensors], metadata)
+
+
+def _dtype_of(name: str, array: np.ndarray, dtypes: Mapping[str, str] | None) -> DType:
+    if dtypes and name in dtypes:
+        dtype = WIRE_DTYPES[dtypes[name]]
+        if array.dtype.itemsize != dtype.itemsize:
+            raise ValueError(f"{name}: {array.dtype} cannot hold {dtype.name}")
+        return dtype
+    try:
+        return _NUMPY_TO_DTYPE[array.dtype.newbyteorder("<")]
+    except KeyError:
+        raise ValueError(f"{name}: numpy dtype {array.dtype} has no update-format dtype") from None
+
+
+def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None, *, dtypes: Mapping[str, str] | None = None) -> bytes:
+    """Serialize arrays (in mapping order) into one blob. ``dtypes`` marks uint16 arrays as BF16."""
+    parts = []
+    entries = []
+    for name, array in tensors.items():
+        a = np.asarray(array)
+        dtype = _dtype_of(name, a, dtypes)
+        entries.append((name, dtype, tuple(a.shape)))
+        parts.append(np.ascontiguousarray(a, dtype=dtype.storage if dtype is not BF16 else "<u2"))
+    out = bytearray(encode_header(entries, metadata))
+    for a in parts:
+        out += a.tobytes()
+    return bytes(out)
+
+
+def views(buffer: Any, layout: Layout) -> dict[str, np.ndarray]:
+    """Zero-copy numpy views of every tensor (BF16 as uint16, I128 as 16-byte voids)."""
+    out = {}
+    for e in layout.entries:
+        out[e.spec.name] = np.frombuffer(
+            buffer, dtype=e.spec.dtype.storage, count=e.spec.numel, offset=layout.data_start + e.begin
+        ).reshape(e.spec.shape)
+    return out

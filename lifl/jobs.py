@@ -1,0 +1,67 @@
+"""Job specifications: what ``POST /v1/jobs`` accepts, validated field by field."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from lifl.errors import BadRequest
+
+JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,30}$")
+DEFAULT_MAX_UPDATE_BYTES = 4 << 30
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    job: str
+    goal: int  # client updates aggregated per round (the aggregation goal n)
+    tenant: str = "default"
+    leaf_fan_in: int = 2  # updates per leaf aggregator (the paper's I)
+    max_update_bytes: int = DEFAULT_MAX_UPDATE_BYTES
+    max_inflight: int = 0  # updates received but not yet aggregated; 0 means the goal
+
+    @property
+    def inflight_budget(self) -> int:
+        return self.max_inflight or self.goal
+
+    @classmethod
+    def from_request(cls, body: Any) -> JobSpec:
+        if not isinstance(body, dict):
+            raise BadRequest("job must be a JSON object", code="bad_job")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise BadRequest(f"unknown job field(s): {', '.join(unknown)}", code="bad_job")
+        for required in ("job", "goal"):
+            if required not in body:
+                raise BadRequest(f"job field {required!r} is required", code="bad_job")
+        name, tenant = body["job"], body.get("tenant", "default")
+        if not isinstance(name, str) or not JOB_NAME.match(name):
+            raise BadRequest("job name must be 1-63 characters of a-z, 0-9, '.', '_', '-', starting with a letter or digit", code="bad_job")
+        if not isinstance(tenant, str) or not TENANT_NAME.match(tenant):
+            raise BadRequest("tenant must be 1-31 characters of a-z, 0-9 and '-', starting with a letter or digit", code="bad_job")
+        ints = {
+            "goal": (1, 1_000_000),
+            "leaf_fan_in": (1, 1024),
+            "max_update_bytes": (64, 1 << 40),
+            "max_inflight": (0, 1_000_000),
+        }
+        values: dict[str, int] = {}
+        for key, (low, high) in ints.items():
+            if key not in body:
+                continue
+            v = body[key]
+            if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
+                raise BadRequest(f"job field {key!r} must be an integer in [{low}, {high}]", code="bad_job")
+            values[key] = v
+        return cls(job=name, tenant=tenant, **values)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        return cls(**json.loads(text))

@@ -1,0 +1,122 @@
+"""Thin wrappers around the C kernels (lifl/kernels.c). The GIL is released inside every call."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from lifl._kernels import ffi, lib
+from lifl.errors import Internal, Unprocessable
+from lifl.format import BF16, Layout, ModelSpec
+
+
+def _ptr(ctype: str, array: np.ndarray) -> Any:
+    return ffi.cast(ctype, array.ctypes.data)
+
+
+def address(buffer: Any) -> tuple[int, Any]:
+    """Base address of a (read-only or writable) buffer, and the handle that keeps it exported."""
+    handle = ffi.from_buffer(buffer)
+    return int(ffi.cast("uintptr_t", handle)), handle
+
+
+class FiniteChecker:
+    """Checks float tensors for NaN/Inf incrementally, as bytes of a blob arrive.
+
+    ``check(buffer, upto)`` examines everything between the previous call and ``upto`` while
+    those bytes are still hot in cache, so validation adds no extra pass over memory.
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        self._layout = layout
+        start = layout.data_start
+        self._begin = np.array([start + e.begin for e in layout.entries], np.int64)
+        self._end = np.array([start + e.end for e in layout.entries], np.int64)
+        self._dtype = np.array([e.spec.dtype.code for e in layout.entries], np.int32)
+        self._bad_tensor = ffi.new("int32_t *")
+        self._bad_elem = ffi.new("int64_t *")
+        self.cursor = start
+
+    def check(self, buffer: Any, upto: int) -> None:
+        if upto <= self.cursor or not len(self._begin):
+            return
+        handle = ffi.from_buffer(buffer)
+        cursor = lib.lifl_check_finite_range(
+            handle, len(self._begin), _ptr("int64_t *", self._begin), _ptr("int64_t *", self._end),
+            _ptr("int32_t *", self._dtype), self.cursor, upto, self._bad_tensor, self._bad_elem,
+        )
+        if cursor < 0:
+            entry = self._layout.entries[self._bad_tensor[0]]
+            index = int(self._bad_elem[0])
+            raise Unprocessable(
+                f"tensor {entry.spec.name!r} element {index} is {_describe(buffer, self._layout, entry, index)}",
+                code="non_finite",
+            )
+        self.cursor = cursor
+
+
+def _describe(buffer: Any, layout: Layout, entry: Any, index: int) -> str:
+    dtype = entry.spec.dtype
+    offset = layout.data_start + entry.begin + index * dtype.itemsize
+    raw = np.frombuffer(buffer, dtype.storage, count=1, offset=offset)
+    value = (raw.astype(np.uint32) << 16).view(np.float32)[0] if dtype is BF16 else raw[0]
+    return "NaN" if np.isnan(value) else ("+Inf" if value > 0 else "-Inf")
+
+
+class TensorTable:
+    """Where a layout's tensors lie, listed in a model's tensor order; shared by every object
+    with that layout (blobs with the same tensors may order them differently)."""
+
+    def __init__(self, layout: Layout, spec: ModelSpec) -> None:
+        by_name = {e.spec.name: e for e in layout.entries}
+        entries = [by_name[t.name] for t in spec.tensors]
+        self.layout = layout
+        self.offsets = np.array([layout.data_start + e.begin for e in entries], np.uint64)
+        self.dtypes = np.array([e.spec.dtype.code for e in entries], np.int32)
+        self.numel = np.array([t.numel for t in spec.tensors], np.uint64)
+
+
+class Tensors:
+    """The tensors of one mapped object: a table plus the object's base address."""
+
+    def __init__(self, buffer: Any, table: TensorTable) -> None:
+        base, self._handle = address(buffer)
+        self.pointers = table.offsets + np.uint64(base)
+        self.dtypes = table.dtypes
+        self.numel = table.numel
+
+    @classmethod
+    def of(cls, buffer: Any, layout: Layout, spec: ModelSpec) -> Tensors:
+        return cls(buffer, TensorTable(layout, spec))
+
+    def release(self) -> None:
+        """Drop the buffer export so the underlying mapping can be closed."""
+        ffi.release(self._handle)
+
+
+def fold(acc: Tensors, inputs: Sequence[tuple[Tensors, int]], *, init: bool) -> None:
+    """acc = (0 if init else acc) + sum(weight * input), one fused pass over memory."""
+    if not inputs:
+        return
+    pointers = np.stack([t.pointers for t, _ in inputs])
+    dtypes = np.stack([t.dtypes for t, _ in inputs])
+    weights = np.array([w for _, w in inputs], np.int64)
+    rc = lib.lifl_fold(
+        len(acc.numel), _ptr("uint64_t *", acc.numel), _ptr("int32_t *", acc.dtypes), _ptr("void *const *", acc.pointers),
+        len(inputs), _ptr("int32_t *", dtypes), _ptr("void *const *", pointers), _ptr("int64_t *", weights), int(init),
+    )
+    if rc:
+        raise Internal("fold received tensors whose dtypes do not match their accumulators")
+
+
+def finalize(out: Tensors, acc: Tensors, total: int) -> None:
+    """out = acc / total in the model's dtypes, rounding once per element."""
+    rc = lib.lifl_finalize(
+        len(out.numel), _ptr("uint64_t *", out.numel), _ptr("int32_t *", out.dtypes),
+        _ptr("void *const *", out.pointers), _ptr("void *const *", acc.pointers), int(total),
+    )
+    if rc:
+        raise Internal(f"finalize failed (total weight {total})")
+

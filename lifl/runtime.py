@@ -1,0 +1,202 @@
+"""The function runtime: the process that hosts one stateless function instance.
+
+The node agent starts it with two inherited descriptors, its control connection and its
+key-channel endpoint, and then invokes it any number of times. Each invocation names the
+task, its role, fan-in and parent; the handler (by default the aggregator in
+``functions/aggregator``) does the work through a ``Context`` and returns statistics. The
+instance keeps nothing between invocations except caches (mappings, parsed layouts), which
+is what makes a warm instance reusable for any role of any job of its tenant.
+
+It exits when the agent goes away (its control connection closes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import mmap
+import os
+import select
+import socket
+import struct
+import sys
+import traceback
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lifl import format as fmt
+from lifl.channel import KeyMessage, UnixKeyChannel
+from lifl.rpc import Client, Connection
+from lifl.store import MappingCache, object_name
+
+
+class TaskCancelled(Exception):
+    """The agent called the task off (its round was abandoned)."""
+
+
+@dataclass(frozen=True)
+class Invocation:
+    task: int
+    job: str
+    version: int  # the global version whose updates this round aggregates
+    role: str
+    fan_in: int
+    parent_instance: int
+    parent_task: int  # 0: no parent, the result is installed as the next global version
+    spec: fmt.ModelSpec
+
+
+class Context:
+    """What a handler may do: receive and send keys, map, allocate and hand off objects."""
+
+    def __init__(self, instance_id: int, tenant: str, node: str, client: Client, channel: UnixKeyChannel) -> None:
+        self.instance_id = instance_id
+        self.tenant = tenant
+        self.node = node
+        self.client = client
+        self.channel = channel
+        self.mappings = MappingCache()
+        self._stash: dict[int, deque[KeyMessage]] = defaultdict(deque)  # messages for later tasks
+        self._layouts: dict[bytes, fmt.Layout] = {}
+
+    # -- keys --------------------------------------------------------------------------------
+    def recv(self, task: int, timeout: float | None = None) -> KeyMessage | None:
+        """The next message for ``task``; None after ``timeout`` seconds."""
+        while True:
+            if self._stash[task]:
+                return self._stash[task].popleft()
+            self._handle_pushes()
+            ready, _, _ = select.select([self.channel, self.client.conn], [], [], timeout)
+            if not ready:
+                return None
+            if self.channel in ready:
+                self._stash_one(self.channel.recv())
+
+    def poll(self, task: int) -> list[KeyMessage]:
+        """Every message for ``task`` that is already waiting, without blocking."""
+        while True:
+            msg = self.channel.recv(timeout=0)
+            if msg is None:
+                break
+            self._stash_one(msg)
+        out = list(self._stash[task])
+        self._stash[task].clear()
+        return out
+
+    def _stash_one(self, msg: KeyMessage | None) -> None:
+        if msg is not None:
+            self._stash[msg.task].append(msg)
+
+    def _handle_pushes(self) -> None:
+        """Apply control pushes (cancellations) that arrived while the task ran."""
+        while self.client.pushes or select.select([self.client.conn], [], [], 0)[0]:
+            push, _ = self.client.next_push()
+            if push.get("op") == "cancel":
+                raise TaskCancelled(push.get("reason", "cancelled"))
+
+    def send(self, message: KeyMessage) -> None:
+        self.channel.send(message)
+
+    # -- objects -----------------------------------------------------------------------------
+    def open(self, key: bytes) -> mmap.mmap:
+        return self.mappings.open(object_name(self.node, self.tenant, key))
+
+    def layout(self, mm: mmap.mmap) -> fmt.Layout:
+        """The layout of a mapped object, parsed once per distinct header."""
+        (n,) = struct.unpack_from("<Q", mm, 0)
+        header = mm[: fmt.PREFIX_BYTES + n]
+        layout = self._layouts.get(header)
+        if layout is None:
+            layout = fmt.parse_header(header[fmt.PREFIX_BYTES :], allow_partial=True)
+            if len(self._layouts) > 64:
+                self._layouts.clear()
+            self._layouts[header] = layout
+        return layout
+
+    def alloc(self, task: int, header: bytes, data_bytes: int) -> tuple[bytes, mmap.mmap]:
+        """A new writable object holding ``header`` followed by ``data_bytes`` of tensor data."""
+        reply, fds = self.client.call("alloc", task=task, size=len(header) + data_bytes)
+        try:
+            mm = self.mappings.map_fd(fds[0], writable=True)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        mm[: len(header)] = header
+        return bytes.fromhex(reply["key"]), mm
+
+    def call(self, op: str, **args: Any) -> dict[str, Any]:
+        return self.client.call(op, **args)[0]
+
+
+Handler = Callable[[Invocation, Context], dict[str, Any]]
+
+
+def load_handler(spec: str) -> Handler:
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name or "handle")
+
+
+def serve(ctx: Context, handler: Handler) -> None:
+    specs: dict[str, fmt.ModelSpec] = {}
+    while True:
+        try:
+            push, _ = ctx.client.next_push()
+        except (EOFError, ConnectionError):
+            return
+        if push.get("op") != "invoke":
+            continue  # a cancellation for a task that already finished
+        if "spec" in push:
+            specs[push["job"]] = fmt.ModelSpec.from_json(push["spec"])
+        inv = Invocation(
+            push["task"], push["job"], push["version"], push["role"], push["fan_in"],
+            push["parent_instance"], push["parent_task"], specs[push["job"]],
+        )
+        try:
+            stats = handler(inv, ctx)
+            ctx.call("done", task=inv.task, stats=stats)
+        except TaskCancelled:
+            ctx.call("done", task=inv.task, stats={"cancelled": True})
+        except (EOFError, ConnectionError):
+            return
+        except Exception as e:  # the agent decides what a failed task means for its round
+            traceback.print_exc()
+            ctx.call("failed", task=inv.task, error=f"{type(e).__name__}: {e}")
+
+
+def drop_privileges(uid: int) -> None:
+    """Become the tenant (uid = gid, no other groups). Everything the instance runs is imported
+    before this, so the code may live where the tenant cannot read; from here on the kernel
+    checks every shared-memory open against the tenant's identity."""
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    if os.getuid() != uid or os.geteuid() != uid:
+        raise SystemExit(f"could not drop privileges to uid {uid}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="lifl-runtime", description=__doc__)
+    p.add_argument("--instance", type=int, required=True)
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--node", required=True)
+    p.add_argument("--chan-dir", type=Path, required=True)
+    p.add_argument("--control-fd", type=int, required=True)
+    p.add_argument("--channel-fd", type=int, required=True)
+    p.add_argument("--handler", default="lifl.functions.aggregator.handler:handle")
+    p.add_argument("--user", type=int, help="drop to this uid (and gid) once the code is loaded")
+    args = p.parse_args(argv)
+    handler = load_handler(args.handler)
+    if args.user is not None:
+        drop_privileges(args.user)
+    client = Client(Connection(socket.socket(fileno=args.control_fd)))
+    channel = UnixKeyChannel(socket.socket(fileno=args.channel_fd), args.chan_dir)
+    ctx = Context(args.instance, args.tenant, args.node, client, channel)
+    serve(ctx, handler)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""Shared-memory object store (POSIX shared memory through posix_ipc).
+
+Objects are immutable once sealed and named by random 16-byte keys:
+``/dev/shm/lifl-<node>-<tenant>-<32 hex digits>``. Only the node agent creates, recycles and
+destroys them (``ObjectStore``); other processes map them (``MappingCache``).
+
+- Ownership and mode make each tenant a namespace: an object is owned by the agent's user,
+  its group is the tenant's, and it is mode 0600 while being written, 0440 once sealed. A
+  tenant's functions run with the tenant's uid/gid and can open only their own objects.
+- Every object has reference holders (a task, an upload, the job's current model). When the
+  last one lets go the object is recycled: renamed to a pool name and given to the next
+  object of the same tenant and size, so its pages are already faulted in; past the pool's
+  budget it is destroyed. A holder that dies (its process or connection) is released.
+- Nothing leaks: ``close`` unlinks everything, and ``remove_node_objects`` deletes what a
+  killed agent left behind (the node supervisor calls it, and every start does).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import secrets
+import stat
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Hashable
+
+import posix_ipc
+
+from lifl.errors import Internal, NotFound, Overloaded
+
+SHM_DIR = Path("/dev/shm")
+KEY_BYTES = 16
+WRITING_MODE = 0o600
+SEALED_MODE = 0o440
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    uid: int | None = None  # None: not isolated (the agent is not root)
+    gid: int | None = None
+
+
+def object_name(node: str, tenant: str, key: bytes) -> str:
+    return f"/lifl-{node}-{tenant}-{key.hex()}"
+
+
+def node_prefix(node: str) -> str:
+    return f"lifl-{node}-"
+
+
+def remove_node_objects(node: str) -> int:
+    """Unlink every shared-memory name of a node; returns how many there were."""
+    removed = 0
+    for path in SHM_DIR.glob(node_prefix(node) + "*"):
+        try:
+            path.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+@dataclass(eq=False)
+class Segment:
+    tenant: Tenant
+    size: int
+    name: str
+    fd: int
+    inode: int
+    key: bytes = b""
+    sealed: bool = False
+    holders: Counter = field(default_factory=Counter)
+    freed_at: float = 0.0
+
+
+class ObjectStore:
+    """The agent's side: creation, reference counting, recycling and destruction."""
+
+    def __init__(self, node: str, capacity: int, pool_limit: int) -> None:
+        self.node = node
+        self.capacity = capacity
+        self.pool_limit = pool_limit
+        self._objects: dict[bytes, Segment] = {}
+        self._pool: OrderedDict[int, Segment] = OrderedDict()  # inode -> free segment, oldest first
+        self._pool_seq = 0
+        self._lock = threading.RLock()
+        self.used_bytes = 0
+        self.pooled_bytes = 0
+        self.recycled = 0
+        self.created = 0
+
+    # -- creation -------------------------------------------------------------------------
+    def create(self, tenant: Tenant, size: int, holder: Hashable) -> Segment:
+        """A writable object of ``size`` bytes, held by ``holder``; reuses a pooled buffer if any."""
+        if size <= 0:
+            raise Internal(f"object size must be positive, got {size}")
+        with self._lock:
+            seg = self._take_pooled(tenant, size)
+            if seg is None:
+                self._make_room(size)
+                seg = self._new_segment(tenant, size)
+            self.used_bytes += size
+            seg.key = self._fresh_key(tenant, seg)
+            seg.holders[holder] += 1
+            self._objects[seg.key] = seg
+            return seg
+
+    def _fresh_key(self, tenant: Tenant, seg: Segment) -> bytes:
+        while True:
+            key = secrets.token_bytes(KEY_BYTES)
+            name = object_name(self.node, tenant.name, key)
+            if key in self._objects or os.path.exists(SHM_DIR / name[1:]):
+                continue
+            os.rename(SHM_DIR / seg.name[1:], SHM_DIR / name[1:])
+            seg.name = name
+            return key
+
+    def _new_segment(self, tenant: Tenant, size: int) -> Segment:
+        self._pool_seq += 1
+        name = f"/{node_prefix(self.node)}{tenant.name}-new{self._pool_seq}"
+        try:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=WRITING_MODE, size=size)
+        except posix_ipc.ExistentialError:
+            posix_ipc.unlink_shared_memory(name)  # a leftover of a killed agent with our name
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=WRITING_MODE, size=size)
+        except (OSError, ValueError) as e:
+            raise Overloaded(f"cannot create a {size}-byte shared-memory object: {e}", code="shm_exhausted") from None
+        fd = shm.fd
+        if tenant.gid is not None:
+            os.fchown(fd, -1, tenant.gid)
+        self.created += 1
+        return Segment(tenant, size, name, fd, os.fstat(fd).st_ino)
+
+    def _take_pooled(self, tenant: Tenant, size: int) -> Segment | None:
+        for inode, seg in self._pool.items():
+            if seg.tenant == tenant and seg.size == size:
+                del self._pool[inode]
+                self.pooled_bytes -= size
+                os.fchmod(seg.fd, WRITING_MODE)
+                seg.sealed = False
+                self.recycled += 1
+                return seg
+        return None
+
+    def _make_room(self, size: int) -> None:
+        while self.used_bytes + self.pooled_bytes + size > self.capacity and self._pool:
+            self._destroy(self._pool.popitem(last=False)[1])
+        if self.used_bytes + self.pooled_bytes + size > self.capacity:
+            raise Overloaded(
+                f"shared memory is full: {self.used_bytes} of {self.capacity} bytes in use, {size} more requested",
+                code="shm_exhausted",
+            )
+
+    # -- state and references -----------------------------------------------------------------
+    def get(self, key: bytes) -> Segment:
+        seg = self._objects.get(key)
+        if seg is None:
+            raise NotFound(f"object {key.hex()} does not exist", code="no_such_object")
+        return seg
+
+    def seal(self, key: bytes) -> Segment:
+        with self._lock:
+            seg = self.get(key)
+            os.fchmod(seg.fd, SEALED_MODE)
+            seg.sealed = True
+            return seg
+
+    def add_ref(self, key: bytes, holder: Hashable) -> Segment:
+        with self._lock:
+            seg = self.get(key)
+            seg.holders[holder] += 1
+            return seg
+
+    def move_ref(self, key: bytes, old: Hashable, new: Hashable) -> None:
+        with self._lock:
+            seg = self.get(key)
+            self._drop(seg, old)
+            seg.holders[new] += 1
+
+    def release(self, key: bytes, holder: Hashable) -> None:
+        with self._lock:
+            seg = self.get(key)
+            self._drop(seg, holder)
+            if not seg.holders:
+                self._free(seg)
+
+    def release_holder(self, holder: Hashable) -> int:
+        """Drop every reference of a holder (a finished or dead task, a closed connection)."""
+        with self._lock:
+            keys = [k for k, s in self._objects.items() if holder in s.holders]
+            for key in keys:
+                seg = self._objects[key]
+                del seg.holders[holder]
+                if not seg.holders:
+                    self._free(seg)
+            return len(keys)
+
+    def holders(self, key: bytes) -> Counter:
+        return Counter(self.get(key).holders)
+
+    @staticmethod
+    def _drop(seg: Segment, holder: Hashable) -> None:
+        if seg.holders[holder] <= 0:
+            del seg.holders[holder]
+            raise Internal(f"{holder!r} holds no reference to object {seg.key.hex()}")
+        seg.holders[holder] -= 1
+        if not seg.holders[holder]:
+            del seg.holders[holder]
+
+    def _free(self, seg: Segment) -> None:
+        del self._objects[seg.key]
+        self.used_bytes -= seg.size
+        if self.pooled_bytes + seg.size > self.pool_limit:
+            self._destroy(seg)
+            return
+        self._pool_seq += 1
+        name = f"/{node_prefix(self.node)}{seg.tenant.name}-pool{self._pool_seq}"
+        os.rename(SHM_DIR / seg.name[1:], SHM_DIR / name[1:])  # its key no longer opens it
+        seg.name, seg.key, seg.freed_at = name, b"", time.monotonic()
+        self._pool[seg.inode] = seg
+        self.pooled_bytes += seg.size
+
+    def _destroy(self, seg: Segment) -> None:
+        try:
+            posix_ipc.unlink_shared_memory(seg.name)
+        except posix_ipc.ExistentialError:
+            pass
+        os.close(seg.fd)
+
+    def trim_pool(self, idle_seconds: float) -> None:
+        """Destroy pooled buffers unused for ``idle_seconds`` (memory goes back to the system)."""
+        with self._lock:
+            now = time.monotonic()
+            for inode in [i for i, s in self._pool.items() if now - s.freed_at >= idle_seconds]:
+                seg = self._pool.pop(inode)
+                self.pooled_bytes -= seg.size
+                self._destroy(seg)
+
+    def object_count(self) -> int:
+        return len(self._objects)
+
+    def close(self) -> None:
+        """Unlink every object and pooled buffer (clean shutdown)."""
+        with self._lock:
+            for seg in list(self._objects.values()) + list(self._pool.values()):
+                self._destroy(seg)
+            self._objects.clear()
+            self._pool.clear()
+            self.used_bytes = self.pooled_bytes = 0
+
+
+class MappingCache:
+    """A process's mappings of shared-memory objects, kept per inode.
+
+    Recycled objects keep their inode, so a process that maps them again finds the mapping
+    (and its page tables) still in place: no page faults on the hot path. Entries whose file
+    has been destroyed are dropped on the next sweep so they do not pin memory.
+    """
+
+    SWEEP_SECONDS = 1.0
+
+    def __init__(self, max_entries: int = 256) -> None:
+        self._entries: OrderedDict[tuple[int, int, bool], tuple[mmap.mmap, int]] = OrderedDict()
+        self._max = max_entries
+        self._lock = threading.Lock()
+        self._swept = time.monotonic()
+
+    def map_fd(self, fd: int, *, writable: bool) -> mmap.mmap:
+        """Map an open object; the caller keeps ownership of ``fd``."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size <= 0:
+            raise Internal(f"fd {fd} is not a shared-memory object")
+        key = (st.st_ino, st.st_size, writable)
+        with self._lock:
+            self._sweep()
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+                return hit[0]
+            if writable:  # populating page tables in one go is ~4x cheaper than faulting them in
+                mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            else:  # read faults map 16 pages at a time, cheaper than populate
+                mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            self._entries[key] = (mm, os.dup(fd))
+            while len(self._entries) > self._max:
+                self._evict(next(iter(self._entries)))
+            return mm
+
+    def open(self, name: str) -> mmap.mmap:
+        """Map an object read-only by name; raises NotFound (or PermissionError) otherwise."""
+        try:
+            shm = posix_ipc.SharedMemory(name, read_only=True)
+        except posix_ipc.ExistentialError:
+            raise NotFound(f"shared-memory object {name} does not exist", code="no_such_object") from None
+        except posix_ipc.PermissionsError:
+            raise PermissionError(errno.EACCES, f"no permission to open {name}") from None
+        try:
+            return self.map_fd(shm.fd, writable=False)
+        finally:
+            shm.close_fd()
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        if now - self._swept < self.SWEEP_SECONDS:
+            return
+        self._swept = now
+        for key, (_, fd) in list(self._entries.items()):
+            if os.fstat(fd).st_nlink == 0:
+                self._evict(key)
+
+    def _evict(self, key: tuple[int, int, bool]) -> None:
+        mm, fd = self._entries.pop(key)
+        os.close(fd)
+        try:
+            mm.close()
+        except BufferError:
+            pass  # still viewed by the caller; unmapped when the last view goes away
+
+    def clear(self) -> None:
+        with self._lock:
+            for key in list(self._entries):
+                self._evict(key)

@@ -1,0 +1,92 @@
+"""Shared fixtures: a real redis-server per test session, fresh databases per test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from lifl.state import ClusterState
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server listening on a unix socket; yields its URL (database 0)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed; run `make test`, which installs it")
+    directory = tmp_path_factory.mktemp("redis")
+    sock = directory / "redis.sock"
+    proc = subprocess.Popen(
+        [exe, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700", "--save", "", "--appendonly", "no",
+         "--dir", str(directory), "--databases", "64"],
+        stdout=subprocess.DEVNULL,
+    )
+    url = f"unix://{sock}"
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            redis.Redis.from_url(url).ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail("redis-server did not start")
+            time.sleep(0.02)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+_db_counter = iter(range(1, 64))
+
+
+@pytest.fixture
+def redis_url(redis_server: str) -> str:
+    """A URL of an empty database of the session's redis-server."""
+    url = f"{redis_server}?db={next(_db_counter)}"
+    redis.Redis.from_url(url).flushdb()
+    return url
+
+
+@pytest.fixture
+def state(redis_url: str) -> ClusterState:
+    return ClusterState(redis_url)
+
+
+def wait_for(predicate, timeout: float = 20.0, interval: float = 0.02, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture
+def shm_node(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A unique node id, and a check that nothing of it is left in /dev/shm afterwards."""
+    node = f"t{abs(hash(request.node.nodeid)) % 10**8}"
+    yield node
+    leftovers = sorted(p.name for p in Path("/dev/shm").glob(f"lifl-{node}-*"))
+    for p in leftovers:
+        (Path("/dev/shm") / p).unlink(missing_ok=True)
+    assert not leftovers, f"shared memory leaked: {leftovers}"
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    """A run directory that tenant functions (other uids) can reach, unlike pytest's tmp_path."""
+    path = Path(tempfile.mkdtemp(prefix="lifl-test-", dir="/tmp"))
+    os.chmod(path, 0o755)
+    yield path / "run"
+    shutil.rmtree(path, ignore_errors=True)

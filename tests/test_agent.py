@@ -1,0 +1,171 @@
+"""The node agent with real aggregator processes, driven through its RPC as the gateway drives it."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import wait_for
+from lifl import format as fmt
+from lifl.agent import Agent, AgentConfig
+from lifl.errors import Conflict, Overloaded
+from lifl.jobs import JobSpec
+from lifl.rpc import Client
+from lifl.state import ClusterState
+
+SHAPES = {"a": (64, 33), "b": (7,), "c": (3, 3, 5)}
+
+
+@pytest.fixture
+def agent(run_dir: Path, redis_url: str, shm_node: str) -> Iterator[Agent]:
+    config = AgentConfig(shm_node, run_dir, redis_url, 256 << 20, 64 << 20, max_instances=6, keep_warm=30)
+    a = Agent(config, ClusterState(redis_url))
+    a.start()
+    yield a
+    a.stop()
+
+
+def gateway(agent: Agent) -> Client:
+    return Client.connect(str(agent.config.socket_path), {"role": "gateway"})
+
+
+def write(fd: int, blob: bytes) -> None:
+    mm = mmap.mmap(fd, len(blob))
+    mm[:] = blob
+    mm.close()
+    os.close(fd)
+
+
+def put_model(client: Client, job: str, blob: bytes) -> None:
+    reply, fds = client.call("admit_model", job=job, size=len(blob))
+    write(fds[0], blob)
+    client.call("install_model", key=reply["key"])
+
+
+def push(client: Client, job: str, version: int, blob: bytes, samples: int) -> str:
+    reply, fds = client.call("admit", job=job, version=version, size=len(blob))
+    write(fds[0], blob)
+    client.call("submit", key=reply["key"], samples=samples)
+    return reply["key"]
+
+
+def read_model(client: Client, job: str) -> tuple[int, dict[str, np.ndarray]]:
+    reply, fds = client.call("open_model", job=job)
+    data = os.pread(fds[0], reply["size"], 0)
+    os.close(fds[0])
+    client.call("release", key=reply["key"])
+    return reply["version"], fmt.views(data, fmt.parse_layout(data))
+
+
+def random_model(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+@pytest.mark.parametrize("goal,fan_in", [(1, 2), (5, 2), (6, 3)])
+def test_rounds_aggregate_into_new_versions(agent: Agent, state: ClusterState, goal: int, fan_in: int) -> None:
+    state.create_job(JobSpec("j", goal=goal, leaf_fan_in=fan_in))
+    rng = np.random.default_rng(goal)
+    client = gateway(agent)
+    put_model(client, "j", fmt.encode(random_model(rng)))
+    for version in range(2):
+        updates = [random_model(rng) for _ in range(goal)]
+        samples = [int(s) for s in rng.integers(1, 50, goal)]
+        for u, c in zip(updates, samples):
+            push(client, "j", version, fmt.encode(u), c)
+        wait_for(lambda: state.version("j") == version + 1, what=f"version {version + 1}")
+        got_version, model = read_model(client, "j")
+        assert got_version == version + 1
+        for name in SHAPES:
+            ref = sum(u[name].astype(np.float64) * c for u, c in zip(updates, samples)) / sum(samples)
+            assert np.all(np.abs(model[name] - ref) <= 1e-5 * (np.abs(ref) + 1e-3))
+    summary = state.job("j").last_round
+    assert summary["updates"] == goal and summary["outcome"] == "complete"
+    # every update and partial was recycled or freed: only the current model is held
+    wait_for(lambda: agent.store.object_count() == 1, what="objects released")
+    assert agent.store.recycled > 0  # buffers were reused, not created anew every time
+
+
+def test_admission_checks_version_round_and_budget(agent: Agent, state: ClusterState) -> None:
+    state.create_job(JobSpec("j", goal=2, max_inflight=1))
+    client = gateway(agent)
+    with pytest.raises(Conflict, match="no model"):
+        client.call("admit", job="j", version=0, size=100)
+    blob = fmt.encode(random_model(np.random.default_rng(0)))
+    put_model(client, "j", blob)
+    with pytest.raises(Conflict, match="already has a model"):
+        client.call("admit_model", job="j", size=100)
+    with pytest.raises(Conflict) as info:
+        client.call("admit", job="j", version=3, size=len(blob))
+    assert info.value.code == "version_conflict" and info.value.extra["version"] == 0
+    reply, fds = client.call("admit", job="j", version=0, size=len(blob))
+    with pytest.raises(Overloaded):  # budget of one update in flight
+        client.call("admit", job="j", version=0, size=len(blob))
+    os.close(fds[0])
+    client.call("abort", key=reply["key"], reason="test")
+    assert state.job("j").reserved == 0 and state.job("j").rejected == {"test": 1}
+
+
+def test_gateway_disconnect_releases_its_uploads(agent: Agent, state: ClusterState) -> None:
+    state.create_job(JobSpec("j", goal=4))
+    blob = fmt.encode(random_model(np.random.default_rng(0)))
+    client = gateway(agent)
+    put_model(client, "j", blob)
+    other = gateway(agent)
+    _, fds = other.call("admit", job="j", version=0, size=len(blob))
+    os.close(fds[0])
+    assert state.job("j").reserved == 1 and agent.store.object_count() == 2
+    other.close()
+    wait_for(lambda: state.job("j").reserved == 0, what="reservation released")
+    assert agent.store.object_count() == 1
+
+
+def test_killed_aggregator_abandons_the_round_and_reopens_its_slots(agent: Agent, state: ClusterState) -> None:
+    state.create_job(JobSpec("j", goal=3))
+    rng = np.random.default_rng(5)
+    client = gateway(agent)
+    put_model(client, "j", fmt.encode(random_model(rng)))
+    push(client, "j", 0, fmt.encode(random_model(rng)), 1)
+    wait_for(lambda: agent.instances and all(i.proc.pid for i in agent.instances.values()), what="instances")
+    with agent.lock:
+        middle = agent.jobs["j"].round.middle.instance
+    middle.proc.send_signal(signal.SIGKILL)
+    wait_for(lambda: agent.jobs["j"].round is None, what="round abandoned")
+    job = state.job("j")
+    assert (job.reserved, job.accepted, job.version) == (0, 0, 0)
+    assert agent.store.object_count() == 1  # the update held by the round was released
+    # the round can still complete with fresh updates
+    updates = [random_model(rng) for _ in range(3)]
+    for u in updates:
+        push(client, "j", 0, fmt.encode(u), 2)
+    wait_for(lambda: state.version("j") == 1, what="version 1")
+    _, model = read_model(client, "j")
+    np.testing.assert_allclose(model["a"], sum(u["a"].astype(np.float64) for u in updates) / 3, rtol=1e-5, atol=1e-8)
+
+
+def test_warm_instances_are_reused_and_expire(run_dir: Path, redis_url: str, shm_node: str) -> None:
+    config = AgentConfig(shm_node, run_dir, redis_url, 64 << 20, 16 << 20, max_instances=4, keep_warm=1.0)
+    agent = Agent(config, ClusterState(redis_url))
+    agent.start()
+    try:
+        state = ClusterState(redis_url)
+        state.create_job(JobSpec("j", goal=2))
+        rng = np.random.default_rng(1)
+        client = gateway(agent)
+        put_model(client, "j", fmt.encode(random_model(rng)))
+        for version in range(3):
+            for _ in range(2):
+                push(client, "j", version, fmt.encode(random_model(rng)), 1)
+            wait_for(lambda: state.version("j") == version + 1, what="next version")
+        samples = agent.metrics.starts.collect()[0].samples
+        starts = {s.labels["kind"]: s.value for s in samples if s.name.endswith("_total")}
+        assert starts.get("warm", 0) > 0
+        wait_for(lambda: not agent.instances, timeout=10, what="idle instances to stop")
+    finally:
+        agent.stop()
