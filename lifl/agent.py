@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import socket
@@ -37,6 +36,7 @@ from lifl import format as fmt
 from lifl.channel import KIND_CLOSE, KeyMessage, UnixKeyChannel, now_ns
 from lifl.errors import BadRequest, Conflict, Internal, LiflError, NotFound, Overloaded
 from lifl.jobs import JobSpec
+from lifl.procs import die_with_parent
 from lifl.planner import LEAF, MIDDLE, ROLES, TOP, InstanceView, RoundPlan, expired, pick_warm
 from lifl.rpc import Connection, error_reply
 from lifl.state import (
@@ -51,12 +51,6 @@ from lifl.state import (
 from lifl.store import ObjectStore, SHM_DIR, Tenant, remove_node_objects
 
 DEFAULT_HANDLER = "lifl.functions.aggregator.handler:handle"
-
-
-def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
-    """Ask the kernel to signal us when our parent (the node supervisor) dies."""
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
 def check_traversable(directory: Path) -> None:
@@ -617,6 +611,7 @@ class Agent:
         run.model_key, run.version, run.round = key, task.version + 1, None
         self.metrics.rounds.labels(task.job, "complete").inc()
         self._publish_gauges(run, task.job)
+        self._publish_status()
         return {"version": run.version}, []
 
     def done(self, inst: Instance, task_id: int, stats: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -720,10 +715,7 @@ class Agent:
                 if time.monotonic() - last_publish >= 1.0:
                     last_publish = time.monotonic()
                     self.store.trim_pool(idle_seconds=max(self.config.keep_warm, 30.0))
-                    try:
-                        self.state.publish_node(self.config.node, self.status())
-                    except Exception as e:  # Redis restarting: the next tick retries
-                        print(f"lifl agent: cannot publish status: {e}", file=sys.stderr)
+                    self._publish_status()
 
     def _flush_outbox(self) -> None:
         while self.outbox:
@@ -737,7 +729,14 @@ class Agent:
         self.metrics.shm.labels("used").set(self.store.used_bytes)
         self.metrics.shm.labels("pooled").set(self.store.pooled_bytes)
 
+    def _publish_status(self) -> None:
+        try:
+            self.state.publish_node(self.config.node, self.status())
+        except Exception as e:  # Redis restarting: the monitor publishes again within a second
+            print(f"lifl agent: cannot publish status: {e}", file=sys.stderr)
+
     def _refresh_instance_gauges(self) -> None:
+        self._publish_status()
         counts = dict.fromkeys((*ROLES, "idle"), 0)
         for inst in self.instances.values():
             counts[inst.task.role if inst.task else ("idle" if inst.idle else TOP)] += 1
@@ -783,7 +782,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-instances", type=int, default=16)
     p.add_argument("--keep-warm", type=float, default=60.0)
     args = p.parse_args(argv)
-    set_parent_death_signal()
+    die_with_parent()
     config = AgentConfig(
         args.node, args.run_dir, args.redis, args.shm_capacity, args.pool_limit, args.max_instances, args.keep_warm,
     )

@@ -1,0 +1,130 @@
+"""Receiving one blob as it streams in, straight into shared memory.
+
+The first 8 + N bytes (length and JSON header) go to a small buffer and are validated
+against the job's model before anything is admitted; only then does the agent hand out a
+shared-memory object (reserving a slot of the round, checking the budgets), and every later
+byte is received directly into it. Floats are checked for NaN/Inf chunk by chunk while the
+bytes are still in cache. Any failure aborts the object, so nothing of a bad blob survives.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from lifl import format as fmt
+from lifl.errors import BadRequest, PayloadTooLarge, Unprocessable
+from lifl.kernels import FiniteChecker
+from lifl.store import MappingCache
+
+CHECK_EVERY = 1 << 20  # check finiteness every MiB received: still hot in L2/L3
+
+
+class BlobSink:
+    def __init__(
+        self,
+        *,
+        limit: int,
+        spec: fmt.ModelSpec | None,
+        admit: Callable[[fmt.Layout], tuple[bytes, int]],
+        mappings: MappingCache,
+        expected_size: int | None = None,
+    ) -> None:
+        self._limit = limit
+        self._spec = spec
+        self._admit = admit
+        self._mappings = mappings
+        self._expected = expected_size
+        self._prefix = bytearray(fmt.PREFIX_BYTES)
+        self._header: bytearray | None = None
+        self._mm = None
+        self._checker: FiniteChecker | None = None
+        self.layout: fmt.Layout | None = None
+        self.key: bytes | None = None
+        self.received = 0
+        if expected_size is not None:
+            if expected_size > limit:
+                raise PayloadTooLarge(f"blob of {expected_size} bytes exceeds the limit of {limit} bytes")
+            if expected_size < fmt.PREFIX_BYTES:
+                raise BadRequest(f"blob of {expected_size} bytes is shorter than its 8-byte header length", code="truncated")
+
+    @property
+    def total(self) -> int | None:
+        return self.layout.total_size if self.layout else None
+
+    @property
+    def done(self) -> bool:
+        return self.layout is not None and self.received == self.layout.total_size
+
+    @property
+    def remaining(self) -> int:
+        """Bytes still expected (before the header is known: at least those of the header)."""
+        if self.layout is not None:
+            return self.layout.total_size - self.received
+        if self._header is None:
+            return fmt.PREFIX_BYTES - self.received
+        return fmt.PREFIX_BYTES + len(self._header) - self.received
+
+    def buffer(self) -> memoryview:
+        """Where the next bytes of the blob go; receive into it, then call ``advance``."""
+        if self._mm is not None:
+            return memoryview(self._mm)[self.received : self.layout.total_size]
+        if self._header is None:
+            return memoryview(self._prefix)[self.received :]
+        return memoryview(self._header)[self.received - fmt.PREFIX_BYTES :]
+
+    def advance(self, n: int) -> None:
+        if n <= 0:
+            return
+        self.received += n
+        if self._mm is None:
+            if self._header is None and self.received == fmt.PREFIX_BYTES:
+                self._header = bytearray(fmt.header_length(self._prefix, self._limit))
+            elif self._header is not None and self.received == fmt.PREFIX_BYTES + len(self._header):
+                self._on_header()
+            return
+        assert self._checker is not None
+        if self.received - self._checker.cursor >= CHECK_EVERY or self.done:
+            self._checker.check(self._mm, self.received)
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Take bytes that are already in memory (e.g. read ahead with a request's headers)."""
+        data = memoryview(data)
+        while data:
+            if self.done:
+                raise BadRequest(f"{len(data)} bytes follow the end of the blob", code="trailing_bytes")
+            view = self.buffer()
+            n = min(len(view), len(data))
+            view[:n] = data[:n]
+            data = data[n:]
+            self.advance(n)
+
+    def _on_header(self) -> None:
+        assert self._header is not None
+        layout = fmt.parse_header(self._header, limit=self._limit)
+        if self._spec is not None:
+            fmt.check_matches(layout, self._spec)
+        elif not layout.entries:
+            raise Unprocessable("a model needs at least one tensor", code="empty_model")
+        if self._expected is not None and self._expected != layout.total_size:
+            raise BadRequest(
+                f"body has {self._expected} bytes but the blob's header declares {layout.total_size}",
+                code="length_mismatch",
+            )
+        self.key, fd = self._admit(layout)
+        try:
+            self._mm = self._mappings.map_fd(fd, writable=True)
+        finally:
+            os.close(fd)
+        self._mm[: fmt.PREFIX_BYTES] = self._prefix
+        self._mm[fmt.PREFIX_BYTES : layout.data_start] = self._header
+        self.layout = layout
+        self._checker = FiniteChecker(layout)
+        if self.done:
+            self._checker.check(self._mm, self.received)
+
+    def check_complete(self) -> None:
+        if not self.done:
+            have = self.received
+            want = self.total if self.total is not None else "more"
+            raise BadRequest(f"blob ended after {have} bytes, its header declares {want}", code="truncated")

@@ -1,0 +1,68 @@
+"""A socket read side for protocol parsers: small reads go through a buffer, bulk reads land
+directly in the caller's memory (a shared-memory object) with no intermediate copy."""
+
+from __future__ import annotations
+
+import socket
+
+from lifl.errors import BadRequest
+
+_FILL = 1 << 16
+
+
+class Stream:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buf = bytearray()
+
+    def readinto(self, view: memoryview) -> int:
+        """Read up to len(view) bytes into view; 0 at end of stream."""
+        if self._buf:
+            n = min(len(view), len(self._buf))
+            view[:n] = self._buf[:n]
+            del self._buf[:n]
+            return n
+        return self.sock.recv_into(view)
+
+    def read_exact(self, n: int) -> bytes:
+        """Exactly n bytes (small items: headers, frame prefixes); EOFError if the peer closes."""
+        while len(self._buf) < n:
+            chunk = self.sock.recv(max(_FILL, n - len(self._buf)))
+            if not chunk:
+                raise EOFError("connection closed")
+            self._buf += chunk
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out
+
+    def read_some(self, limit: int) -> bytes:
+        """At least one and at most ``limit`` bytes."""
+        if not self._buf:
+            chunk = self.sock.recv(_FILL)
+            if not chunk:
+                raise EOFError("connection closed")
+            self._buf += chunk
+        out = bytes(self._buf[:limit])
+        del self._buf[:limit]
+        return out
+
+    def read_until(self, marker: bytes, limit: int) -> bytes:
+        """Bytes up to and including ``marker``; BadRequest if it does not come within ``limit``."""
+        start = 0
+        while True:
+            i = self._buf.find(marker, start)
+            if i >= 0:
+                out = bytes(self._buf[: i + len(marker)])
+                del self._buf[: i + len(marker)]
+                return out
+            if len(self._buf) > limit:
+                raise BadRequest(f"no {marker!r} within {limit} bytes", code="header_too_large")
+            start = max(0, len(self._buf) - len(marker) + 1)
+            chunk = self.sock.recv(_FILL)
+            if not chunk:
+                raise EOFError("connection closed")
+            self._buf += chunk
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)

@@ -1,0 +1,3 @@
+from lifl.cli import main
+
+main()

@@ -1,0 +1,258 @@
+"""`lifl up`: one worker node on this machine, supervised in the foreground.
+
+The supervisor starts a redis-server of its own (unless one is given), the node agent and
+the gateway, prints the gateway's addresses, and stops everything cleanly on Ctrl-C or
+SIGTERM. Its children die with it (parent-death signal). If the gateway or the embedded
+redis exits it is restarted; if the agent dies the node cannot go on: the supervisor
+removes the agent's shared memory, stops the rest and exits with an error.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import redis
+
+from lifl.procs import die_with_parent
+from lifl.store import SHM_DIR, remove_node_objects
+
+RESTART_BACKOFF = (0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+def default_run_dir(node: str) -> Path:
+    if os.geteuid() == 0:
+        return Path("/run/lifl") / node
+    return Path(os.environ.get("XDG_RUNTIME_DIR", f"/tmp/lifl-{os.getuid()}")) / "lifl" / node
+
+
+def default_data_dir(node: str) -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/lib/lifl") / node
+    return Path.home() / ".local/share/lifl" / node
+
+
+def default_shm_capacity() -> int:
+    """Half the machine's memory, and no more than /dev/shm can hold."""
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    st = os.statvfs(SHM_DIR)
+    return min(pages // 2, st.f_bavail * st.f_frsize)
+
+
+@dataclass
+class NodeConfig:
+    node: str = "n0"
+    http: str = "127.0.0.1:8080"
+    grpc: str = "127.0.0.1:50051"
+    redis: str | None = None  # None: start an embedded redis-server
+    run_dir: Path | None = None
+    data_dir: Path | None = None
+    shm_capacity: int | None = None
+    pool_limit: int | None = None
+    max_instances: int = 16
+    keep_warm: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[a-z0-9]{1,16}", self.node):  # no '-': it separates name parts in /dev/shm
+            raise ValueError(f"node id must be 1-16 lowercase letters or digits, got {self.node!r}")
+        self.run_dir = self.run_dir or default_run_dir(self.node)
+        self.data_dir = self.data_dir or default_data_dir(self.node)
+        self.shm_capacity = self.shm_capacity or default_shm_capacity()
+        self.pool_limit = self.pool_limit if self.pool_limit is not None else self.shm_capacity // 4
+
+
+@dataclass
+class Addresses:
+    http: str
+    grpc: str
+    redis: str
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], ready: str | None, pdeathsig: bool = False) -> None:
+        self.name, self.argv, self.ready_prefix, self.pdeathsig = name, argv, ready, pdeathsig
+        self.proc: subprocess.Popen | None = None
+        self.ready_line = ""
+        self.restarts = 0
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, text=True, start_new_session=True,
+            preexec_fn=die_with_parent if self.pdeathsig else None,
+        )
+        if self.ready_prefix is None:
+            threading.Thread(target=_forward, args=(self.proc.stdout,), daemon=True).start()
+            return
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if line.startswith(self.ready_prefix):
+                self.ready_line = line.strip()
+                threading.Thread(target=_forward, args=(self.proc.stdout,), daemon=True).start()
+                return
+            if not line or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{self.name} did not start (exit status {self.proc.poll()})")
+            sys.stdout.write(line)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _forward(stream: IO[str] | None) -> None:
+    if stream is None:
+        return
+    for line in stream:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+
+class Node:
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.children: dict[str, Child] = {}
+        self.addresses: Addresses | None = None
+        self._stop = threading.Event()
+        self._lock_file: IO[str] | None = None
+
+    @property
+    def run_dir(self) -> Path:
+        assert self.config.run_dir is not None
+        return self.config.run_dir
+
+    def start(self) -> Addresses:
+        c = self.config
+        assert c.data_dir is not None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._take_lock()
+        stale = remove_node_objects(c.node)
+        if stale:
+            print(f"lifl: removed {stale} shared-memory objects left by a previous run of node {c.node}", file=sys.stderr)
+        redis_url = c.redis or self._start_redis()
+        self._wait_redis(redis_url)
+        py = sys.executable
+        self.children["agent"] = agent = Child("agent", [
+            py, "-m", "lifl.agent", "--node", c.node, "--run-dir", str(self.run_dir), "--redis", redis_url,
+            "--shm-capacity", str(c.shm_capacity), "--pool-limit", str(c.pool_limit),
+            "--max-instances", str(c.max_instances), "--keep-warm", str(c.keep_warm),
+        ], ready="ready")
+        agent.start()
+        self.children["gateway"] = gateway = Child("gateway", [
+            py, "-m", "lifl.gateway", "--node", c.node, "--redis", redis_url,
+            "--agent-socket", str(self.run_dir / "agent.sock"), "--http", c.http, "--grpc", c.grpc,
+        ], ready="{")
+        gateway.start()
+        addresses = json.loads(gateway.ready_line)
+        self.addresses = Addresses(addresses["http"], addresses["grpc"], redis_url)
+        # a restarted gateway must come back on the same ports
+        gateway.argv[gateway.argv.index("--http") + 1] = self.addresses.http
+        gateway.argv[gateway.argv.index("--grpc") + 1] = self.addresses.grpc
+        return self.addresses
+
+    def _take_lock(self) -> None:
+        self._lock_file = open(self.run_dir / "node.lock", "a+")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SystemExit(f"lifl: node {self.config.node} is already running (lock {self.run_dir / 'node.lock'})") from None
+
+    def _start_redis(self) -> str:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise SystemExit("lifl: redis-server is not installed (run `make install`, or pass --redis URL)")
+        assert self.config.data_dir is not None
+        directory = self.config.data_dir / "redis"
+        directory.mkdir(parents=True, exist_ok=True)
+        sock = self.run_dir / "redis.sock"
+        self.children["redis"] = child = Child("redis", [
+            exe, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700", "--dir", str(directory),
+            "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--logfile", str(directory / "redis.log"),
+        ], ready=None, pdeathsig=True)
+        child.start()
+        return f"unix://{sock}"
+
+    @staticmethod
+    def _wait_redis(url: str, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                redis.Redis.from_url(url).ping()
+                return
+            except redis.RedisError:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"lifl: redis at {url} does not answer") from None
+                time.sleep(0.05)
+
+    def supervise(self) -> int:
+        """Run until stopped (0) or until the agent dies (1); restart the gateway and redis."""
+        while not self._stop.wait(0.1):
+            agent = self.children["agent"]
+            assert agent.proc is not None
+            if agent.proc.poll() is not None:
+                print(f"lifl: the agent of node {self.config.node} exited ({agent.proc.returncode}); stopping the node", file=sys.stderr)
+                self.stop()
+                return 1
+            for name in ("redis", "gateway"):
+                child = self.children.get(name)
+                if child and child.proc and child.proc.poll() is not None:
+                    delay = RESTART_BACKOFF[min(child.restarts, len(RESTART_BACKOFF) - 1)]
+                    print(f"lifl: {name} exited ({child.proc.returncode}); restarting in {delay}s", file=sys.stderr)
+                    time.sleep(delay)
+                    child.restarts += 1
+                    child.start()
+                    if name == "redis":
+                        self._wait_redis(self.addresses.redis if self.addresses else "")
+        return 0
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def stop(self) -> None:
+        """Stop gateway, agent and redis, in that order, and leave nothing in /dev/shm."""
+        self._stop.set()
+        for name in ("gateway", "agent", "redis"):
+            child = self.children.get(name)
+            if child:
+                child.stop()
+        remove_node_objects(self.config.node)
+        for name in ("agent.sock", "redis.sock"):
+            (self.run_dir / name).unlink(missing_ok=True)
+        if self._lock_file:
+            self._lock_file.close()
+            self._lock_file = None
+
+
+def run(config: NodeConfig) -> int:
+    """`lifl up`: start, print the addresses, supervise until Ctrl-C or SIGTERM."""
+    node = Node(config)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: node.request_stop())
+    try:
+        a = node.start()
+    except (RuntimeError, SystemExit):
+        node.stop()
+        raise
+    print(f"lifl node {config.node} is up\n  http: http://{a.http}\n  grpc: {a.grpc}\n  redis: {a.redis}", flush=True)
+    status = node.supervise()
+    node.stop()
+    print(f"lifl node {config.node} stopped", flush=True)
+    return status
