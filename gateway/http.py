@@ -97,12 +97,17 @@ class Body:
         return bytes(out)
 
     def drain(self, limit: int) -> bool:
-        """Read and drop what is left, up to ``limit`` bytes; True if the body was consumed."""
+        """Read and drop the rest of a Content-Length body of at most ``limit`` bytes, so the
+        connection stays usable; False (close the connection) for anything else."""
+        if self._chunked or self._left > limit:
+            return False
         scratch = memoryview(bytearray(1 << 16))
-        dropped = 0
-        while not self._ended and dropped <= limit:
-            dropped += self.readinto(scratch)
-        return self._ended
+        try:
+            while not self._ended:
+                self.readinto(scratch)
+        except (LiflError, OSError):
+            return False
+        return True
 
 
 @dataclass

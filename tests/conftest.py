@@ -90,3 +90,55 @@ def run_dir() -> Iterator[Path]:
     os.chmod(path, 0o755)
     yield path / "run"
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def node(redis_url: str, run_dir: Path, shm_node: str) -> Iterator["RunningNode"]:
+    """A real node (agent, gateway and aggregator processes) on the session's redis-server."""
+    from lifl.node import Node, NodeConfig
+
+    config = NodeConfig(
+        node=shm_node, http="127.0.0.1:0", grpc="127.0.0.1:0", redis=redis_url, run_dir=run_dir,
+        data_dir=run_dir.parent / "data", shm_capacity=1 << 30, keep_warm=30,
+    )
+    n = Node(config)
+    addresses = n.start()
+    yield RunningNode(n, addresses.http, addresses.grpc, ClusterState(redis_url))
+    n.stop()
+
+
+class RunningNode:
+    def __init__(self, node, http: str, grpc: str, state: ClusterState) -> None:
+        self.node, self.http, self.grpc, self.state = node, http, grpc, state
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        """(status, headers, body bytes) of one HTTP request."""
+        import http.client
+
+        host, port = self.http.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            r = conn.getresponse()
+            return r.status, dict(r.getheaders()), r.read()
+        finally:
+            conn.close()
+
+    def json(self, method: str, path: str, body=None, headers: dict | None = None):
+        import json
+
+        data = json.dumps(body).encode() if body is not None and not isinstance(body, bytes) else body
+        status, _, raw = self.request(method, path, data, headers)
+        return status, json.loads(raw) if raw else None
+
+    def push(self, job: str, blob: bytes, *, client: str = "c", samples: int = 1, version: int = 0):
+        return self.json("POST", f"/v1/jobs/{job}/updates", blob, {
+            "X-Lifl-Client": client, "X-Lifl-Samples": str(samples), "X-Lifl-Base-Version": str(version),
+        })
+
+    def grpc_stub(self):
+        import grpc
+
+        from lifl.gateway import lifl_pb2_grpc
+
+        return lifl_pb2_grpc.GatewayStub(grpc.insecure_channel(self.grpc))
