@@ -150,7 +150,9 @@ class ObjectStore:
 
     def _make_room(self, size: int) -> None:
         while self.used_bytes + self.pooled_bytes + size > self.capacity and self._pool:
-            self._destroy(self._pool.popitem(last=False)[1])
+            seg = self._pool.popitem(last=False)[1]
+            self.pooled_bytes -= seg.size
+            self._destroy(seg)
         if self.used_bytes + self.pooled_bytes + size > self.capacity:
             raise Overloaded(
                 f"shared memory is full: {self.used_bytes} of {self.capacity} bytes in use, {size} more requested",

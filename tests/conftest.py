@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -45,7 +46,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     proc.wait(10)
 
 
-_db_counter = iter(range(1, 64))
+_db_counter = itertools.cycle(range(1, 64))  # each test flushes its database first
 
 
 @pytest.fixture

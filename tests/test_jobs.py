@@ -1,0 +1,42 @@
+"""Job specifications: field-by-field validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from lifl.errors import BadRequest
+from lifl.jobs import DEFAULT_MAX_UPDATE_BYTES, JobSpec
+
+
+def test_defaults_and_round_trip() -> None:
+    spec = JobSpec.from_request({"job": "mnist-1", "goal": 10})
+    assert (spec.tenant, spec.leaf_fan_in, spec.max_update_bytes, spec.inflight_budget) == ("default", 2, DEFAULT_MAX_UPDATE_BYTES, 10)
+    assert JobSpec.from_json(spec.to_json()) == spec
+    assert JobSpec.from_request({"job": "a", "goal": 3, "max_inflight": 2}).inflight_budget == 2
+
+
+@pytest.mark.parametrize("body,needle", [
+    (None, "JSON object"),
+    ([], "JSON object"),
+    ({"goal": 1}, "'job' is required"),
+    ({"job": "a"}, "'goal' is required"),
+    ({"job": "", "goal": 1}, "job name"),
+    ({"job": "-a", "goal": 1}, "job name"),
+    ({"job": "a" * 64, "goal": 1}, "job name"),
+    ({"job": "a/b", "goal": 1}, "job name"),
+    ({"job": 5, "goal": 1}, "job name"),
+    ({"job": "a", "goal": 0}, "'goal'"),
+    ({"job": "a", "goal": True}, "'goal'"),
+    ({"job": "a", "goal": 1.0}, "'goal'"),
+    ({"job": "a", "goal": 10**7}, "'goal'"),
+    ({"job": "a", "goal": 1, "leaf_fan_in": 0}, "'leaf_fan_in'"),
+    ({"job": "a", "goal": 1, "max_update_bytes": 1}, "'max_update_bytes'"),
+    ({"job": "a", "goal": 1, "max_inflight": -1}, "'max_inflight'"),
+    ({"job": "a", "goal": 1, "tenant": "Acme"}, "tenant"),
+    ({"job": "a", "goal": 1, "tenant": "a" * 32}, "tenant"),
+    ({"job": "a", "goal": 1, "priority": 3}, "unknown job field(s): priority"),
+])
+def test_invalid_jobs_name_the_field(body: object, needle: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        JobSpec.from_request(body)
+    assert needle in info.value.message and info.value.code == "bad_job"

@@ -1,0 +1,114 @@
+"""Object store lifecycle: references, recycling, capacity, mapping cache; nothing leaks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from lifl.errors import Internal, NotFound, Overloaded
+from lifl.store import SHM_DIR, SEALED_MODE, WRITING_MODE, MappingCache, ObjectStore, Tenant, object_name, remove_node_objects
+
+T = Tenant("acme")
+
+
+def names(node: str) -> set[str]:
+    return {p.name for p in SHM_DIR.glob(f"lifl-{node}-*")}
+
+
+def test_lifecycle_refs_seal_and_recycle_keep_the_inode(shm_node: str) -> None:
+    store = ObjectStore(shm_node, capacity=16 << 20, pool_limit=8 << 20)
+    seg = store.create(T, 1 << 20, "upload")
+    key, inode = seg.key, seg.inode
+    assert len(key) == 16 and names(shm_node) == {object_name(shm_node, "acme", key)[1:]}
+    assert os.stat(SHM_DIR / seg.name[1:]).st_mode & 0o777 == WRITING_MODE
+    store.seal(key)
+    assert os.stat(SHM_DIR / seg.name[1:]).st_mode & 0o777 == SEALED_MODE
+    store.move_ref(key, "upload", "task")
+    store.add_ref(key, "reader")
+    store.release(key, "task")
+    assert store.object_count() == 1  # the reader still holds it
+    with pytest.raises(Internal, match="holds no reference"):
+        store.release(key, "task")
+    store.release(key, "reader")
+    assert store.object_count() == 0 and store.pooled_bytes == 1 << 20
+    assert not (SHM_DIR / seg.name[1:]).exists() or "pool" in seg.name  # its key no longer opens it
+    with pytest.raises(NotFound):
+        store.get(key)
+    again = store.create(T, 1 << 20, "upload")
+    assert again.inode == inode and again.key != key and store.recycled == 1  # pages already faulted in
+    assert store.create(Tenant("other"), 1 << 20, "x").inode != inode  # never across tenants
+    store.close()
+    assert names(shm_node) == set()
+
+
+def test_capacity_evicts_the_pool_then_pushes_back(shm_node: str) -> None:
+    store = ObjectStore(shm_node, capacity=3 << 20, pool_limit=3 << 20)
+    a = store.create(T, 1 << 20, "h")
+    store.release(a.key, "h")
+    assert store.pooled_bytes == 1 << 20
+    big = store.create(T, 3 << 20, "h")  # evicts the pooled buffer to make room
+    assert store.pooled_bytes == 0 and store.used_bytes == 3 << 20
+    with pytest.raises(Overloaded) as info:
+        store.create(T, 1, "h")
+    assert info.value.code == "shm_exhausted"
+    store.release(big.key, "h")
+    store.close()
+
+
+def test_pool_limit_destroys_what_it_cannot_keep(shm_node: str) -> None:
+    store = ObjectStore(shm_node, capacity=8 << 20, pool_limit=1 << 20)
+    segs = [store.create(T, 1 << 20, "h") for _ in range(3)]
+    for s in segs:
+        store.release(s.key, "h")
+    assert store.pooled_bytes == 1 << 20 and len(names(shm_node)) == 1
+    store.trim_pool(idle_seconds=0)
+    assert names(shm_node) == set()
+    store.close()
+
+
+def test_release_holder_frees_everything_of_a_dead_holder(shm_node: str) -> None:
+    store = ObjectStore(shm_node, capacity=8 << 20, pool_limit=0)
+    keys = [store.create(T, 4096, "dead").key for _ in range(3)]
+    store.add_ref(keys[0], "alive")
+    assert store.release_holder("dead") == 3
+    assert store.object_count() == 1 and store.holders(keys[0]) == {"alive": 1}
+    store.close()
+
+
+def test_mapping_cache_reuses_mappings_of_recycled_objects_and_drops_destroyed_ones(shm_node: str) -> None:
+    store = ObjectStore(shm_node, capacity=8 << 20, pool_limit=8 << 20)
+    cache = MappingCache()
+    seg = store.create(T, 1 << 20, "h")
+    first = cache.map_fd(seg.fd, writable=True)
+    first[:5] = b"hello"
+    store.seal(seg.key)
+    ro = cache.open(seg.name)
+    assert ro[:5] == b"hello"
+    with pytest.raises(TypeError):
+        ro[:1] = b"x"  # readers map read-only
+    store.release(seg.key, "h")
+    again = store.create(T, 1 << 20, "h")
+    assert cache.map_fd(again.fd, writable=True) is first  # same inode: same mapping, warm page tables
+    store.release(again.key, "h")
+    store.close()  # destroyed: the cache must let go on its next sweep
+    cache._swept = 0
+    cache._sweep()
+    assert not cache._entries
+
+
+def test_open_of_a_missing_object_names_it(shm_node: str) -> None:
+    with pytest.raises(NotFound, match="does not exist"):
+        MappingCache().open(object_name(shm_node, "acme", bytes(16)))
+
+
+def test_remove_node_objects_only_touches_that_node(shm_node: str) -> None:
+    mine = SHM_DIR / f"lifl-{shm_node}-acme-{'ab' * 16}"
+    other = SHM_DIR / f"lifl-{shm_node}x-acme-{'ab' * 16}"
+    mine.write_bytes(b"x")
+    other.write_bytes(b"x")
+    try:
+        assert remove_node_objects(shm_node) == 1
+        assert other.exists() and not mine.exists()
+    finally:
+        other.unlink(missing_ok=True)
