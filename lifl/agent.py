@@ -343,7 +343,7 @@ class Agent:
         try:
             if run.inflight >= run.spec.inflight_budget:
                 raise Overloaded(f"job {job!r} has {run.inflight} updates in flight, its budget", code="inflight_budget")
-            seg = self.store.create(run.tenant, size, holder)
+            seg = self.store.create(run.tenant, size, holder, affinity="gateway")
         except LiflError:
             self.state.count(job, version, "reserved", -1)
             raise
@@ -360,7 +360,7 @@ class Agent:
             raise Conflict(f"the model of job {job!r} is being uploaded already", code="model_upload_in_progress")
         if size > run.spec.max_update_bytes:
             raise BadRequest(f"model of {size} bytes exceeds the job's limit", code="payload_too_large")
-        seg = self.store.create(run.tenant, size, holder)
+        seg = self.store.create(run.tenant, size, holder, affinity="gateway")
         run.model_upload = True
         self.uploads[seg.key] = Upload(job, NO_MODEL, holder)
         return {"key": seg.key.hex()}, [os.dup(seg.fd)]
@@ -568,7 +568,7 @@ class Agent:
         return task
 
     def alloc(self, inst: Instance, task: Task, size: int) -> tuple[dict[str, Any], list[int]]:
-        seg = self.store.create(inst.tenant, size, task.holder)
+        seg = self.store.create(inst.tenant, size, task.holder, affinity=inst.id)
         return {"key": seg.key.hex()}, [os.dup(seg.fd)]
 
     def folded(self, task: Task, keys: list[str], updates: int) -> tuple[dict[str, Any], list[int]]:

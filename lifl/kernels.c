@@ -41,47 +41,53 @@ static inline double bf16_to_f64(uint16_t b) {
 
 /* ---------- finite checks ---------- */
 
-/* Index of the first non-finite element among n elements at p, or -1. Blocked so the common
- * all-finite case is a branch-free, vectorisable OR-reduction over the exponent bits. */
-static int64_t first_nonfinite(const uint8_t *p, uint64_t n, int32_t dt) {
-    const uint64_t B = 1024;
-    for (uint64_t b = 0; b < n; b += B) {
-        uint64_t len = n - b < B ? n - b : B;
-        int bad = 0;
-        if (dt == F32) {
-            for (uint64_t i = 0; i < len; i++) {
-                uint32_t x; memcpy(&x, p + (b + i) * 4, 4);
-                bad |= (x & 0x7f800000u) == 0x7f800000u;
-            }
-        } else if (dt == F64) {
-            for (uint64_t i = 0; i < len; i++) {
-                uint64_t x; memcpy(&x, p + (b + i) * 8, 8);
-                bad |= (x & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
-            }
-        } else if (dt == F16) {
-            for (uint64_t i = 0; i < len; i++) {
-                uint16_t x; memcpy(&x, p + (b + i) * 2, 2);
-                bad |= (x & 0x7c00u) == 0x7c00u;
-            }
-        } else if (dt == BF16) {
-            for (uint64_t i = 0; i < len; i++) {
-                uint16_t x; memcpy(&x, p + (b + i) * 2, 2);
-                bad |= (x & 0x7f80u) == 0x7f80u;
-            }
-        } else {
-            return -1;
-        }
-        if (bad) {
-            for (uint64_t i = 0; i < len; i++) {
-                const uint8_t *q = p + (b + i) * itemsize(dt);
-                double v;
-                if (dt == F32) { float f; memcpy(&f, q, 4); v = f; }
-                else if (dt == F64) memcpy(&v, q, 8);
-                else { uint16_t h; memcpy(&h, q, 2); v = dt == F16 ? f16_to_f64(h) : bf16_to_f64(h); }
-                if (!isfinite(v)) return (int64_t)(b + i);
-            }
-        }
+/* Whether any lane of the bytes [p, p + nbytes) (a multiple of 64) has (lane & mask) == value:
+ * 16-bit lanes for F16/BF16, 32-bit lanes otherwise (F64 compares only the dwords holding its
+ * exponent). Hand-vectorised: it runs on bytes just received, hot in L2, at ~50 GB/s here,
+ * twice what the compiler made of the scalar loop. */
+#if defined(__SSE2__)
+static int any_lane_matches(const uint8_t *p, uint64_t nbytes, __m128i mask, __m128i value, int lanes16) {
+    __m128i hit = _mm_setzero_si128();
+    for (uint64_t i = 0; i < nbytes; i += 64) {
+        __m128i a = _mm_and_si128(_mm_loadu_si128((const __m128i *)(p + i)), mask);
+        __m128i b = _mm_and_si128(_mm_loadu_si128((const __m128i *)(p + i + 16)), mask);
+        __m128i c = _mm_and_si128(_mm_loadu_si128((const __m128i *)(p + i + 32)), mask);
+        __m128i d = _mm_and_si128(_mm_loadu_si128((const __m128i *)(p + i + 48)), mask);
+        if (lanes16)
+            hit = _mm_or_si128(hit, _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi16(a, value), _mm_cmpeq_epi16(b, value)),
+                                                 _mm_or_si128(_mm_cmpeq_epi16(c, value), _mm_cmpeq_epi16(d, value))));
+        else
+            hit = _mm_or_si128(hit, _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi32(a, value), _mm_cmpeq_epi32(b, value)),
+                                                 _mm_or_si128(_mm_cmpeq_epi32(c, value), _mm_cmpeq_epi32(d, value))));
     }
+    return _mm_movemask_epi8(hit) != 0;
+}
+#endif
+
+static int is_nonfinite(const uint8_t *q, int32_t dt) {
+    if (dt == F32) { uint32_t x; memcpy(&x, q, 4); return (x & 0x7f800000u) == 0x7f800000u; }
+    if (dt == F64) { uint64_t x; memcpy(&x, q, 8); return (x & 0x7ff0000000000000ull) == 0x7ff0000000000000ull; }
+    uint16_t h; memcpy(&h, q, 2);
+    return dt == F16 ? (h & 0x7c00u) == 0x7c00u : (h & 0x7f80u) == 0x7f80u;
+}
+
+/* Index of the first non-finite element among n elements at p, or -1. */
+static int64_t first_nonfinite(const uint8_t *p, uint64_t n, int32_t dt) {
+    int size = itemsize(dt);
+    uint64_t start = 0;
+#if defined(__SSE2__)
+    uint64_t bulk = (n * size) & ~(uint64_t)63;
+    __m128i mask, value;
+    switch (dt) {
+    case F32: mask = value = _mm_set1_epi32(0x7f800000); break;
+    case F64: mask = _mm_set_epi32(0x7ff00000, 0, 0x7ff00000, 0); value = _mm_set_epi32(0x7ff00000, 1, 0x7ff00000, 1); break;
+    case F16: mask = value = _mm_set1_epi16(0x7c00); break;
+    default: mask = value = _mm_set1_epi16(0x7f80); break;
+    }
+    if (!any_lane_matches(p, bulk, mask, value, size == 2)) start = bulk / size; /* only the tail is left */
+#endif
+    for (uint64_t i = start; i < n; i++)
+        if (is_nonfinite(p + i * size, dt)) return (int64_t)i;
     return -1;
 }
 
@@ -98,7 +104,7 @@ int64_t lifl_check_finite_range(const uint8_t *base, int32_t ntensors, const int
         if (begin[t] >= to) break;
         int64_t hi = end[t] < to ? end[t] : to;
         int32_t dt = dtype[t];
-        if (dt != F16 && dt != BF16 && dt != F32 && dt != F64) { cursor = hi; continue; }
+        if (dt != F16 && dt != BF16 && dt != F32 && dt != F64) { cursor = hi; continue; } /* integers are always finite */
         int64_t sz = itemsize(dt);
         int64_t lo = cursor > begin[t] ? cursor : begin[t];
         int64_t lim = begin[t] + ((hi - begin[t]) / sz) * sz;
@@ -118,59 +124,85 @@ int64_t lifl_check_finite_range(const uint8_t *base, int32_t ntensors, const int
 
 /* ---------- folds ---------- */
 
-#define BLK 1024
+/* dst[i] (op) w * x[i] over a float tensor stored as dtype dt; op is = or +=. */
+#define FLOAT_BLOCK(NAME, OP)                                                                             \
+    static int NAME(double *restrict dst, const uint8_t *restrict x, int32_t dt, double w, uint64_t len) { \
+        switch (dt) {                                                                                     \
+        case F32:                                                                                         \
+            for (uint64_t i = 0; i < len; i++) { float v; memcpy(&v, x + 4 * i, 4); dst[i] OP w * (double)v; } \
+            return 0;                                                                                     \
+        case F64:                                                                                         \
+            for (uint64_t i = 0; i < len; i++) { double v; memcpy(&v, x + 8 * i, 8); dst[i] OP w * v; }   \
+            return 0;                                                                                     \
+        case F16:                                                                                         \
+            for (uint64_t i = 0; i < len; i++) { uint16_t h; memcpy(&h, x + 2 * i, 2); dst[i] OP w * f16_to_f64(h); } \
+            return 0;                                                                                     \
+        case BF16:                                                                                        \
+            for (uint64_t i = 0; i < len; i++) { uint16_t h; memcpy(&h, x + 2 * i, 2); dst[i] OP w * bf16_to_f64(h); } \
+            return 0;                                                                                     \
+        default:                                                                                          \
+            return -1;                                                                                    \
+        }                                                                                                 \
+    }
+FLOAT_BLOCK(put_float_block, =)
+FLOAT_BLOCK(add_float_block, +=)
 
-/* Store a block of accumulators; fresh accumulators bypass the cache (nothing will read them
- * before the next input arrives, and it saves the read-for-ownership of the destination). */
-static inline void store_block(double *dst, const double *src, uint64_t len, int stream) {
+/* Two inputs of the same dtype in one fused pass: o = (o +) wa*a + wb*b. Each pass streams
+ * long runs of every operand, which this memory system rewards: per-block passes, one input
+ * at a time, ran ~1.7x slower. A fresh accumulator is written with non-temporal stores, so it
+ * is never read from memory. */
+#define PAIR_LOOPS(NAME, T)                                                                              \
+    static void NAME##_put(double *restrict o, const uint8_t *restrict a, const uint8_t *restrict b,     \
+                           double wa, double wb, uint64_t n) {                                           \
+        uint64_t i = 0;                                                                                  \
+        STREAM_PAIRS(T)                                                                                  \
+        for (; i < n; i++) {                                                                             \
+            T x, y; memcpy(&x, a + sizeof(T) * i, sizeof(T)); memcpy(&y, b + sizeof(T) * i, sizeof(T));   \
+            o[i] = wa * (double)x + wb * (double)y;                                                      \
+        }                                                                                                \
+    }                                                                                                    \
+    static void NAME##_add(double *restrict o, const uint8_t *restrict a, const uint8_t *restrict b,     \
+                           double wa, double wb, uint64_t n) {                                           \
+        for (uint64_t i = 0; i < n; i++) {                                                               \
+            T x, y; memcpy(&x, a + sizeof(T) * i, sizeof(T)); memcpy(&y, b + sizeof(T) * i, sizeof(T));   \
+            o[i] += wa * (double)x + wb * (double)y;                                                     \
+        }                                                                                                \
+    }
+
 #if defined(__SSE2__)
-    if (stream && ((uintptr_t)dst & 15) == 0) {
-        uint64_t i = 0;
-        for (; i + 2 <= len; i += 2) _mm_stream_pd(dst + i, _mm_load_pd(src + i));
-        for (; i < len; i++) dst[i] = src[i];
-        return;
+#define STREAM_PAIRS(T)                                                                                  \
+    if (((uintptr_t)o & 15) == 0) {                                                                      \
+        for (; i + 2 <= n; i += 2) {                                                                     \
+            T x[2], y[2]; memcpy(x, a + sizeof(T) * i, 2 * sizeof(T)); memcpy(y, b + sizeof(T) * i, 2 * sizeof(T)); \
+            _mm_stream_pd(o + i, _mm_set_pd(wa * (double)x[1] + wb * (double)y[1], wa * (double)x[0] + wb * (double)y[0])); \
+        }                                                                                                \
+        _mm_sfence();                                                                                    \
     }
+#else
+#define STREAM_PAIRS(T)
 #endif
-    (void)stream;
-    memcpy(dst, src, len * sizeof(double));
-}
 
-static int add_float_block(double *restrict acc, const uint8_t *restrict x, int32_t dt, double w, uint64_t len) {
-    switch (dt) {
-    case F32:
-        for (uint64_t i = 0; i < len; i++) { float v; memcpy(&v, x + 4 * i, 4); acc[i] += w * (double)v; }
-        return 0;
-    case F64:
-        if (w == 1.0) {
-            for (uint64_t i = 0; i < len; i++) { double v; memcpy(&v, x + 8 * i, 8); acc[i] += v; }
-        } else {
-            for (uint64_t i = 0; i < len; i++) { double v; memcpy(&v, x + 8 * i, 8); acc[i] += w * v; }
-        }
-        return 0;
-    case F16:
-        for (uint64_t i = 0; i < len; i++) { uint16_t h; memcpy(&h, x + 2 * i, 2); acc[i] += w * f16_to_f64(h); }
-        return 0;
-    case BF16:
-        for (uint64_t i = 0; i < len; i++) { uint16_t h; memcpy(&h, x + 2 * i, 2); acc[i] += w * bf16_to_f64(h); }
-        return 0;
-    default:
-        return -1;
-    }
-}
+PAIR_LOOPS(pair_f32, float)
+PAIR_LOOPS(pair_f64, double)
 
 static int fold_float(double *acc, uint64_t n, int32_t ninputs, int32_t stride, const int32_t *dt,
                       const void *const *in, const int64_t *weight, int init) {
-    double tmp[BLK] __attribute__((aligned(64)));
-    for (uint64_t b = 0; b < n; b += BLK) {
-        uint64_t len = n - b < BLK ? n - b : BLK;
-        if (init) memset(tmp, 0, len * sizeof(double));
-        else memcpy(tmp, acc + b, len * sizeof(double));
-        for (int32_t j = 0; j < ninputs; j++) {
-            int32_t d = dt[(int64_t)j * stride];
-            const uint8_t *x = (const uint8_t *)in[(int64_t)j * stride] + b * itemsize(d);
-            if (add_float_block(tmp, x, d, (double)weight[j], len)) return -1;
+    int fresh = init;
+    for (int32_t j = 0; j < ninputs;) {
+        int32_t da = dt[(int64_t)j * stride];
+        const uint8_t *xa = (const uint8_t *)in[(int64_t)j * stride];
+        double wa = (double)weight[j];
+        if (j + 1 < ninputs && da == dt[(int64_t)(j + 1) * stride] && (da == F32 || da == F64)) {
+            const uint8_t *xb = (const uint8_t *)in[(int64_t)(j + 1) * stride];
+            double wb = (double)weight[j + 1];
+            if (da == F32) (fresh ? pair_f32_put : pair_f32_add)(acc, xa, xb, wa, wb, n);
+            else (fresh ? pair_f64_put : pair_f64_add)(acc, xa, xb, wa, wb, n);
+            j += 2;
+        } else {
+            if ((fresh ? put_float_block : add_float_block)(acc, xa, da, wa, n)) return -1;
+            j += 1;
         }
-        store_block(acc + b, tmp, len, init);
+        fresh = 0;
     }
     return 0;
 }
@@ -202,15 +234,32 @@ static int fold_int(__int128 *acc, uint64_t n, int32_t ninputs, int32_t stride, 
 int lifl_fold(int32_t ntensors, const uint64_t *numel, const int32_t *acc_dtype, void *const *acc,
               int32_t ninputs, const int32_t *in_dtype, const void *const *in, const int64_t *weight,
               int32_t init) {
-    for (int32_t t = 0; t < ntensors; t++) {
+    for (int32_t t = 0; t < ntensors;) {
+        /* Coalesce the following tensors that lie right after this one in every operand, with
+         * the same dtypes: blobs usually list tensors in the same order, so a whole data
+         * section folds as one long run instead of restarting the memory streams per tensor. */
+        uint64_t n = numel[t];
+        int32_t end = t + 1;
+        while (end < ntensors && acc_dtype[end] == acc_dtype[t] &&
+               (uint8_t *)acc[end] == (uint8_t *)acc[t] + n * itemsize(acc_dtype[t])) {
+            int contiguous = 1;
+            for (int32_t j = 0; j < ninputs && contiguous; j++) {
+                int64_t a = (int64_t)j * ntensors;
+                contiguous = in_dtype[a + end] == in_dtype[a + t] &&
+                             (const uint8_t *)in[a + end] == (const uint8_t *)in[a + t] + n * itemsize(in_dtype[a + t]);
+            }
+            if (!contiguous) break;
+            n += numel[end++];
+        }
         int rc;
         if (acc_dtype[t] == F64)
-            rc = fold_float((double *)acc[t], numel[t], ninputs, ntensors, in_dtype + t, in + t, weight, init);
+            rc = fold_float((double *)acc[t], n, ninputs, ntensors, in_dtype + t, in + t, weight, init);
         else if (acc_dtype[t] == I128)
-            rc = fold_int((__int128 *)acc[t], numel[t], ninputs, ntensors, in_dtype + t, in + t, weight, init);
+            rc = fold_int((__int128 *)acc[t], n, ninputs, ntensors, in_dtype + t, in + t, weight, init);
         else
             rc = -1;
         if (rc) return rc;
+        t = end;
     }
     return 0;
 }

@@ -37,16 +37,13 @@ class FiniteChecker:
         self._dtype = np.array([e.spec.dtype.code for e in layout.entries], np.int32)
         self._bad_tensor = ffi.new("int32_t *")
         self._bad_elem = ffi.new("int64_t *")
+        self._args = (len(self._begin), _ptr("int64_t *", self._begin), _ptr("int64_t *", self._end), _ptr("int32_t *", self._dtype))
         self.cursor = start
 
     def check(self, buffer: Any, upto: int) -> None:
         if upto <= self.cursor or not len(self._begin):
             return
-        handle = ffi.from_buffer(buffer)
-        cursor = lib.lifl_check_finite_range(
-            handle, len(self._begin), _ptr("int64_t *", self._begin), _ptr("int64_t *", self._end),
-            _ptr("int32_t *", self._dtype), self.cursor, upto, self._bad_tensor, self._bad_elem,
-        )
+        cursor = lib.lifl_check_finite_range(ffi.from_buffer(buffer), *self._args, self.cursor, upto, self._bad_tensor, self._bad_elem)
         if cursor < 0:
             entry = self._layout.entries[self._bad_tensor[0]]
             index = int(self._bad_elem[0])

@@ -77,6 +77,7 @@ class Segment:
     sealed: bool = False
     holders: Counter = field(default_factory=Counter)
     freed_at: float = 0.0
+    affinity: Hashable = None  # who mapped it last: recycling prefers them (warm page tables)
 
 
 class ObjectStore:
@@ -96,15 +97,17 @@ class ObjectStore:
         self.created = 0
 
     # -- creation -------------------------------------------------------------------------
-    def create(self, tenant: Tenant, size: int, holder: Hashable) -> Segment:
-        """A writable object of ``size`` bytes, held by ``holder``; reuses a pooled buffer if any."""
+    def create(self, tenant: Tenant, size: int, holder: Hashable, affinity: Hashable = None) -> Segment:
+        """A writable object of ``size`` bytes, held by ``holder``; reuses a pooled buffer if any,
+        preferably one that ``affinity`` (the process that will map it) has mapped before."""
         if size <= 0:
             raise Internal(f"object size must be positive, got {size}")
         with self._lock:
-            seg = self._take_pooled(tenant, size)
+            seg = self._take_pooled(tenant, size, affinity)
             if seg is None:
                 self._make_room(size)
                 seg = self._new_segment(tenant, size)
+            seg.affinity = affinity
             self.used_bytes += size
             seg.key = self._fresh_key(tenant, seg)
             seg.holders[holder] += 1
@@ -137,16 +140,18 @@ class ObjectStore:
         self.created += 1
         return Segment(tenant, size, name, fd, os.fstat(fd).st_ino)
 
-    def _take_pooled(self, tenant: Tenant, size: int) -> Segment | None:
-        for inode, seg in self._pool.items():
-            if seg.tenant == tenant and seg.size == size:
-                del self._pool[inode]
-                self.pooled_bytes -= size
-                os.fchmod(seg.fd, WRITING_MODE)
-                seg.sealed = False
-                self.recycled += 1
-                return seg
-        return None
+    def _take_pooled(self, tenant: Tenant, size: int, affinity: Hashable) -> Segment | None:
+        fits = [seg for seg in self._pool.values() if seg.tenant == tenant and seg.size == size]
+        if not fits:
+            return None
+        # the most recently freed buffer, unless the caller mapped one of them before
+        seg = next((f for f in fits if affinity is not None and f.affinity == affinity), fits[-1])
+        del self._pool[seg.inode]
+        self.pooled_bytes -= size
+        os.fchmod(seg.fd, WRITING_MODE)
+        seg.sealed = False
+        self.recycled += 1
+        return seg
 
     def _make_room(self, size: int) -> None:
         while self.used_bytes + self.pooled_bytes + size > self.capacity and self._pool:

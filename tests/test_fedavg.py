@@ -181,3 +181,17 @@ def test_fan_in_is_enforced_and_resize_finishes_early() -> None:
         agg.resize(1)
     agg.resize(2)
     assert agg.complete and agg.result().samples == 3
+
+
+def test_inputs_with_tensors_in_another_order_fold_by_name() -> None:
+    """Contiguous tensors are folded as one run; a blob listing them in another order must not be."""
+    rng = np.random.default_rng(11)
+    tensors = {f"t{i}": rng.standard_normal(100 + i).astype(np.float32) for i in range(6)}
+    forward = fmt.encode(tensors)
+    backward = fmt.encode(dict(reversed(list(tensors.items()))))
+    other = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in tensors.items()}
+    memory = Memory(fmt.parse_layout(forward).spec())
+    contributions = [memory.contribution(forward, 2), memory.contribution(backward, 3), memory.contribution(fmt.encode(other), 5)]
+    got = memory.average(aggregate(memory, contributions, rng))
+    flat = lambda d: np.concatenate([d[f"t{i}"].astype(np.float64) for i in range(6)])  # noqa: E731
+    check_close(got, (flat(tensors) * 5 + flat(other) * 5) / 10, "F32")

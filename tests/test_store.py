@@ -112,3 +112,14 @@ def test_remove_node_objects_only_touches_that_node(shm_node: str) -> None:
         assert other.exists() and not mine.exists()
     finally:
         other.unlink(missing_ok=True)
+
+
+def test_recycling_prefers_the_buffer_the_caller_mapped_before(shm_node: str) -> None:
+    store = ObjectStore(shm_node, capacity=8 << 20, pool_limit=8 << 20)
+    a = store.create(T, 4096, "h", affinity="instance-1")
+    b = store.create(T, 4096, "h", affinity="instance-2")
+    inode_a = a.inode
+    store.release(a.key, "h")
+    store.release(b.key, "h")
+    assert store.create(T, 4096, "h", affinity="instance-1").inode == inode_a
+    store.close()

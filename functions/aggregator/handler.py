@@ -50,13 +50,16 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
     model_header, partial_header = _spec_headers(spec)
     agg = StreamingFedAvg(inv.fan_in)
     handoff_us: list[float] = []
-    recv_s = agg_s = 0.0
+    recv_s = agg_s = alloc_s = 0.0
     live: list[Tensors] = []
 
     def new_accumulator() -> tuple[Tensors, bytes]:
+        nonlocal alloc_s
+        t = time.perf_counter()
         key, mm = ctx.alloc(inv.task, partial_header, spec.partial().data_bytes)
         tensors = _mapped(ctx, mm, spec)
         live.append(tensors)
+        alloc_s += time.perf_counter() - t
         return tensors, key
 
     try:
@@ -116,5 +119,7 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
         "handoff_us": handoff_us,
         "recv_s": recv_s,
         "agg_s": agg_s,
+        "alloc_s": alloc_s,  # part of agg_s: getting (and on first use, mapping) the accumulator
         "send_s": send_s,
+        "bytes": spec.data_bytes,
     }

@@ -1,5 +1,370 @@
+"""`lifl bench dataplane`: the node's data plane against physical references from the same run.
+
+For float32 updates of ResNet-18/34/152 sizes (44.7, 83.3, 230 MB), on a real node:
+
+- ingest_http_ms / ingest_grpc_ms: from the client's first byte until the gateway has
+  acknowledged the update in shared memory (grpcio client, 1 MiB chunks);
+- raw_tcp_ms: the same bytes through a plain loopback socket into a preallocated buffer of a
+  separate process, acknowledged with one byte;
+- handoff_us: leaf -> middle delivery of a key until the middle holds a readable view, as the
+  middle aggregator measured it;
+- aggregate_ms: the weighted accumulate of one update, as leaves fold them (two updates in
+  one fused pass into a float64 accumulator; half that pass per update);
+  accumulate_single_ms: one update folded alone into a warm float64 accumulator;
+- memcpy_ms: a copy of the same size between two pre-faulted shared-memory buffers;
+- peak_rss_mb: proportional set size (shared pages counted once) of the gateway and the
+  aggregators while one 230 MB update is received and handed to its leaf.
+
+Each figure is the median of --reps repetitions, interleaved (raw, HTTP, gRPC, ...) on a quiet
+node so that background work and drift hit all of them alike.
+"""
+
+from __future__ import annotations
+
 import argparse
+import json
+import mmap
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import posix_ipc
+
+from lifl import format as fmt
+from lifl.client import Gateway
+from lifl.kernels import Tensors, fold
+from lifl.node import Node, NodeConfig
+
+MODELS = [("resnet18", 44.7e6, 122), ("resnet34", 83.3e6, 218), ("resnet152", 230e6, 932)]  # name, bytes, tensors
+TARGETS = {
+    "ingest_http": ("ingest_http_ms", "raw_tcp_ms", 1.5),
+    "ingest_grpc": ("ingest_grpc_ms", "raw_tcp_ms", 2.0),
+    "aggregate": ("aggregate_ms", "memcpy_ms", 1.5),
+}
+HANDOFF_TARGET_US = 1000.0
+MEMORY_TARGET = 1.3
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true")
-def main(args):
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--reps", type=int, default=5, help="repetitions per measurement (default 5)")
+    p.add_argument("--models", default=",".join(m[0] for m in MODELS), help="comma-separated subset of " + ", ".join(m[0] for m in MODELS))
+
+
+def main(args: argparse.Namespace) -> int:
+    wanted = args.models.split(",")
+    unknown = set(wanted) - {m[0] for m in MODELS}
+    if unknown:
+        print(f"lifl bench: unknown model(s) {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    result = run([m for m in MODELS if m[0] in wanted], args.reps, log=not args.json)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
     return 0
+
+
+def synthetic_shapes(total_bytes: float, n_tensors: int, rng: np.random.Generator) -> list[tuple[str, tuple[int, ...]]]:
+    """A ResNet-like state dict: a quarter large weight tensors, the rest small vectors."""
+    n_large = max(1, n_tensors // 4)
+    small = [int(rng.integers(64, 2048)) for _ in range(n_tensors - n_large)]
+    remaining = int(total_bytes) // 4 - sum(small)
+    weights = rng.random(n_large) + 0.1
+    large = [int(w) for w in weights / weights.sum() * remaining]
+    large[-1] += remaining - sum(large)
+    shapes = [(f"layer{i}.weight", (n // 9, 9) if n % 9 == 0 else (n,)) for i, n in enumerate(large)]
+    shapes += [(f"layer{i}.bn", (n,)) for i, n in enumerate(small)]
+    return shapes
+
+
+def make_blob(shapes: list[tuple[str, tuple[int, ...]]], rng: np.random.Generator) -> bytes:
+    return fmt.encode({name: (rng.standard_normal(shape, dtype=np.float32) * 0.05) for name, shape in shapes})
+
+
+class ShmBuffer:
+    """A pre-faulted shared-memory buffer of the bench's own (for the memcpy reference)."""
+
+    def __init__(self, size: int) -> None:
+        self._shm = posix_ipc.SharedMemory(None, posix_ipc.O_CREX, size=size)
+        self.mm = mmap.mmap(self._shm.fd, size)
+        self._shm.close_fd()
+        self._shm.unlink()
+        self.array = np.frombuffer(self.mm, np.uint8)
+        self.array[::4096] = 1
+
+    def close(self) -> None:
+        del self.array
+        self.mm.close()
+
+
+def node_pids(node: Node) -> dict[str, list[int]]:
+    agent = node.children["agent"].proc.pid
+    gateway = node.children["gateway"].proc.pid
+    instances = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                stat = (p / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == agent:
+                instances.append(int(p.name))
+    return {"agent": [agent], "gateway": [gateway], "aggregators": instances}
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except OSError:
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def pss_mb(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 1024
+
+
+class Bench:
+    def __init__(self, reps: int, log: bool) -> None:
+        self.reps = reps
+        self.log = log
+        self.tmp = Path(tempfile.mkdtemp(prefix="lifl-bench-", dir="/tmp"))
+        os.chmod(self.tmp, 0o755)
+        self.node = Node(NodeConfig(
+            node=f"b{os.getpid() % 100000}", http="127.0.0.1:0", grpc="127.0.0.1:0", run_dir=self.tmp / "run",
+            data_dir=self.tmp / "data", shm_capacity=8 << 30, pool_limit=4 << 30, keep_warm=600,
+        ))
+        self.addresses = self.node.start()
+        self.http = Gateway(self.addresses.http)
+        self.grpc = Gateway(self.addresses.grpc, protocol="grpc")
+        self.warm_instances()
+
+    def warm_instances(self) -> None:
+        """Run one tiny round so the tenant's aggregator processes exist before anything is
+        measured: instances are per tenant and reused by every job, so their memory and their
+        start-up are per-instance costs, not per-update ones (reported under memory)."""
+        blob = fmt.encode({"w": np.ones(16, np.float32)})
+        self.http.create_job("warmup", 4)
+        self.http.set_model("warmup", blob)
+        for i in range(4):
+            self.ingest_http("warmup", blob, f"w{i}")
+        self.wait_for_version("warmup", 1)
+
+    def close(self) -> None:
+        self.http.close()
+        self.grpc.close()
+        self.node.stop()
+        import shutil
+
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def say(self, text: str) -> None:
+        if self.log:
+            print(text, file=sys.stderr, flush=True)
+
+    # -- clients ------------------------------------------------------------------------------
+    def ingest_http(self, job: str, blob: bytes, client: str) -> float:
+        t0 = time.perf_counter()
+        self.http.push(job, blob, client=client, samples=10, base_version=0)
+        return (time.perf_counter() - t0) * 1e3
+
+    def ingest_grpc(self, job: str, blob: bytes, client: str) -> float:
+        t0 = time.perf_counter()
+        self.grpc.push(job, blob, client=client, samples=10, base_version=0)
+        return (time.perf_counter() - t0) * 1e3
+
+    def wait_quiet(self, timeout: float = 30.0) -> None:
+        """Until the node's processes have used no CPU for 100 ms (aggregation done)."""
+        deadline = time.monotonic() + timeout
+        last = -1.0
+        while time.monotonic() < deadline:
+            pids = [p for group in node_pids(self.node).values() for p in group]
+            now = cpu_seconds(pids)
+            if now - last < 0.005:
+                return
+            last = now
+            time.sleep(0.1)
+
+    # -- one model size ---------------------------------------------------------------------------
+    def measure(self, name: str, size: float, n_tensors: int) -> dict[str, Any]:
+        rng = np.random.default_rng(len(name))
+        shapes = synthetic_shapes(size, n_tensors, rng)
+        model, update = make_blob(shapes, rng), make_blob(shapes, rng)
+        nbytes = len(update)
+        self.http.create_job(name, 2 + 2 * self.reps)
+        self.http.set_model(name, model)
+        self.say(f"{name}: {nbytes / 1e6:.1f} MB, {len(shapes)} tensors")
+
+        sink = subprocess.Popen([sys.executable, "-m", "lifl.bench.rawsink", str(nbytes)], stdout=subprocess.PIPE, text=True)
+        raw = socket.create_connection(("127.0.0.1", int(sink.stdout.readline())))
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def raw_tcp() -> float:
+            t0 = time.perf_counter()
+            raw.sendall(update)
+            raw.recv(1)
+            return (time.perf_counter() - t0) * 1e3
+
+        out: dict[str, Any] = {"size_mb": round(nbytes / 1e6, 1), "tensors": len(shapes)}
+        try:
+            self.wait_quiet()
+            memory = self.cold_ingest_memory(name, update, nbytes)
+            out["ingest_http_cold_ms"] = memory.pop("ingest_ms")
+            out["memory"] = memory
+            self.wait_quiet()
+            out["ingest_grpc_cold_ms"] = round(self.ingest_grpc(name, update, "cold-grpc"), 2)
+            samples: dict[str, list[float]] = {"raw_tcp_ms": [], "ingest_http_ms": [], "ingest_grpc_ms": []}
+            for r in range(self.reps):
+                for key, fn in (("raw_tcp_ms", raw_tcp), ("ingest_http_ms", lambda: self.ingest_http(name, update, f"h{r}")),
+                                ("ingest_grpc_ms", lambda: self.ingest_grpc(name, update, f"g{r}"))):
+                    self.wait_quiet()
+                    samples[key].append(fn())
+            for key, values in samples.items():
+                out[key] = round(statistics.median(values), 2)
+                out[key.replace("_ms", "_min_ms")] = round(min(values), 2)
+        finally:
+            raw.close()
+            sink.kill()
+            sink.wait()
+        self.wait_for_version(name, 1)
+        out.update(self.aggregator_figures(name))
+        out.update(self.kernel_figures(update, nbytes))
+        return out
+
+    def cold_ingest_memory(self, job: str, update: bytes, nbytes: int) -> dict[str, Any]:
+        """The first update of this size (no recycled buffer yet): peak memory while in flight."""
+        groups = node_pids(self.node)
+        watched = groups["gateway"] + groups["aggregators"]
+        baseline = pss_mb(watched) + pss_mb(groups["agent"])
+        peak = [baseline]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                g = node_pids(self.node)
+                peak.append(pss_mb(g["gateway"] + g["aggregators"]) + pss_mb(g["agent"]))
+                time.sleep(0.002)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        t = self.ingest_http(job, update, "cold-http")
+        self.wait_quiet()
+        done.set()
+        sampler.join()
+        g = node_pids(self.node)
+        return {
+            "ingest_ms": round(t, 2),
+            "baseline_mb": round(baseline, 1),
+            "peak_mb": round(max(peak), 1),
+            "per_update_ratio": round((max(peak) - baseline) / (nbytes / 2**20), 3),
+            "gateway_mb": round(pss_mb(g["gateway"]), 1),
+            "aggregators_mb": round(pss_mb(g["aggregators"]), 1),
+            "agent_mb": round(pss_mb(g["agent"]), 1),
+        }
+
+    def wait_for_version(self, job: str, version: int, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.http.job(job)["version"] == version:
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"{job} did not reach version {version}")
+
+    def aggregator_figures(self, job: str) -> dict[str, Any]:
+        from lifl.rpc import Client
+
+        agent = Client.connect(str(self.node.run_dir / "agent.sock"), {"role": "bench"})
+        tasks = [t for t in agent.call("recent")[0]["tasks"] if t["job"] == job]
+        agent.close()
+        pairs = [t for t in tasks if t["role"] == "leaf" and t["inputs"] == 2]
+        folds = [(t["agg_s"] - t["alloc_s"]) * 1e3 / 2 for t in pairs]
+        handoffs = [us for t in tasks if t["role"] == "middle" for us in t["handoff_us"]]
+        return {
+            "aggregate_ms": round(statistics.median(folds), 2),
+            "aggregate_min_ms": round(min(folds), 2),
+            "handoff_us": round(statistics.median(handoffs), 1),
+            "handoff_max_us": round(max(handoffs), 1),
+        }
+
+    def kernel_figures(self, update: bytes, nbytes: int) -> dict[str, Any]:
+        """memcpy reference, and a single-update accumulate, on shared-memory buffers in this process."""
+        src, dst = ShmBuffer(nbytes), ShmBuffer(nbytes)
+        src.array[:] = np.frombuffer(update, np.uint8)
+        layout = fmt.parse_layout(update)
+        spec = layout.spec()
+        partial = fmt.spec_header(spec.partial())
+        acc_buf = ShmBuffer(len(partial) + spec.partial().data_bytes)
+        acc_buf.array[: len(partial)] = np.frombuffer(partial, np.uint8)
+        acc_layout = fmt.parse_layout(acc_buf.mm, allow_partial=True)
+        w, acc = Tensors.of(src.mm, layout, spec), Tensors.of(acc_buf.mm, acc_layout, spec)
+        fold(acc, [(w, 3)], init=True)
+        copies, single = [], []
+        for _ in range(self.reps):
+            t0 = time.perf_counter()
+            np.copyto(dst.array, src.array)
+            copies.append((time.perf_counter() - t0) * 1e3)
+            t0 = time.perf_counter()
+            fold(acc, [(w, 3)], init=False)
+            single.append((time.perf_counter() - t0) * 1e3)
+        w.release()
+        acc.release()
+        for b in (src, dst, acc_buf):
+            b.close()
+        return {"memcpy_ms": round(statistics.median(copies), 2), "accumulate_single_ms": round(statistics.median(single), 2)}
+
+
+def run(models: list[tuple[str, float, int]], reps: int, log: bool = False) -> dict[str, Any]:
+    bench = Bench(reps, log)
+    try:
+        sizes = {name: bench.measure(name, size, n) for name, size, n in models}
+    finally:
+        bench.close()
+    for figures in sizes.values():
+        ratios = {name: round(figures[a] / figures[b], 3) for name, (a, b, _) in TARGETS.items()}
+        figures["ratios"] = ratios
+        figures["targets_met"] = {
+            **{name: ratios[name] <= limit for name, (_, _, limit) in TARGETS.items()},
+            "handoff": figures["handoff_us"] <= HANDOFF_TARGET_US,
+            "memory": figures["memory"]["per_update_ratio"] <= MEMORY_TARGET,
+        }
+    biggest = sizes[max(sizes, key=lambda k: sizes[k]["size_mb"])]
+    return {
+        "benchmark": "dataplane",
+        "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
+        "reps": reps,
+        "sizes": sizes,
+        "peak_rss_mb": biggest["memory"]["peak_mb"],
+        "all_targets_met": all(all(f["targets_met"].values()) for f in sizes.values()),
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    cols = ["size_mb", "raw_tcp_ms", "ingest_http_ms", "ingest_grpc_ms", "memcpy_ms", "aggregate_ms", "accumulate_single_ms", "handoff_us"]
+    print(f"{'model':<10}" + "".join(f"{c:>22}" for c in cols))
+    for name, f in result["sizes"].items():
+        print(f"{name:<10}" + "".join(f"{f[c]:>22}" for c in cols))
+    print()
+    for name, f in result["sizes"].items():
+        print(f"{name}: ratios {f['ratios']}, memory per in-flight update {f['memory']['per_update_ratio']}x, targets {f['targets_met']}")
+    print(f"peak PSS (gateway + aggregators + agent) with one update of the largest size in flight: {result['peak_rss_mb']} MB")
