@@ -10,6 +10,8 @@ bytes are still in cache. Any failure aborts the object, so nothing of a bad blo
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 
 from lifl import format as fmt
@@ -17,7 +19,38 @@ from lifl.errors import BadRequest, PayloadTooLarge, Unprocessable
 from lifl.kernels import FiniteChecker
 from lifl.store import MappingCache
 
-CHECK_EVERY = 1 << 20  # check finiteness every MiB received: still hot in L2/L3
+CHECK_EVERY = 256 << 10  # check finiteness every 256 KiB received, while it is hot in L2
+
+
+class LayoutCache:
+    """Validated layouts by exact header bytes: clients of one job send the same header with
+    every update, and validating it (JSON, offsets, the model's tensors) is deterministic."""
+
+    def __init__(self, entries: int = 256) -> None:
+        self._entries: OrderedDict[tuple[bytes, int], tuple[fmt.ModelSpec | None, fmt.Layout]] = OrderedDict()
+        self._max = entries
+        self._lock = threading.Lock()
+
+    def validate(self, header: bytes, spec: fmt.ModelSpec | None, limit: int) -> fmt.Layout:
+        key = (header, id(spec))
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None and hit[0] is spec:
+                self._entries.move_to_end(key)
+                layout = hit[1]
+                if layout.total_size > limit:
+                    raise PayloadTooLarge(f"blob declares {layout.total_size} bytes, over the limit of {limit} bytes")
+                return layout
+        layout = fmt.parse_header(header, limit=limit)
+        if spec is not None:
+            fmt.check_matches(layout, spec)
+        elif not layout.entries:
+            raise Unprocessable("a model needs at least one tensor", code="empty_model")
+        with self._lock:
+            self._entries[key] = (spec, layout)
+            while len(self._entries) > self._max:
+                self._entries.popitem(last=False)
+        return layout
 
 
 class BlobSink:
@@ -28,12 +61,14 @@ class BlobSink:
         spec: fmt.ModelSpec | None,
         admit: Callable[[fmt.Layout], tuple[bytes, int]],
         mappings: MappingCache,
+        layouts: LayoutCache,
         expected_size: int | None = None,
     ) -> None:
         self._limit = limit
         self._spec = spec
         self._admit = admit
         self._mappings = mappings
+        self._layouts = layouts
         self._expected = expected_size
         self._prefix = bytearray(fmt.PREFIX_BYTES)
         self._header: bytearray | None = None
@@ -101,11 +136,7 @@ class BlobSink:
 
     def _on_header(self) -> None:
         assert self._header is not None
-        layout = fmt.parse_header(self._header, limit=self._limit)
-        if self._spec is not None:
-            fmt.check_matches(layout, self._spec)
-        elif not layout.entries:
-            raise Unprocessable("a model needs at least one tensor", code="empty_model")
+        layout = self._layouts.validate(bytes(self._header), self._spec, self._limit)
         if self._expected is not None and self._expected != layout.total_size:
             raise BadRequest(
                 f"body has {self._expected} bytes but the blob's header declares {layout.total_size}",

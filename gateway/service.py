@@ -15,7 +15,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from lifl.gateway.ingest import BlobSink
+from lifl.gateway.ingest import BlobSink, LayoutCache
 from lifl import format as fmt
 from lifl.errors import BadRequest, Conflict, LiflError
 from lifl.jobs import JobSpec
@@ -76,7 +76,8 @@ class Ingest:
         self.agent = service.agent()
         self.started = time.perf_counter()
         self.version: int | None = None
-        self.sink = BlobSink(limit=limit, spec=spec, admit=self._admit, mappings=service.mappings, expected_size=expected_size)
+        self.sink = BlobSink(limit=limit, spec=spec, admit=self._admit, mappings=service.mappings,
+                             layouts=service.layouts, expected_size=expected_size)
 
     def _admit(self, layout: fmt.Layout) -> tuple[bytes, int]:
         if self.kind == "model":
@@ -132,6 +133,7 @@ class GatewayService:
         self.state = state
         self.agent_socket = agent_socket
         self.mappings = MappingCache()
+        self.layouts = LayoutCache()
         self.metrics = GatewayMetrics()
         self._local = threading.local()
 

@@ -82,6 +82,7 @@ class ClusterState:
         self._reserve = self.redis.register_script(_RESERVE)
         self._count = self.redis.register_script(_COUNT)
         self._install = self.redis.register_script(_INSTALL)
+        self._specs: dict[str, ModelSpec] = {}
 
     def ping(self) -> None:
         self.redis.ping()
@@ -106,13 +107,24 @@ class ClusterState:
             version=int(h["version"]),
             model_key=h.get("model_key", ""),
             model_node=h.get("model_node", ""),
-            model_spec=ModelSpec.from_json(json.loads(h["model_spec"])) if h.get("model_spec") else None,
+            model_spec=self._model_spec(h.get("model_spec", "")),
             reserved=int(h["reserved"]),
             accepted=int(h["accepted"]),
             aggregated=int(h["aggregated"]),
             rejected={k[9:]: int(v) for k, v in h.items() if k.startswith("rejected.")},
             last_round=json.loads(h["last_round"]) if h.get("last_round") else None,
         )
+
+    def _model_spec(self, text: str) -> ModelSpec | None:
+        """Parsed once per distinct spec (it never changes once a job's model is set)."""
+        if not text:
+            return None
+        spec = self._specs.get(text)
+        if spec is None:
+            if len(self._specs) > 256:
+                self._specs.clear()
+            spec = self._specs[text] = ModelSpec.from_json(json.loads(text))
+        return spec
 
     def job_names(self) -> list[str]:
         return sorted(self.redis.smembers("lifl:jobs"))
