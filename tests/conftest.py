@@ -17,6 +17,20 @@ import redis
 from lifl.state import ClusterState
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--all", action="store_true", help="also run the slow suites (real nodes, big objects); CI does")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Fast by default: slow suites run with --all (make test) or when selected with -m."""
+    if config.getoption("--all") or config.getoption("-m"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --all (make test)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real redis-server listening on a unix socket; yields its URL (database 0)."""

@@ -1,0 +1,29 @@
+# The two commands a newcomer runs (both install what they need first):
+#   make demo   - start a node and aggregate a round of updates over HTTP and gRPC
+#   make test   - the whole test suite, including the slow and root-only suites
+.PHONY: install demo test test-fast bench proto clean
+
+PY := .venv/bin/python
+
+install:
+	@scripts/install.sh
+
+demo: install
+	$(PY) scripts/session.py
+
+test: install
+	$(PY) -m pytest --all -q
+
+test-fast: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) -m lifl bench dataplane
+
+# Regenerate the gRPC stubs after editing gateway/lifl.proto.
+proto: install
+	tmp=$$(mktemp -d) && $(PY) -m grpc_tools.protoc -Ilifl/gateway=gateway --python_out=$$tmp --grpc_python_out=$$tmp gateway/lifl.proto \
+	  && mv $$tmp/lifl/gateway/*.py gateway/ && rm -rf $$tmp
+
+clean:
+	rm -rf .venv build *.egg-info lifl/*.so .pytest_cache

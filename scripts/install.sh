@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Install everything lifl needs on Debian/Ubuntu: system packages, then the Python environment
+# in .venv (lifl installed in editable mode, with its C kernels built). Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(redis-server gcc libc6-dev python3-dev python3-venv iproute2 procps)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "lifl: installing system packages: ${missing[*]}"
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+python="${PYTHON:-python3}"
+"$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || { echo "lifl needs Python 3.11 or newer ($python is $("$python" --version 2>&1))"; exit 1; }
+if [ ! -x .venv/bin/python ]; then
+  "$python" -m venv .venv
+fi
+stamp=.venv/.lifl-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] || [ lifl/kernels.c -nt "$stamp" ]; then
+  # quiet unless it fails (setuptools' deprecation notices are not ours to act on)
+  if ! { .venv/bin/python -m pip install -q --upgrade pip && .venv/bin/python -m pip install -q -e '.[dev]'; } >.venv/install.log 2>&1; then
+    cat .venv/install.log
+    echo "lifl: installing the Python environment failed (log above, also in .venv/install.log)"
+    exit 1
+  fi
+  touch "$stamp"
+fi
+echo "lifl: installed (.venv/bin/lifl)"
