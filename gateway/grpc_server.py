@@ -28,7 +28,7 @@ from lifl.errors import BadRequest, Internal, LiflError
 from lifl.gateway import lifl_pb2 as pb
 from lifl.gateway.ingest import BlobSink
 from lifl.gateway.service import GatewayService, Ingest, ModelView, UpdateMeta
-from lifl.gateway.stream import Stream
+from lifl.gateway.stream import Stream, ThreadedServer
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
@@ -645,23 +645,10 @@ def _sendmsg_all(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
                 sent = 0
 
 
-class GrpcServer:
+class GrpcServer(ThreadedServer):
     def __init__(self, service: GatewayService, host: str, port: int) -> None:
+        super().__init__(host, port)
         self.service = service
-        self._sock = socket.create_server((host, port), backlog=256)
-        self.address = self._sock.getsockname()[:2]
 
-    def start(self) -> None:
-        threading.Thread(target=self._accept_loop, name="grpc-accept", daemon=True).start()
-
-    def stop(self) -> None:
-        self._sock.close()
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=H2Connection(sock, self.service).run, daemon=True).start()
-
+    def serve(self, sock: socket.socket) -> None:
+        H2Connection(sock, self.service).run()

@@ -13,7 +13,6 @@ import os
 import re
 import select
 import socket
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from typing import Any
 
 from lifl.errors import BadRequest, LiflError, NotFound, Overloaded
 from lifl.gateway.service import GatewayService, Ingest, UpdateMeta
-from lifl.gateway.stream import Stream
+from lifl.gateway.stream import Stream, ThreadedServer
 
 MAX_HEAD = 64 << 10
 MAX_JSON_BODY = 1 << 20
@@ -141,12 +140,10 @@ def error_response(e: LiflError) -> Response:
     return json_response(e.status, e.body(), headers)
 
 
-class HttpServer:
-    def __init__(self, service: GatewayService, host: str, port: int, max_connections: int = 1024) -> None:
+class HttpServer(ThreadedServer):
+    def __init__(self, service: GatewayService, host: str, port: int) -> None:
+        super().__init__(host, port)
         self.service = service
-        self._sock = socket.create_server((host, port), backlog=256, reuse_port=False)
-        self.address = self._sock.getsockname()[:2]
-        self._slots = threading.BoundedSemaphore(max_connections)
         self._routes: list[tuple[str, re.Pattern[str], Callable[..., Response]]] = [
             ("POST", re.compile(r"/v1/jobs"), self.create_job),
             ("GET", re.compile(r"/v1/jobs"), self.list_jobs),
@@ -158,34 +155,13 @@ class HttpServer:
             ("GET", re.compile(r"/healthz"), lambda req: json_response(200, {"ok": True})),
         ]
 
-    def start(self) -> None:
-        threading.Thread(target=self._accept_loop, name="http-accept", daemon=True).start()
-
-    def stop(self) -> None:
-        self._sock.close()
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, _ = self._sock.accept()
-            except OSError:
-                return
-            if not self._slots.acquire(blocking=False):
-                self._refuse(sock)
-                continue
-            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
-
-    @staticmethod
-    def _refuse(sock: socket.socket) -> None:
+    def refuse(self, sock: socket.socket) -> None:
         body = json.dumps(Overloaded("too many connections").body()).encode()
-        try:
-            sock.sendall(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nConnection: close\r\n"
-                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-        finally:
-            sock.close()
+        sock.sendall(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nConnection: close\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
 
     # -- connection ----------------------------------------------------------------------------
-    def _serve(self, sock: socket.socket) -> None:
+    def serve(self, sock: socket.socket) -> None:
         sock.settimeout(IDLE_TIMEOUT)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         stream = Stream(sock)
@@ -216,8 +192,6 @@ class HttpServer:
             return
         finally:
             self.service.close_thread()
-            self._slots.release()
-            sock.close()
 
     @staticmethod
     def _parse(head: bytes, stream: Stream) -> Request:

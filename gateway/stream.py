@@ -1,9 +1,12 @@
-"""A socket read side for protocol parsers: small reads go through a buffer, bulk reads land
-directly in the caller's memory (a shared-memory object) with no intermediate copy."""
+"""Socket plumbing shared by the gateway's front ends: a listener with a thread per connection,
+and a read side on which small reads go through a buffer while bulk reads land directly in the
+caller's memory (a shared-memory object) with no intermediate copy."""
 
 from __future__ import annotations
 
 import socket
+import threading
+from abc import ABC, abstractmethod
 
 from lifl.errors import BadRequest
 
@@ -66,3 +69,47 @@ class Stream:
     @property
     def buffered(self) -> int:
         return len(self._buf)
+
+
+class ThreadedServer(ABC):
+    """Accepts connections and serves each on its own thread, up to ``max_connections``;
+    subclasses implement ``serve`` (and ``refuse``, for connections over the limit)."""
+
+    def __init__(self, host: str, port: int, max_connections: int = 1024) -> None:
+        self._sock = socket.create_server((host, port), backlog=256)
+        self.address = self._sock.getsockname()[:2]
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def start(self) -> None:
+        threading.Thread(target=self._accept_loop, name=f"{type(self).__name__}-accept", daemon=True).start()
+
+    def stop(self) -> None:
+        self._sock.close()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self._sock.accept()
+            except OSError:
+                return
+            if not self._slots.acquire(blocking=False):
+                try:
+                    self.refuse(sock)
+                finally:
+                    sock.close()
+                continue
+            threading.Thread(target=self._run, args=(sock,), daemon=True).start()
+
+    def _run(self, sock: socket.socket) -> None:
+        try:
+            self.serve(sock)
+        finally:
+            self._slots.release()
+            sock.close()
+
+    @abstractmethod
+    def serve(self, sock: socket.socket) -> None:
+        """Speak the front end's protocol on one connection until it ends."""
+
+    def refuse(self, sock: socket.socket) -> None:
+        """Called for a connection over the limit, before it is closed."""

@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from lifl import format as fmt
 from lifl.channel import KIND_CLOSE, KeyMessage, UnixKeyChannel, now_ns
-from lifl.errors import BadRequest, Conflict, Internal, LiflError, NotFound, Overloaded
+from lifl.errors import BadRequest, Conflict, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge
 from lifl.jobs import JobSpec
 from lifl.procs import die_with_parent
 from lifl.planner import LEAF, MIDDLE, ROLES, TOP, InstanceView, RoundPlan, expired, pick_warm
@@ -359,7 +359,7 @@ class Agent:
         if run.model_upload:
             raise Conflict(f"the model of job {job!r} is being uploaded already", code="model_upload_in_progress")
         if size > run.spec.max_update_bytes:
-            raise BadRequest(f"model of {size} bytes exceeds the job's limit", code="payload_too_large")
+            raise PayloadTooLarge(f"model of {size} bytes exceeds the job's limit of {run.spec.max_update_bytes} bytes")
         seg = self.store.create(run.tenant, size, holder, affinity="gateway")
         run.model_upload = True
         self.uploads[seg.key] = Upload(job, NO_MODEL, holder)

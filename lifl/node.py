@@ -80,8 +80,8 @@ class Addresses:
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str], ready: str | None, pdeathsig: bool = False) -> None:
-        self.name, self.argv, self.ready_prefix, self.pdeathsig = name, argv, ready, pdeathsig
+    def __init__(self, name: str, argv: list[str], ready: str | None, log: IO[str], pdeathsig: bool = False) -> None:
+        self.name, self.argv, self.ready_prefix, self.log, self.pdeathsig = name, argv, ready, log, pdeathsig
         self.proc: subprocess.Popen | None = None
         self.ready_line = ""
         self.restarts = 0
@@ -92,7 +92,7 @@ class Child:
             preexec_fn=die_with_parent if self.pdeathsig else None,
         )
         if self.ready_prefix is None:
-            threading.Thread(target=_forward, args=(self.proc.stdout,), daemon=True).start()
+            threading.Thread(target=_forward, args=(self.proc.stdout, self.log), daemon=True).start()
             return
         deadline = time.monotonic() + timeout
         assert self.proc.stdout is not None
@@ -100,12 +100,12 @@ class Child:
             line = self.proc.stdout.readline()
             if line.startswith(self.ready_prefix):
                 self.ready_line = line.strip()
-                threading.Thread(target=_forward, args=(self.proc.stdout,), daemon=True).start()
+                threading.Thread(target=_forward, args=(self.proc.stdout, self.log), daemon=True).start()
                 return
             if not line or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"{self.name} did not start (exit status {self.proc.poll()})")
-            sys.stdout.write(line)
+            self.log.write(line)
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -118,17 +118,18 @@ class Child:
             self.proc.wait()
 
 
-def _forward(stream: IO[str] | None) -> None:
+def _forward(stream: IO[str] | None, log: IO[str]) -> None:
     if stream is None:
         return
     for line in stream:
-        sys.stdout.write(line)
-        sys.stdout.flush()
+        log.write(line)
+        log.flush()
 
 
 class Node:
-    def __init__(self, config: NodeConfig) -> None:
+    def __init__(self, config: NodeConfig, log: IO[str] = sys.stdout) -> None:
         self.config = config
+        self.log = log  # where the node's processes' output goes
         self.children: dict[str, Child] = {}
         self.addresses: Addresses | None = None
         self._stop = threading.Event()
@@ -154,12 +155,12 @@ class Node:
             py, "-m", "lifl.agent", "--node", c.node, "--run-dir", str(self.run_dir), "--redis", redis_url,
             "--shm-capacity", str(c.shm_capacity), "--pool-limit", str(c.pool_limit),
             "--max-instances", str(c.max_instances), "--keep-warm", str(c.keep_warm),
-        ], ready="ready")
+        ], ready="ready", log=self.log)
         agent.start()
         self.children["gateway"] = gateway = Child("gateway", [
             py, "-m", "lifl.gateway", "--node", c.node, "--redis", redis_url,
             "--agent-socket", str(self.run_dir / "agent.sock"), "--http", c.http, "--grpc", c.grpc,
-        ], ready="{")
+        ], ready="{", log=self.log)
         gateway.start()
         addresses = json.loads(gateway.ready_line)
         self.addresses = Addresses(addresses["http"], addresses["grpc"], redis_url)
@@ -186,7 +187,7 @@ class Node:
         self.children["redis"] = child = Child("redis", [
             exe, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700", "--dir", str(directory),
             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--logfile", str(directory / "redis.log"),
-        ], ready=None, pdeathsig=True)
+        ], ready=None, log=self.log, pdeathsig=True)
         child.start()
         return f"unix://{sock}"
 

@@ -101,9 +101,10 @@ def up(shm_node: str, run_dir: Path) -> Iterator[Up]:
     subprocess.run(["pkill", "-9", "-f", "--", f"--node {shm_node}"], check=False)
 
 
-def test_clean_stop_leaves_nothing(up: Up) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_clean_stop_leaves_nothing(up: Up, sig: int) -> None:
     up.start_round()
-    up.proc.send_signal(signal.SIGINT)
+    up.proc.send_signal(sig)
     assert up.proc.wait(30) == 0
     assert up.shm() == [] and set(up.pids()) == {"supervisor"}
 

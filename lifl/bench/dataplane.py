@@ -154,7 +154,7 @@ class Bench:
         self.node = Node(NodeConfig(
             node=f"b{os.getpid() % 100000}", http="127.0.0.1:0", grpc="127.0.0.1:0", run_dir=self.tmp / "run",
             data_dir=self.tmp / "data", shm_capacity=8 << 30, pool_limit=4 << 30, keep_warm=600,
-        ))
+        ), log=sys.stderr)  # stdout carries the result alone
         self.addresses = self.node.start()
         self.http = Gateway(self.addresses.http)
         self.grpc = Gateway(self.addresses.grpc, protocol="grpc")
