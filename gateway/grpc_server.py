@@ -53,6 +53,7 @@ MAX_META = 64 << 10
 MODEL_CHUNK = 1 << 20
 IDLE_TIMEOUT = 300.0
 SERVICE = "/lifl.v1.Gateway/"
+UNARY = ("CreateJob", "GetJob", "GetModel", "TakeLease", "Heartbeat", "ReleaseLease", "GetRounds")
 
 
 class ConnectionError_(Exception):
@@ -436,7 +437,7 @@ class H2Connection:
                 raise LiflError("only identity encoding is supported", code="unsupported_encoding", grpc_status="UNIMPLEMENTED")
             if st.method in ("SetModel", "PushUpdate"):
                 st.reader = MessageReader(lambda meta, st=st: self._open_blob(st, meta))
-            elif st.method in ("CreateJob", "GetJob", "GetModel"):
+            elif st.method in UNARY:
                 st.reader = MessageReader(None)
             else:
                 raise LiflError(f"unknown method {method}", code="unimplemented", grpc_status="UNIMPLEMENTED")
@@ -507,7 +508,7 @@ class H2Connection:
         try:
             if st.method == "PushUpdate":
                 m = pb.UpdateMeta.FromString(meta_bytes)
-                meta = UpdateMeta.parse(m.job, m.client, m.samples, m.base_version)
+                meta = UpdateMeta.parse(m.job, m.client, m.samples, m.base_version, m.lease)
                 st.ingest = self.service.begin_update(meta, "grpc", m.size or None)
             else:
                 mm = pb.ModelMeta.FromString(meta_bytes)
@@ -535,22 +536,14 @@ class H2Connection:
         if reader.messages != 1:
             raise BadRequest("a unary request must be exactly one message")
         try:
-            if st.method == "CreateJob":
-                req = pb.CreateJobRequest.FromString(bytes(reader.unary))
-                body: dict[str, Any] = {"job": req.job, "goal": req.goal}
-                for name in ("tenant", "leaf_fan_in", "max_update_bytes", "max_inflight"):
-                    if getattr(req, name):
-                        body[name] = getattr(req, name)
-                self._reply(st, _job_status(self.service.create_job(body)).SerializeToString())
-            elif st.method == "GetJob":
-                req = pb.GetJobRequest.FromString(bytes(reader.unary))
-                self._reply(st, _job_status(self.service.job_status(req.job)).SerializeToString())
-            else:
-                req = pb.GetModelRequest.FromString(bytes(reader.unary))
+            request = bytes(reader.unary)
+            if st.method == "GetModel":
+                req = pb.GetModelRequest.FromString(request)
                 view = self.service.open_model(req.job)
                 st.sender = threading.Thread(target=self._send_model, args=(st, req.job, view), daemon=True)
                 st.sender.start()
                 return
+            self._reply(st, self._unary(st.method, request).SerializeToString())
         except LiflError:
             raise
         except Exception as e:
@@ -558,6 +551,31 @@ class H2Connection:
                 raise BadRequest(f"bad request message: {e}") from None
             raise
         st.failed = True
+
+    def _unary(self, method: str, request: bytes) -> Any:
+        service = self.service
+        if method == "CreateJob":
+            req = pb.CreateJobRequest.FromString(request)
+            body: dict[str, Any] = {"job": req.job, "goal": req.goal}
+            for name in ("tenant", "leaf_fan_in", "max_update_bytes", "max_inflight", "round_deadline_s", "min_updates",
+                         "lease_ttl_s", "over_selection"):
+                if getattr(req, name):  # proto3: 0 or "" means "use the default"
+                    body[name] = getattr(req, name)
+            return _job_status(service.create_job(body))
+        if method == "GetJob":
+            return _job_status(service.job_status(pb.GetJobRequest.FromString(request).job))
+        if method == "TakeLease":
+            req = pb.TakeLeaseRequest.FromString(request)
+            return pb.Lease(**service.take_lease(req.job, req.client))
+        if method == "Heartbeat":
+            req = pb.LeaseRequest.FromString(request)
+            return pb.Lease(**service.heartbeat(req.job, req.lease))
+        if method == "ReleaseLease":
+            req = pb.LeaseRequest.FromString(request)
+            service.release_lease(req.job, req.lease)
+            return pb.Lease(lease=req.lease)
+        req = pb.GetRoundsRequest.FromString(request)
+        return pb.Rounds(rounds=[_last_round(r) for r in service.rounds(req.job, req.limit or 100)])
 
     def _send_model(self, st: H2Stream, job: str, view: ModelView) -> None:
         headers_sent = False
@@ -616,19 +634,31 @@ class H2Connection:
             remaining -= n
 
 
+def _optional(value: Any) -> int:
+    return -1 if value is None else value
+
+
+def _last_round(r: dict[str, Any]) -> pb.LastRound:
+    return pb.LastRound(
+        version=r["version"], updates=r["updates"], samples=r["samples"], seconds=r["seconds"] or 0.0,
+        outcome=r["outcome"], round=r["round"], new_version=_optional(r["new_version"]), reason=r.get("reason", ""),
+    )
+
+
 def _job_status(status: dict[str, Any]) -> pb.JobStatus:
     rnd = status["round"]
     out = pb.JobStatus(
         job=status["job"], tenant=status["tenant"], goal=status["goal"], leaf_fan_in=status["leaf_fan_in"],
-        version=-1 if status["version"] is None else status["version"], queued=status["queued"],
-        round=pb.RoundStatus(version=-1 if rnd["version"] is None else rnd["version"], received=rnd["received"],
-                             in_progress=rnd["in_progress"], aggregated=rnd["aggregated"], rejected=rnd["rejected"]),
+        version=_optional(status["version"]), queued=status["queued"],
+        round=pb.RoundStatus(
+            version=_optional(rnd["version"]), received=rnd["received"], in_progress=rnd["in_progress"],
+            aggregated=rnd["aggregated"], rejected=rnd["rejected"], id=_optional(rnd["id"]),
+            opened_at=rnd["opened_at"] or 0.0, closed=rnd["closed"], leases=rnd["leases"],
+        ),
         aggregators=status["aggregators"],
     )
-    last = status.get("last_round")
-    if last:
-        out.last_round.CopyFrom(pb.LastRound(version=last["version"], updates=last["updates"], samples=last["samples"],
-                                             seconds=last["seconds"], outcome=last["outcome"]))
+    if status.get("last_round"):
+        out.last_round.CopyFrom(_last_round(status["last_round"]))
     return out
 
 

@@ -15,6 +15,7 @@ import select
 import socket
 import time
 import traceback
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ DRAIN_LIMIT = 1 << 20  # a refused body up to this size is read and dropped to k
 LINGER_SECONDS = 2.0
 
 REASONS = {
-    100: "Continue", 200: "OK", 201: "Created", 202: "Accepted", 400: "Bad Request", 404: "Not Found",
+    100: "Continue", 200: "OK", 201: "Created", 202: "Accepted", 204: "No Content", 400: "Bad Request", 404: "Not Found",
     405: "Method Not Allowed", 409: "Conflict", 411: "Length Required", 413: "Payload Too Large",
     422: "Unprocessable Entity", 500: "Internal Server Error", 501: "Not Implemented", 503: "Service Unavailable",
 }
@@ -117,6 +118,7 @@ class Request:
     body: Body
     keep_alive: bool
     sock: socket.socket
+    query: str = ""
 
 
 @dataclass
@@ -151,6 +153,10 @@ class HttpServer(ThreadedServer):
             ("PUT", re.compile(r"/v1/jobs/([^/]+)/model"), self.put_model),
             ("GET", re.compile(r"/v1/jobs/([^/]+)/model"), self.get_model),
             ("POST", re.compile(r"/v1/jobs/([^/]+)/updates"), self.post_update),
+            ("GET", re.compile(r"/v1/jobs/([^/]+)/rounds"), self.get_rounds),
+            ("POST", re.compile(r"/v1/jobs/([^/]+)/leases"), self.take_lease),
+            ("PUT", re.compile(r"/v1/jobs/([^/]+)/leases/([^/]+)"), self.heartbeat),
+            ("DELETE", re.compile(r"/v1/jobs/([^/]+)/leases/([^/]+)"), self.release_lease),
             ("GET", re.compile(r"/metrics"), self.metrics),
             ("GET", re.compile(r"/healthz"), lambda req: json_response(200, {"ok": True})),
         ]
@@ -227,8 +233,8 @@ class HttpServer(ThreadedServer):
             length = int(headers["content-length"])
         connection = headers.get("connection", "").lower()
         keep_alive = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
-        path = target.split("?", 1)[0]
-        return Request(method, path, headers, Body(stream, length, chunked), keep_alive, stream.sock)
+        path, _, query = target.partition("?")
+        return Request(method, path, headers, Body(stream, length, chunked), keep_alive, stream.sock, query)
 
     def _handle(self, request: Request) -> Response:
         allowed = []
@@ -253,8 +259,8 @@ class HttpServer(ThreadedServer):
     @staticmethod
     def _send(sock: socket.socket, r: Response, *, close: bool) -> None:
         headers = dict(r.headers or {})
-        size = r.sendfile[1] if r.sendfile else len(r.body)
-        headers["Content-Length"] = str(size)
+        if r.status != 204:  # a 204 has no body, and says nothing of its length
+            headers["Content-Length"] = str(r.sendfile[1] if r.sendfile else len(r.body))
         if close:
             headers["Connection"] = "close"
         head = f"HTTP/1.1 {r.status} {REASONS.get(r.status, 'Unknown')}\r\n"
@@ -282,12 +288,37 @@ class HttpServer(ThreadedServer):
             pass
 
     # -- endpoints -----------------------------------------------------------------------------
-    def create_job(self, req: Request) -> Response:
+    @staticmethod
+    def _json_body(req: Request, what: str) -> Any:
         try:
-            body = json.loads(req.body.read_all(MAX_JSON_BODY) or b"null")
+            return json.loads(req.body.read_all(MAX_JSON_BODY) or b"null")
         except json.JSONDecodeError as e:
-            raise BadRequest(f"job is not valid JSON: {e.msg} at position {e.pos}", code="bad_json") from None
-        return json_response(201, self.service.create_job(body))
+            raise BadRequest(f"{what} is not valid JSON: {e.msg} at position {e.pos}", code="bad_json") from None
+
+    def create_job(self, req: Request) -> Response:
+        return json_response(201, self.service.create_job(self._json_body(req, "job")))
+
+    def get_rounds(self, req: Request, job: str) -> Response:
+        limit = 100
+        if req.query:
+            params = urllib.parse.parse_qs(req.query)
+            text = params.get("limit", ["100"])[0]
+            if not text.isdigit() or not 1 <= int(text) <= 10000:
+                raise BadRequest("limit must be an integer in [1, 10000]", code="bad_query")
+            limit = int(text)
+        return json_response(200, {"rounds": self.service.rounds(job, limit)})
+
+    def take_lease(self, req: Request, job: str) -> Response:
+        body = self._json_body(req, "lease request")
+        client = body.get("client") if isinstance(body, dict) else None
+        return json_response(201, self.service.take_lease(job, client))
+
+    def heartbeat(self, req: Request, job: str, lease: str) -> Response:
+        return json_response(200, self.service.heartbeat(job, lease))
+
+    def release_lease(self, req: Request, job: str, lease: str) -> Response:
+        self.service.release_lease(job, lease)
+        return Response(204)
 
     def list_jobs(self, req: Request) -> Response:
         return json_response(200, {"jobs": self.service.state.job_names()})
@@ -302,7 +333,8 @@ class HttpServer(ThreadedServer):
 
     def post_update(self, req: Request, job: str) -> Response:
         h = req.headers
-        meta = UpdateMeta.parse(job, h.get("x-lifl-client"), h.get("x-lifl-samples"), h.get("x-lifl-base-version"))
+        meta = UpdateMeta.parse(job, h.get("x-lifl-client"), h.get("x-lifl-samples"), h.get("x-lifl-base-version"),
+                                h.get("x-lifl-lease", ""))
         _require_framing(req)
         ingest = self.service.begin_update(meta, "http", req.body.length)
         return json_response(202, self._receive(req, ingest))

@@ -59,6 +59,26 @@ class GatewayStub:
                 request_serializer=lifl_dot_gateway_dot_lifl__pb2.UpdateChunk.SerializeToString,
                 response_deserializer=lifl_dot_gateway_dot_lifl__pb2.PushUpdateReply.FromString,
                 _registered_method=True)
+        self.TakeLease = channel.unary_unary(
+                '/lifl.v1.Gateway/TakeLease',
+                request_serializer=lifl_dot_gateway_dot_lifl__pb2.TakeLeaseRequest.SerializeToString,
+                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.Lease.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/lifl.v1.Gateway/Heartbeat',
+                request_serializer=lifl_dot_gateway_dot_lifl__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.Lease.FromString,
+                _registered_method=True)
+        self.ReleaseLease = channel.unary_unary(
+                '/lifl.v1.Gateway/ReleaseLease',
+                request_serializer=lifl_dot_gateway_dot_lifl__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.Lease.FromString,
+                _registered_method=True)
+        self.GetRounds = channel.unary_unary(
+                '/lifl.v1.Gateway/GetRounds',
+                request_serializer=lifl_dot_gateway_dot_lifl__pb2.GetRoundsRequest.SerializeToString,
+                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.Rounds.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -96,6 +116,32 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TakeLease(self, request, context):
+        """A place in the current round for a client about to train; keep it with Heartbeat.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLease(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRounds(self, request, context):
+        """Finished rounds, oldest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +169,26 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.PushUpdate,
                     request_deserializer=lifl_dot_gateway_dot_lifl__pb2.UpdateChunk.FromString,
                     response_serializer=lifl_dot_gateway_dot_lifl__pb2.PushUpdateReply.SerializeToString,
+            ),
+            'TakeLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.TakeLease,
+                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.TakeLeaseRequest.FromString,
+                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.Lease.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.LeaseRequest.FromString,
+                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.Lease.SerializeToString,
+            ),
+            'ReleaseLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLease,
+                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.LeaseRequest.FromString,
+                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.Lease.SerializeToString,
+            ),
+            'GetRounds': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRounds,
+                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.GetRoundsRequest.FromString,
+                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.Rounds.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -260,6 +326,114 @@ class Gateway:
             '/lifl.v1.Gateway/PushUpdate',
             lifl_dot_gateway_dot_lifl__pb2.UpdateChunk.SerializeToString,
             lifl_dot_gateway_dot_lifl__pb2.PushUpdateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TakeLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lifl.v1.Gateway/TakeLease',
+            lifl_dot_gateway_dot_lifl__pb2.TakeLeaseRequest.SerializeToString,
+            lifl_dot_gateway_dot_lifl__pb2.Lease.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lifl.v1.Gateway/Heartbeat',
+            lifl_dot_gateway_dot_lifl__pb2.LeaseRequest.SerializeToString,
+            lifl_dot_gateway_dot_lifl__pb2.Lease.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lifl.v1.Gateway/ReleaseLease',
+            lifl_dot_gateway_dot_lifl__pb2.LeaseRequest.SerializeToString,
+            lifl_dot_gateway_dot_lifl__pb2.Lease.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRounds(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lifl.v1.Gateway/GetRounds',
+            lifl_dot_gateway_dot_lifl__pb2.GetRoundsRequest.SerializeToString,
+            lifl_dot_gateway_dot_lifl__pb2.Rounds.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from lifl.gateway.ingest import BlobSink, LayoutCache
 from lifl import format as fmt
-from lifl.errors import BadRequest, Conflict, LiflError
+from lifl.errors import BadRequest, Conflict, LiflError, NotFound
 from lifl.jobs import JobSpec
 from lifl.planner import ROLES
 from lifl.rpc import Client
@@ -47,13 +47,25 @@ class UpdateMeta:
     client: str
     samples: int
     base_version: int
+    lease: str = ""
 
     @classmethod
-    def parse(cls, job: str, client: Any, samples: Any, base_version: Any) -> UpdateMeta:
+    def parse(cls, job: str, client: Any, samples: Any, base_version: Any, lease: Any = "") -> UpdateMeta:
         """Validate the client-supplied fields, naming the HTTP header each comes from."""
-        if not isinstance(client, str) or not client or len(client) > MAX_CLIENT_ID or not client.isprintable():
-            raise BadRequest(f"X-Lifl-Client must be a printable client id of 1-{MAX_CLIENT_ID} characters", code="bad_client")
-        return cls(job, client, _integer("X-Lifl-Samples", samples, 1, MAX_SAMPLES), _integer("X-Lifl-Base-Version", base_version, 0, 1 << 62))
+        return cls(job, client_id(client), _integer("X-Lifl-Samples", samples, 1, MAX_SAMPLES),
+                   _integer("X-Lifl-Base-Version", base_version, 0, 1 << 62), lease_id(lease or ""))
+
+
+def client_id(value: Any) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_CLIENT_ID or not value.isprintable():
+        raise BadRequest(f"X-Lifl-Client must be a printable client id of 1-{MAX_CLIENT_ID} characters", code="bad_client")
+    return value
+
+
+def lease_id(value: Any) -> str:
+    if not isinstance(value, str) or len(value) > 64 or any(c not in "0123456789abcdef" for c in value):
+        raise BadRequest("a lease id is at most 64 lowercase hex digits", code="bad_lease")
+    return value
 
 
 def _integer(name: str, value: Any, low: int, high: int) -> int:
@@ -84,7 +96,8 @@ class Ingest:
             reply, fds = self.agent.call("admit_model", job=self.job, size=layout.total_size)
         else:
             assert self.meta is not None
-            reply, fds = self.agent.call("admit", job=self.job, version=self.meta.base_version, size=layout.total_size)
+            reply, fds = self.agent.call("admit", job=self.job, version=self.meta.base_version, size=layout.total_size,
+                                         lease=self.meta.lease)
             self.version = reply["version"]
         return bytes.fromhex(reply["key"]), fds[0]
 
@@ -158,6 +171,7 @@ class GatewayService:
 
     def job_status(self, name: str) -> dict[str, Any]:
         job = self.state.job(name)
+        has_model = job.version != NO_MODEL
         aggregators = dict.fromkeys(ROLES, 0)
         queued = 0
         for status in self.state.nodes().values():
@@ -172,19 +186,49 @@ class GatewayService:
             "leaf_fan_in": job.spec.leaf_fan_in,
             "max_update_bytes": job.spec.max_update_bytes,
             "max_inflight": job.spec.inflight_budget,
-            "version": None if job.version == NO_MODEL else job.version,
+            "round_deadline_s": job.spec.round_deadline_s or None,
+            "min_updates": job.spec.min_updates,
+            "lease_ttl_s": job.spec.lease_ttl_s,
+            "over_selection": job.spec.over_selection,
+            "version": job.version if has_model else None,
             "round": {
-                "version": None if job.version == NO_MODEL else job.version,
+                "id": job.round if has_model else None,
+                "version": job.version if has_model else None,
+                "opened_at": job.round_opened if has_model else None,
+                "closed": job.closed,
                 "received": job.accepted,
                 "in_progress": job.reserved - job.accepted,
                 "aggregated": job.aggregated,
+                "leases": self.state.active_leases(name),
                 "rejected": job.rejected,
             },
             "queued": queued,
             "aggregators": aggregators,
             "last_round": job.last_round,
-            "model": None if job.version == NO_MODEL else {"node": job.model_node, "key": job.model_key},
+            "model": {"node": job.model_node, "key": job.model_key, "checkpoint": job.checkpoint} if has_model else None,
         }
+
+    def rounds(self, name: str, limit: int) -> list[dict[str, Any]]:
+        return self.state.rounds(name, limit)
+
+    # -- leases --------------------------------------------------------------------------------
+    def take_lease(self, name: str, client: Any) -> dict[str, Any]:
+        """A place in the current round for a client about to train, kept by heartbeats."""
+        client_id(client)
+        spec = self.state.job(name).spec
+        lease, version, round_id = self.state.take_lease(spec)
+        return {"lease": lease, "version": version, "round": round_id, "ttl_s": spec.lease_ttl_s}
+
+    def heartbeat(self, name: str, lease: str) -> dict[str, Any]:
+        spec = self.state.job(name).spec
+        if not self.state.heartbeat(spec, lease_id(lease)):
+            raise NotFound(f"lease {lease} of job {name!r} has lapsed or does not exist", code="no_such_lease")
+        return {"lease": lease, "ttl_s": spec.lease_ttl_s}
+
+    def release_lease(self, name: str, lease: str) -> None:
+        self.state.job(name)
+        if not self.state.release_lease(name, lease_id(lease)):
+            raise NotFound(f"lease {lease} of job {name!r} has lapsed or does not exist", code="no_such_lease")
 
     # -- blobs ---------------------------------------------------------------------------------
     def begin_update(self, meta: UpdateMeta, protocol: str, expected_size: int | None) -> Ingest:
@@ -219,7 +263,7 @@ class GatewayService:
         if counted_by_agent:
             return  # the agent's abort recorded it in the round's accounting
         try:
-            self.state.count(job, self.state.version(job), f"rejected.{code}")
+            self.state.count(job, self.state.job(job).round, f"rejected.{code}")
         except LiflError:
             pass  # no such job: nothing to account it to
 

@@ -26,6 +26,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     config = NodeConfig(
         node=args.node, http=args.http, grpc=args.grpc, redis=args.redis, run_dir=args.run_dir, data_dir=args.data_dir,
         shm_capacity=args.shm_limit, pool_limit=args.pool_limit, max_instances=args.max_instances, keep_warm=args.keep_warm,
+        checkpoints=args.checkpoints,
     )
     return run(config)
 
@@ -46,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--grpc", default="127.0.0.1:50051", metavar="HOST:PORT", help="gRPC API address")
     up.add_argument("--redis", metavar="URL", help="use this Redis instead of starting one (redis:// or unix://)")
     up.add_argument("--run-dir", type=Path, help="sockets and lock (default /run/lifl/NODE as root)")
-    up.add_argument("--data-dir", type=Path, help="persistent state: the embedded redis (default /var/lib/lifl/NODE as root)")
+    up.add_argument("--data-dir", type=Path, help="persistent state: the embedded redis and checkpoints (default /var/lib/lifl/NODE as root)")
+    up.add_argument("--checkpoints", default="", metavar="STORE",
+                    help="where model checkpoints go: dir:PATH (default DATA_DIR/checkpoints), redis, redis://..., s3://BUCKET/PREFIX?endpoint=URL")
     up.add_argument("--shm-limit", type=parse_size, help="shared memory for objects (default: half the RAM)")
     up.add_argument("--pool-limit", type=parse_size, help="of which recycled buffers may keep (default: a quarter)")
     up.add_argument("--max-instances", type=int, default=16, help="aggregator processes at most (default 16)")

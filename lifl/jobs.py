@@ -22,6 +22,10 @@ class JobSpec:
     leaf_fan_in: int = 2  # updates per leaf aggregator (the paper's I)
     max_update_bytes: int = DEFAULT_MAX_UPDATE_BYTES
     max_inflight: int = 0  # updates received but not yet aggregated; 0 means the goal
+    round_deadline_s: float = 0.0  # a round still short of its goal this long after opening closes; 0: none
+    min_updates: int = 1  # at the deadline, fewer updates than this abandon the round
+    lease_ttl_s: float = 30.0  # a lease lapses without a heartbeat for this long
+    over_selection: float = 1.3  # clients training at once, as a multiple of the goal
 
     @property
     def inflight_budget(self) -> int:
@@ -48,6 +52,7 @@ class JobSpec:
             "leaf_fan_in": (1, 1024),
             "max_update_bytes": (64, 1 << 40),
             "max_inflight": (0, 1_000_000),
+            "min_updates": (1, 1_000_000),
         }
         values: dict[str, int] = {}
         for key, (low, high) in ints.items():
@@ -57,6 +62,16 @@ class JobSpec:
             if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
                 raise BadRequest(f"job field {key!r} must be an integer in [{low}, {high}]", code="bad_job")
             values[key] = v
+        floats = {"round_deadline_s": (0.0, 86400.0 * 30), "lease_ttl_s": (0.5, 86400.0), "over_selection": (1.0, 10.0)}
+        for key, (low, high) in floats.items():
+            if key not in body:
+                continue
+            v = body[key]
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not low <= v <= high:
+                raise BadRequest(f"job field {key!r} must be a number in [{low:g}, {high:g}]", code="bad_job")
+            values[key] = float(v)
+        if values.get("min_updates", 1) > values["goal"]:
+            raise BadRequest("job field 'min_updates' cannot exceed the goal", code="bad_job")
         return cls(job=name, tenant=tenant, **values)
 
     def to_json(self) -> str:

@@ -62,6 +62,7 @@ class NodeConfig:
     pool_limit: int | None = None
     max_instances: int = 16
     keep_warm: float = 60.0
+    checkpoints: str = ""  # "" = a directory under data_dir; see lifl.checkpoints
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z0-9]{1,16}", self.node):  # no '-': it separates name parts in /dev/shm
@@ -152,7 +153,8 @@ class Node:
         self._wait_redis(redis_url)
         py = sys.executable
         self.children["agent"] = agent = Child("agent", [
-            py, "-m", "lifl.agent", "--node", c.node, "--run-dir", str(self.run_dir), "--redis", redis_url,
+            py, "-m", "lifl.agent", "--node", c.node, "--run-dir", str(self.run_dir), "--data-dir", str(c.data_dir),
+            "--redis", redis_url, "--checkpoints", c.checkpoints,
             "--shm-capacity", str(c.shm_capacity), "--pool-limit", str(c.pool_limit),
             "--max-instances", str(c.max_instances), "--keep-warm", str(c.keep_warm),
         ], ready="ready", log=self.log)

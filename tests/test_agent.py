@@ -25,7 +25,7 @@ SHAPES = {"a": (64, 33), "b": (7,), "c": (3, 3, 5)}
 
 @pytest.fixture
 def agent(run_dir: Path, redis_url: str, shm_node: str) -> Iterator[Agent]:
-    config = AgentConfig(shm_node, run_dir, redis_url, 256 << 20, 64 << 20, max_instances=6, keep_warm=30)
+    config = AgentConfig(shm_node, run_dir, redis_url, 256 << 20, 64 << 20, max_instances=6, keep_warm=30, data_dir=run_dir.parent / "data")
     a = Agent(config, ClusterState(redis_url))
     a.start()
     yield a

@@ -76,7 +76,8 @@ def test_twenty_updates_over_http_and_grpc_aggregate_into_version_one(node: Runn
 
     job = node.json("GET", "/v1/jobs/resnet")[1]
     assert job["last_round"]["updates"] == 20 and job["last_round"]["samples"] == total
-    assert job["round"] == {"version": 1, "received": 0, "in_progress": 0, "aggregated": 0, "rejected": {}}
+    assert {k: job["round"][k] for k in ("id", "version", "received", "in_progress", "aggregated", "rejected", "closed")} == {
+        "id": 1, "version": 1, "received": 0, "in_progress": 0, "aggregated": 0, "rejected": {}, "closed": False}
     _, _, metrics = node.request("GET", "/metrics")
     text = metrics.decode()
     assert 'lifl_update_arrivals_total{job="resnet",protocol="http"} 10.0' in text
