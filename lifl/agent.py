@@ -917,10 +917,9 @@ class Agent:
         jobs: dict[str, dict[str, Any]] = {}
         for name, run in self.jobs.items():
             jobs[name] = {**dict.fromkeys(ROLES, 0), "queued": run.inflight, "closing": run.closing, "installing": run.installing}
-        for inst in self.instances.values():
-            for task in (inst.task, inst.next_task):
-                if task is not None and task.job in jobs:
-                    jobs[task.job][task.role] += 1
+        for inst in self.instances.values():  # instances at work, by the role of their current task
+            if inst.task is not None and inst.task.job in jobs:
+                jobs[inst.task.job][inst.task.role] += 1
         return {
             "node": self.config.node,
             "time": time.time(),

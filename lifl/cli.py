@@ -31,6 +31,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run(config)
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from lifl import demo
+
+    return demo.main(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from lifl.bench import dataplane
 
@@ -55,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-instances", type=int, default=16, help="aggregator processes at most (default 16)")
     up.add_argument("--keep-warm", type=float, default=60.0, help="seconds an idle aggregator stays warm (default 60)")
     up.set_defaults(func=cmd_up)
+
+    demo = sub.add_parser("demo", help="train a model with federated learning through a local node, to a target accuracy")
+    from lifl.demo import add_arguments as demo_arguments
+
+    demo_arguments(demo)
+    demo.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

@@ -297,19 +297,25 @@ def _dtype_of(name: str, array: np.ndarray, dtypes: Mapping[str, str] | None) ->
         raise ValueError(f"{name}: numpy dtype {array.dtype} has no update-format dtype") from None
 
 
-def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None, *, dtypes: Mapping[str, str] | None = None) -> bytes:
-    """Serialize arrays (in mapping order) into one blob. ``dtypes`` marks uint16 arrays as BF16."""
-    parts = []
+def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None, *, dtypes: Mapping[str, str] | None = None) -> bytearray:
+    """Serialize arrays (in mapping order) into one blob, copying each tensor's bytes once.
+    ``dtypes`` marks uint16 arrays as BF16."""
+    arrays = []
     entries = []
     for name, array in tensors.items():
         a = np.asarray(array)
         dtype = _dtype_of(name, a, dtypes)
         entries.append((name, dtype, tuple(a.shape)))
-        parts.append(np.ascontiguousarray(a, dtype=dtype.storage if dtype is not BF16 else "<u2"))
-    out = bytearray(encode_header(entries, metadata))
-    for a in parts:
-        out += a.tobytes()
-    return bytes(out)
+        arrays.append(a)
+    header = encode_header(entries, metadata)
+    out = bytearray(len(header) + sum(TensorSpec(*e).nbytes for e in entries))
+    out[: len(header)] = header
+    offset = len(header)
+    for (_, dtype, shape), a in zip(entries, arrays):
+        n = TensorSpec("", dtype, shape).nbytes
+        np.copyto(np.frombuffer(out, dtype.storage, a.size, offset).reshape(a.shape), a, casting="same_kind" if dtype is not BF16 else "unsafe")
+        offset += n
+    return out
 
 
 def views(buffer: Any, layout: Layout) -> dict[str, np.ndarray]:

@@ -25,6 +25,7 @@ from typing import IO
 
 import redis
 
+from lifl import procstat
 from lifl.procs import die_with_parent
 from lifl.store import SHM_DIR, remove_node_objects
 
@@ -225,6 +226,13 @@ class Node:
                     if name == "redis":
                         self._wait_redis(self.addresses.redis if self.addresses else "")
         return 0
+
+    def pids(self) -> dict[str, list[int]]:
+        """The node's processes by role (aggregators are the agent's children)."""
+        agent = self.children["agent"].proc
+        gateway = self.children["gateway"].proc
+        assert agent is not None and gateway is not None
+        return {"agent": [agent.pid], "gateway": [gateway.pid], "aggregators": procstat.children(agent.pid)}
 
     def request_stop(self) -> None:
         self._stop.set()

@@ -43,6 +43,7 @@ from lifl import format as fmt
 from lifl.client import Gateway
 from lifl.kernels import Tensors, fold
 from lifl.node import Node, NodeConfig
+from lifl.procstat import cpu_seconds, pss_mb
 
 MODELS = [("resnet18", 44.7e6, 122), ("resnet34", 83.3e6, 218), ("resnet152", 230e6, 932)]  # name, bytes, tensors
 TARGETS = {
@@ -107,44 +108,6 @@ class ShmBuffer:
         self.mm.close()
 
 
-def node_pids(node: Node) -> dict[str, list[int]]:
-    agent = node.children["agent"].proc.pid
-    gateway = node.children["gateway"].proc.pid
-    instances = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                stat = (p / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == agent:
-                instances.append(int(p.name))
-    return {"agent": [agent], "gateway": [gateway], "aggregators": instances}
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-        except OSError:
-            pass
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-def pss_mb(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return total / 1024
-
-
 class Bench:
     def __init__(self, reps: int, log: bool) -> None:
         self.reps = reps
@@ -199,7 +162,7 @@ class Bench:
         deadline = time.monotonic() + timeout
         last = -1.0
         while time.monotonic() < deadline:
-            pids = [p for group in node_pids(self.node).values() for p in group]
+            pids = [p for group in self.node.pids().values() for p in group]
             now = cpu_seconds(pids)
             if now - last < 0.005:
                 return
@@ -254,7 +217,7 @@ class Bench:
 
     def cold_ingest_memory(self, job: str, update: bytes, nbytes: int) -> dict[str, Any]:
         """The first update of this size (no recycled buffer yet): peak memory while in flight."""
-        groups = node_pids(self.node)
+        groups = self.node.pids()
         watched = groups["gateway"] + groups["aggregators"]
         baseline = pss_mb(watched) + pss_mb(groups["agent"])
         peak = [baseline]
@@ -262,7 +225,7 @@ class Bench:
 
         def sample() -> None:
             while not done.is_set():
-                g = node_pids(self.node)
+                g = self.node.pids()
                 peak.append(pss_mb(g["gateway"] + g["aggregators"]) + pss_mb(g["agent"]))
                 time.sleep(0.002)
 
@@ -272,7 +235,7 @@ class Bench:
         self.wait_quiet()
         done.set()
         sampler.join()
-        g = node_pids(self.node)
+        g = self.node.pids()
         return {
             "ingest_ms": round(t, 2),
             "baseline_mb": round(baseline, 1),
