@@ -277,12 +277,14 @@ class Agent:
         threading.Thread(target=self._monitor_loop, name="agent-monitor", daemon=True).start()
 
     def stop(self) -> None:
-        """Clean shutdown: stop every instance and unlink every object."""
+        """Clean shutdown: unlink every object first (mappings stay valid for whoever holds them,
+        and a checkpoint being written has its own descriptor), then stop the instances."""
         self._stopping.set()
         if self._listener:
             self._listener.close()
-        self.checkpointer.stop()
         with self.lock:
+            self.store.close()
+            remove_node_objects(self.config.node)
             instances = list(self.instances.values())
             for inst in instances:
                 inst.conn.close()
@@ -293,9 +295,7 @@ class Agent:
             except subprocess.TimeoutExpired:
                 inst.proc.kill()
                 inst.proc.wait()
-        with self.lock:
-            self.store.close()
-        remove_node_objects(self.config.node)
+        self.checkpointer.stop()
         self.config.socket_path.unlink(missing_ok=True)
 
     def _restore_jobs(self) -> None:

@@ -142,7 +142,7 @@ class RunningNode:
     def json(self, method: str, path: str, body=None, headers: dict | None = None):
         import json
 
-        data = json.dumps(body).encode() if body is not None and not isinstance(body, bytes) else body
+        data = json.dumps(body).encode() if body is not None and not isinstance(body, (bytes, bytearray)) else body
         status, _, raw = self.request(method, path, data, headers)
         return status, json.loads(raw) if raw else None
 

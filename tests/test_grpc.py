@@ -15,14 +15,14 @@ from lifl import format as fmt
 from lifl.gateway import lifl_pb2 as pb
 
 MODEL = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.zeros(4, np.float32)}
-UPDATE = fmt.encode({"w": np.ones((3, 4), np.float32), "b": np.ones(4, np.float32)})
+UPDATE = bytes(fmt.encode({"w": np.ones((3, 4), np.float32), "b": np.ones(4, np.float32)}))
 
 
 @pytest.fixture
 def stub(node: RunningNode):
     s = node.grpc_stub()
     s.CreateJob(pb.CreateJobRequest(job="j", goal=4))
-    s.SetModel(iter([pb.ModelChunk(meta=pb.ModelMeta(job="j")), pb.ModelChunk(data=fmt.encode(MODEL))]))
+    s.SetModel(iter([pb.ModelChunk(meta=pb.ModelMeta(job="j")), pb.ModelChunk(data=bytes(fmt.encode(MODEL)))]))
     return s
 
 
@@ -33,7 +33,7 @@ def meta(**kw) -> pb.UpdateMeta:
 def chunks(m: pb.UpdateMeta, blob: bytes = UPDATE, size: int = 50):
     yield pb.UpdateChunk(meta=m)
     for i in range(0, len(blob), size):
-        yield pb.UpdateChunk(data=blob[i : i + size])
+        yield pb.UpdateChunk(data=bytes(blob[i : i + size]))
 
 
 def error_of(call) -> tuple[grpc.StatusCode, str, dict]:
@@ -46,8 +46,8 @@ def error_of(call) -> tuple[grpc.StatusCode, str, dict]:
 @pytest.mark.slow
 def test_push_update_meta_in_first_message_and_data_in_any_pieces(node: RunningNode, stub) -> None:
     # meta and the first data in one message, then pieces of odd sizes
-    first = pb.UpdateChunk(meta=meta(size=len(UPDATE)), data=UPDATE[:33])
-    rest = [pb.UpdateChunk(data=UPDATE[i : i + 7]) for i in range(33, len(UPDATE), 7)]
+    first = pb.UpdateChunk(meta=meta(size=len(UPDATE)), data=bytes(UPDATE[:33]))
+    rest = [pb.UpdateChunk(data=bytes(UPDATE[i : i + 7])) for i in range(33, len(UPDATE), 7)]
     reply = stub.PushUpdate(iter([first, *rest]))
     assert len(reply.key) == 32 and reply.version == 0
     status = stub.GetJob(pb.GetJobRequest(job="j"))
@@ -55,7 +55,7 @@ def test_push_update_meta_in_first_message_and_data_in_any_pieces(node: RunningN
 
 
 BAD_STREAMS = [
-    ("no-meta", lambda: iter([pb.UpdateChunk(data=UPDATE)]), grpc.StatusCode.INVALID_ARGUMENT, "missing_meta"),
+    ("no-meta", lambda: iter([pb.UpdateChunk(data=bytes(UPDATE))]), grpc.StatusCode.INVALID_ARGUMENT, "missing_meta"),
     ("empty-stream", lambda: iter([]), grpc.StatusCode.INVALID_ARGUMENT, "missing_meta"),
     ("duplicate-meta", lambda: iter([pb.UpdateChunk(meta=meta()), pb.UpdateChunk(meta=meta())]), grpc.StatusCode.INVALID_ARGUMENT, "duplicate_meta"),
     ("bad-samples", lambda: chunks(meta(samples=0)), grpc.StatusCode.INVALID_ARGUMENT, "bad_header"),
@@ -120,7 +120,7 @@ def test_malformed_protobuf_in_update_stream(node: RunningNode, stub, messages, 
 @pytest.mark.slow
 def test_unknown_fields_are_skipped_and_compression_is_refused(node: RunningNode, stub) -> None:
     extra = b"\x18\x05" + b"\x21" + bytes(8) + b"\x2d" + bytes(4) + field(7, b"ignored")  # varint, fixed64, fixed32, bytes
-    reply = raw_push(node, [field(1, meta().SerializeToString()) + extra, field(2, UPDATE) + extra])
+    reply = raw_push(node, [field(1, meta().SerializeToString()) + extra, field(2, bytes(UPDATE)) + extra])
     assert reply.version == 0
     got, _, _ = error_of(lambda: stub.PushUpdate(chunks(meta()), compression=grpc.Compression.Gzip))
     assert got == grpc.StatusCode.UNIMPLEMENTED
@@ -130,7 +130,7 @@ def test_unknown_fields_are_skipped_and_compression_is_refused(node: RunningNode
 def test_back_pressure_is_resource_exhausted_with_pushback(node: RunningNode) -> None:
     s = node.grpc_stub()
     s.CreateJob(pb.CreateJobRequest(job="bp", goal=3, max_inflight=1))
-    s.SetModel(iter([pb.ModelChunk(meta=pb.ModelMeta(job="bp"), data=fmt.encode(MODEL))]))
+    s.SetModel(iter([pb.ModelChunk(meta=pb.ModelMeta(job="bp"), data=bytes(fmt.encode(MODEL)))]))
     s.PushUpdate(chunks(meta(job="bp")))
     got, _, trailers = error_of(lambda: s.PushUpdate(chunks(meta(job="bp", client="d"))))
     assert got == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -189,7 +189,7 @@ def test_large_model_streams_back_within_flow_control_and_concurrent_uploads_sha
 def chunks_model(job: str, blob: bytes):
     yield pb.ModelChunk(meta=pb.ModelMeta(job=job, size=len(blob)))
     for i in range(0, len(blob), 1 << 20):
-        yield pb.ModelChunk(data=blob[i : i + (1 << 20)])
+        yield pb.ModelChunk(data=bytes(blob[i : i + (1 << 20)]))
 
 
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"

@@ -23,7 +23,7 @@ def model(rng: np.random.Generator) -> dict[str, np.ndarray]:
 def grpc_chunks(meta: pb.UpdateMeta, blob: bytes, size: int = 64 << 10):
     yield pb.UpdateChunk(meta=meta)
     for i in range(0, len(blob), size):
-        yield pb.UpdateChunk(data=blob[i : i + size])
+        yield pb.UpdateChunk(data=bytes(blob[i : i + size]))
 
 
 @pytest.mark.slow
