@@ -1,5 +1,5 @@
 # The two commands a newcomer runs (both install what they need first):
-#   make demo   - start a node and aggregate a round of updates over HTTP and gRPC
+#   make demo   - `lifl demo`: federated learning through a local node, to 90 % test accuracy
 #   make test   - the whole test suite, including the slow and root-only suites
 .PHONY: install demo test test-fast bench proto clean
 
@@ -9,7 +9,7 @@ install:
 	@scripts/install.sh
 
 demo: install
-	$(PY) scripts/session.py
+	.venv/bin/lifl demo
 
 test: install
 	$(PY) -m pytest --all -q

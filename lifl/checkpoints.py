@@ -82,6 +82,9 @@ class DirectoryStore:
                     raise OSError(f"short checkpoint write ({offset} of {size} bytes)")
                 offset += n
             os.fsync(out)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         finally:
             os.close(out)
         os.replace(tmp, final)

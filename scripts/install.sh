@@ -26,7 +26,7 @@ fi
 stamp=.venv/.lifl-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] || [ lifl/kernels.c -nt "$stamp" ]; then
   # quiet unless it fails (setuptools' deprecation notices are not ours to act on)
-  if ! { .venv/bin/python -m pip install -q --upgrade pip && .venv/bin/python -m pip install -q -e '.[dev]'; } >.venv/install.log 2>&1; then
+  if ! { .venv/bin/python -m pip install -q --upgrade pip && .venv/bin/python -m pip install -q -e '.[dev,fl]'; } >.venv/install.log 2>&1; then
     cat .venv/install.log
     echo "lifl: installing the Python environment failed (log above, also in .venv/install.log)"
     exit 1

@@ -60,6 +60,8 @@ class Up:
             except OSError:
                 continue
             args = [a.decode() for a in cmd if a]
+            if args and args[0].endswith("redis-server") and any(str(self.base) in a for a in args):
+                out["redis"] = int(p.name)
             if "--node" in args and args[args.index("--node") + 1] == self.node:
                 if "lifl.agent" in args:
                     out["agent"] = int(p.name)
@@ -82,6 +84,15 @@ class Up:
             return self.call("GET", "/v1/jobs/j")[0] == 200
         except OSError:
             return False
+
+    def kill_all(self) -> None:
+        """kill -9 every process of the node at once (a crash of the whole node)."""
+        pids = self.pids()
+        for role in ("supervisor", "agent", "gateway", "redis", "instance"):
+            if role in pids:
+                os.kill(pids[role], signal.SIGKILL)
+        subprocess.run(["pkill", "-9", "-f", "--", f"--node {self.node}"], check=False)
+        self.proc.wait()
 
     def start_round(self) -> None:
         assert self.call("POST", "/v1/jobs", json.dumps({"job": "j", "goal": 3}).encode())[0] == 201

@@ -13,6 +13,8 @@ def test_defaults_and_round_trip() -> None:
     assert (spec.tenant, spec.leaf_fan_in, spec.max_update_bytes, spec.inflight_budget) == ("default", 2, DEFAULT_MAX_UPDATE_BYTES, 10)
     assert JobSpec.from_json(spec.to_json()) == spec
     assert JobSpec.from_request({"job": "a", "goal": 3, "max_inflight": 2}).inflight_budget == 2
+    rounds = JobSpec.from_request({"job": "a", "goal": 4, "round_deadline_s": 30, "min_updates": 2, "lease_ttl_s": 5.5, "over_selection": 2})
+    assert (rounds.round_deadline_s, rounds.min_updates, rounds.lease_ttl_s, rounds.over_selection) == (30.0, 2, 5.5, 2.0)
 
 
 @pytest.mark.parametrize("body,needle", [
@@ -35,6 +37,13 @@ def test_defaults_and_round_trip() -> None:
     ({"job": "a", "goal": 1, "tenant": "Acme"}, "tenant"),
     ({"job": "a", "goal": 1, "tenant": "a" * 32}, "tenant"),
     ({"job": "a", "goal": 1, "priority": 3}, "unknown job field(s): priority"),
+    ({"job": "a", "goal": 1, "round_deadline_s": -1}, "'round_deadline_s'"),
+    ({"job": "a", "goal": 1, "round_deadline_s": "10"}, "'round_deadline_s'"),
+    ({"job": "a", "goal": 1, "lease_ttl_s": 0}, "'lease_ttl_s'"),
+    ({"job": "a", "goal": 1, "lease_ttl_s": True}, "'lease_ttl_s'"),
+    ({"job": "a", "goal": 4, "over_selection": 0.9}, "'over_selection'"),
+    ({"job": "a", "goal": 4, "min_updates": 0}, "'min_updates'"),
+    ({"job": "a", "goal": 4, "min_updates": 5}, "cannot exceed the goal"),
 ])
 def test_invalid_jobs_name_the_field(body: object, needle: str) -> None:
     with pytest.raises(BadRequest) as info:

@@ -1,0 +1,53 @@
+"""kill -9 a whole node mid-job, start it again: the job resumes from its last version, with no
+version lost or produced twice, and clients carry on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import wait_for
+from lifl import format as fmt
+from lifl.client import Gateway
+from test_crash import Up
+
+pytestmark = pytest.mark.slow
+
+
+def push_round(gw: Gateway, version: int, values: list[float]) -> None:
+    for i, v in enumerate(values):
+        gw.push("j", fmt.encode({"w": np.full(1000, v, np.float32)}), client=f"c{i}", samples=1, base_version=version)
+
+
+def test_restart_after_kill_resumes_from_the_last_version(shm_node: str, run_dir) -> None:
+    up = Up(shm_node, run_dir.parent)
+    try:
+        gw = Gateway(up.http.removeprefix("http://"))
+        gw.create_job("j", 2)
+        gw.set_model("j", fmt.encode({"w": np.zeros(1000, np.float32)}))
+        for version in range(3):
+            push_round(gw, version, [version + 1.0, version + 3.0])
+            wait_for(lambda: gw.job("j")["version"] == version + 1, timeout=15, what=f"version {version + 1}")
+        _, before = gw.model("j")
+        push_round(gw, 3, [100.0])  # half of round 3 has arrived when the node dies
+        gw.close()
+        up.kill_all()
+
+        up = Up(shm_node, run_dir.parent)
+        gw = Gateway(up.http.removeprefix("http://"))
+        status = gw.job("j")
+        assert status["version"] == 3 and status["model"]["checkpoint"] == 3
+        assert status["last_round"]["outcome"] == "interrupted" and status["round"]["received"] == 0
+        version, after = gw.model("j")
+        assert version == 3 and bytes(after) == bytes(before)  # the same version 3, bit for bit
+        push_round(gw, 3, [5.0, 7.0])  # clients carry on from version 3
+        wait_for(lambda: gw.job("j")["version"] == 4, timeout=15, what="version 4")
+        version, blob = gw.model("j")
+        assert version == 4 and fmt.views(blob, fmt.validate(blob))["w"][0] == pytest.approx(6.0)
+        history = gw.rounds("j")
+        assert [(r["outcome"], r["version"], r["new_version"]) for r in history] == [
+            ("complete", 0, 1), ("complete", 1, 2), ("complete", 2, 3), ("interrupted", 3, None), ("complete", 3, 4)]
+        gw.close()
+    finally:
+        up.proc.terminate()
+        up.proc.wait(30)
