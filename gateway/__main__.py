@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    print(json.dumps({"http": "%s:%d" % http.address, "grpc": "%s:%d" % grpc.address}), flush=True)
+    print(json.dumps({"http": "{}:{}".format(*http.address), "grpc": "{}:{}".format(*grpc.address)}), flush=True)
     stop.wait()
     http.stop()
     grpc.stop()

@@ -275,9 +275,32 @@ class H2Connection:
             _sendmsg_all(self.sock, [struct.pack(">I", len(block))[1:] + bytes((HEADERS, flags)) + struct.pack(">I", sid), block])
 
     def _reply(self, st: H2Stream, message: bytes) -> None:
+        """Answer a call with one message. Its DATA counts against the client's flow-control
+        windows like any other; if a model download has spent them, the reply waits for the
+        client's WINDOW_UPDATE on a thread of its own (this reader thread must go on reading)."""
         self._headers(st.sid, [(":status", "200"), ("content-type", "application/grpc"), ("grpc-accept-encoding", "identity")], False)
-        self._frame(DATA, 0, st.sid, b"\x00" + struct.pack(">I", len(message)), message)
-        self._headers(st.sid, [("grpc-status", "0")], True)
+        data = b"\x00" + struct.pack(">I", len(message)) + message
+        if len(data) <= self._peer_max_frame and self._take_window(st, len(data)):
+            self._frame(DATA, 0, st.sid, data)
+            self._headers(st.sid, [("grpc-status", "0")], True)
+            return
+        st.sender = threading.Thread(target=self._reply_later, args=(st, data), daemon=True)
+        st.sender.start()
+
+    def _take_window(self, st: H2Stream, n: int) -> bool:
+        with self._window:
+            if min(self._conn_send_window, st.send_window) < n:
+                return False
+            self._conn_send_window -= n
+            st.send_window -= n
+            return True
+
+    def _reply_later(self, st: H2Stream, data: bytes) -> None:
+        try:
+            self._send_data(st, [memoryview(data)])
+            self._headers(st.sid, [("grpc-status", "0")], True)
+        except (OSError, EOFError):
+            pass
 
     def _fail(self, st: H2Stream, e: LiflError, headers_sent: bool = False) -> None:
         """Answer with an error status (trailers-only) and tell the client to stop sending."""

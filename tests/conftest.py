@@ -108,7 +108,7 @@ def run_dir() -> Iterator[Path]:
 
 
 @pytest.fixture
-def node(redis_url: str, run_dir: Path, shm_node: str) -> Iterator["RunningNode"]:
+def node(redis_url: str, run_dir: Path, shm_node: str) -> Iterator[RunningNode]:
     """A real node (agent, gateway and aggregator processes) on the session's redis-server."""
     from lifl.node import Node, NodeConfig
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import mmap
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -231,3 +232,36 @@ def test_http2_protocol_errors_end_in_goaway(node: RunningNode, data: bytes, cod
 @pytest.mark.slow
 def test_not_http2_is_closed(node: RunningNode) -> None:
     assert goaway_code(node, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n") is None
+
+
+@pytest.mark.slow
+def test_replies_respect_flow_control_while_a_model_streams_on_the_same_connection(node: RunningNode) -> None:
+    """A model download spends the client's windows; small replies on the same connection must
+    wait for them rather than overflow them (which makes grpcio drop the stream)."""
+    s = node.grpc_stub()
+    blob = fmt.encode({"w": np.ones((8 << 20) // 4, np.float32)})
+    s.CreateJob(pb.CreateJobRequest(job="fc", goal=1000, max_inflight=1000))
+    s.SetModel(chunks_model("fc", blob))
+    errors: list[Exception] = []
+    stop = threading.Event()
+
+    def download() -> None:
+        while not stop.is_set():
+            try:
+                for _ in s.GetModel(pb.GetModelRequest(job="fc")):
+                    time.sleep(0.002)  # a slow reader keeps the windows spent
+            except Exception as e:
+                errors.append(e)
+                return
+
+    readers = [threading.Thread(target=download) for _ in range(2)]
+    for t in readers:
+        t.start()
+    small = fmt.encode({"w": np.ones((8 << 20) // 4, np.float32)})
+    for i in range(6):
+        s.GetJob(pb.GetJobRequest(job="fc"))
+        s.PushUpdate(chunks(meta(job="fc", client=str(i)), small, size=1 << 20))
+    stop.set()
+    for t in readers:
+        t.join()
+    assert not errors
