@@ -25,23 +25,16 @@ from typing import Any
 import hpack
 
 from lifl.errors import BadRequest, Internal, LiflError
+from lifl.grpcwire import (
+    ACK, COMPRESSION_ERROR, CONTINUATION, DATA, END_HEADERS, END_STREAM, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, GOAWAY,
+    GRPC_STATUS, HEADERS, NO_ERROR, PADDED, PING, PREFACE, PRIORITY_FLAG, PROTOCOL_ERROR, PUSH_PROMISE, RST_STREAM,
+    S_HEADER_TABLE_SIZE, S_INITIAL_WINDOW_SIZE, S_MAX_CONCURRENT_STREAMS, S_MAX_FRAME_SIZE, S_MAX_HEADER_LIST_SIZE,
+    SETTINGS, WINDOW_UPDATE, frame_header, sendmsg_all, varint,
+)
 from lifl.gateway import lifl_pb2 as pb
 from lifl.gateway.ingest import BlobSink
 from lifl.gateway.service import GatewayService, Ingest, ModelView, UpdateMeta
 from lifl.gateway.stream import Stream, ThreadedServer
-
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
-END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
-S_HEADER_TABLE_SIZE, S_ENABLE_PUSH, S_MAX_CONCURRENT_STREAMS, S_INITIAL_WINDOW_SIZE, S_MAX_FRAME_SIZE, S_MAX_HEADER_LIST_SIZE = range(1, 7)
-NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR, STREAM_CLOSED, FRAME_SIZE_ERROR = 0, 1, 2, 3, 5, 6
-CANCEL, COMPRESSION_ERROR = 8, 9
-
-GRPC_STATUS = {
-    "OK": 0, "CANCELLED": 1, "UNKNOWN": 2, "INVALID_ARGUMENT": 3, "DEADLINE_EXCEEDED": 4, "NOT_FOUND": 5,
-    "ALREADY_EXISTS": 6, "PERMISSION_DENIED": 7, "RESOURCE_EXHAUSTED": 8, "FAILED_PRECONDITION": 9, "ABORTED": 10,
-    "OUT_OF_RANGE": 11, "UNIMPLEMENTED": 12, "INTERNAL": 13, "UNAVAILABLE": 14,
-}
 
 MAX_FRAME = (1 << 24) - 1  # frames we accept: the largest HTTP/2 allows, fewer frames per update
 STREAM_WINDOW = 4 << 20  # per-stream receive window; replenished as the bytes are consumed
@@ -62,18 +55,6 @@ class ConnectionError_(Exception):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
 
 
 class FrameSource:
@@ -139,9 +120,9 @@ class MessageReader:
             elif self._phase == self.BYTES:
                 self._feed_bytes(src)
             else:
-                value = self._read_varint(src)
+                value = self._readvarint(src)
                 if value is not None:
-                    self._on_varint(value)
+                    self._onvarint(value)
 
     def _start_message(self) -> None:
         if self._prefix[0] != 0:
@@ -162,7 +143,7 @@ class MessageReader:
             raise BadRequest("a protobuf field runs past the end of its gRPC message")
         self._phase = self.PREFIX
 
-    def _read_varint(self, src: FrameSource) -> int | None:
+    def _readvarint(self, src: FrameSource) -> int | None:
         b = src.take(1)[0]
         self._msg_left -= 1
         self._varint.append(b)
@@ -174,7 +155,7 @@ class MessageReader:
         self._varint.clear()
         return value
 
-    def _on_varint(self, value: int) -> None:
+    def _onvarint(self, value: int) -> None:
         if self._phase == self.TAG:
             self._field, self._wire = value >> 3, value & 7
             if self._wire == 0:
@@ -263,16 +244,13 @@ class H2Connection:
 
     # -- writing ---------------------------------------------------------------------------------
     def _frame(self, ftype: int, flags: int, sid: int, *payload: bytes | memoryview) -> None:
-        length = sum(len(p) for p in payload)
-        header = struct.pack(">I", length)[1:] + bytes((ftype, flags)) + struct.pack(">I", sid)
         with self._write:
-            _sendmsg_all(self.sock, [header, *payload])
+            sendmsg_all(self.sock, [frame_header(sum(len(p) for p in payload), ftype, flags, sid), *payload])
 
     def _headers(self, sid: int, headers: list[tuple[str, str]], end_stream: bool) -> None:
         with self._write:  # the encoder's table must see header blocks in the order they are sent
             block = self._encoder.encode(headers)
-            flags = END_HEADERS | (END_STREAM if end_stream else 0)
-            _sendmsg_all(self.sock, [struct.pack(">I", len(block))[1:] + bytes((HEADERS, flags)) + struct.pack(">I", sid), block])
+            sendmsg_all(self.sock, [frame_header(len(block), HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), sid), block])
 
     def _reply(self, st: H2Stream, message: bytes) -> None:
         """Answer a call with one message. Its DATA counts against the client's flow-control
@@ -611,7 +589,7 @@ class H2Connection:
             offset = 0
             while offset < view.size or offset == 0:
                 n = min(MODEL_CHUNK, view.size - offset)
-                fields = (b"\x0a" + _varint(len(meta)) + meta if offset == 0 else b"") + b"\x12" + _varint(n)
+                fields = (b"\x0a" + varint(len(meta)) + meta if offset == 0 else b"") + b"\x12" + varint(n)
                 prefix = b"\x00" + struct.pack(">I", len(fields) + n) + fields
                 self._send_data(st, [memoryview(prefix), data[offset : offset + n]])
                 offset += n
@@ -683,19 +661,6 @@ def _job_status(status: dict[str, Any]) -> pb.JobStatus:
     if status.get("last_round"):
         out.last_round.CopyFrom(_last_round(status["last_round"]))
     return out
-
-
-def _sendmsg_all(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
-    while views:
-        sent = sock.sendmsg(views)
-        while sent and views:
-            if sent >= len(views[0]):
-                sent -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
 
 
 class GrpcServer(ThreadedServer):

@@ -1,9 +1,9 @@
 """The lifl client SDK (docs/client.md): talk to a gateway over HTTP or gRPC, convert models to
 and from the update format, and take part in synchronous FL rounds.
 
-- ``Gateway`` wraps one connection. Blobs are sent without extra copies where the transport
-  allows: over HTTP the body is written straight from the caller's buffer; over gRPC each
-  chunk message is encoded by hand with one copy (grpcio only takes ``bytes``). Errors come
+- ``Gateway`` wraps one connection. Blobs are sent without extra copies: over HTTP the body
+  is written straight from the caller's buffer, and over gRPC the HTTP/2 frames point into it
+  too (``lifl.grpcwire``; other calls use grpcio). Errors come
   back as the ``LiflError`` subclasses the gateway raised, with code, message and ``version``.
 - ``to_blob`` / ``from_blob`` convert torch ``state_dict``s and dicts of numpy arrays; tensors
   are read in place (CPU tensors are not copied before serialising) and come back as views
@@ -28,31 +28,13 @@ import numpy as np
 
 from lifl import errors
 from lifl import format as fmt
+from lifl.grpcwire import STATUS_NAMES, GrpcStatusError, UploadConnection, chunk_messages
 
 GRPC_CHUNK = 1 << 20
 _BY_STATUS = {400: errors.BadRequest, 404: errors.NotFound, 409: errors.Conflict, 413: errors.PayloadTooLarge,
               422: errors.Unprocessable, 503: errors.Overloaded}
 _BY_GRPC = {"INVALID_ARGUMENT": errors.BadRequest, "NOT_FOUND": errors.NotFound, "ALREADY_EXISTS": errors.Conflict,
             "ABORTED": errors.Conflict, "RESOURCE_EXHAUSTED": errors.Overloaded, "UNIMPLEMENTED": errors.BadRequest}
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def chunk_messages(meta: bytes, blob: bytes | memoryview, chunk: int = GRPC_CHUNK) -> Iterator[bytes]:
-    """Serialized ``{meta = 1, data = 2}`` chunk messages (UpdateChunk / ModelChunk)."""
-    yield b"\x0a" + _varint(len(meta)) + meta
-    view = memoryview(blob).cast("B")
-    for i in range(0, len(view), chunk):
-        piece = view[i : i + chunk]
-        yield b"".join((b"\x12" + _varint(len(piece)), piece))
 
 
 def _error(status: int, body: bytes, retry_after: str | None) -> errors.LiflError:
@@ -86,12 +68,16 @@ class Gateway:
 
             self._pb = lifl_pb2
             self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+            self._address = address
+            self._uploads: UploadConnection | None = None  # blob streams go over lifl's own framing
 
     def close(self) -> None:
         if self.protocol == "http":
             self._http.close()
         else:
             self._channel.close()
+            if self._uploads is not None:
+                self._uploads.close()
 
     # -- HTTP -----------------------------------------------------------------------------------
     def _request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
@@ -124,22 +110,38 @@ class Gateway:
         return json.loads(self._request(method, path, data, {"Content-Type": "application/json"})[2])
 
     # -- gRPC -----------------------------------------------------------------------------------
-    def _rpc(self, method: str, deserializer: Any, messages: Iterator[bytes] | bytes, stream: bool) -> Any:
+    def _rpc(self, method: str, deserializer: Any, request: bytes) -> Any:
         import grpc
 
-        path = f"/lifl.v1.Gateway/{method}"
         try:
-            if stream:
-                return self._channel.stream_unary(path, response_deserializer=deserializer)(messages)
-            return self._channel.unary_unary(path, response_deserializer=deserializer)(messages)
+            return self._channel.unary_unary(f"/lifl.v1.Gateway/{method}", response_deserializer=deserializer)(request)
         except grpc.RpcError as e:
             raise self._grpc_error(e) from None
 
+    def _upload(self, method: str, meta: bytes, blob: bytes | bytearray | memoryview) -> bytes:
+        """A blob stream, its bytes sent straight from ``blob`` (lifl.grpcwire)."""
+        for attempt in (0, 1):  # one retry on a fresh connection if the kept one was closed
+            try:
+                if self._uploads is None:
+                    self._uploads = UploadConnection(self._address)
+                return self._uploads.call(f"/lifl.v1.Gateway/{method}", chunk_messages(meta, blob, GRPC_CHUNK))
+            except GrpcStatusError as e:
+                raise self._status_error(STATUS_NAMES.get(e.status, "UNKNOWN"), e.message, e.trailers) from None
+            except (ConnectionError, BrokenPipeError):
+                self._uploads.close()
+                self._uploads = None
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _grpc_error(cls, e: Any) -> errors.LiflError:
+        return cls._status_error(e.code().name, urllib.parse.unquote(e.details() or ""), dict(e.trailing_metadata() or ()))
+
     @staticmethod
-    def _grpc_error(e: Any) -> errors.LiflError:
-        trailers = dict(e.trailing_metadata() or ())
-        code, message = trailers.get("lifl-error-code", "grpc_error"), urllib.parse.unquote(e.details() or "")
-        cls = _BY_GRPC.get(e.code().name, errors.Internal)
+    def _status_error(status: str, message: str, trailers: dict[str, str]) -> errors.LiflError:
+        code = trailers.get("lifl-error-code", "grpc_error")
+        cls = _BY_GRPC.get(status, errors.Internal)
         if cls is errors.Overloaded:
             return errors.Overloaded(message, retry_after=int(trailers.get("grpc-retry-pushback-ms", 1000)) / 1000, code=code)
         extra = {"version": int(trailers["lifl-version"])} if "lifl-version" in trailers else {}
@@ -150,13 +152,13 @@ class Gateway:
         if self.protocol == "http":
             return self._json("POST", "/v1/jobs", {"job": job, "goal": goal, **options})
         req = self._pb.CreateJobRequest(job=job, goal=goal, **options)
-        self._rpc("CreateJob", self._pb.JobStatus.FromString, req.SerializeToString(), False)
+        self._rpc("CreateJob", self._pb.JobStatus.FromString, req.SerializeToString())
         return self.job(job)
 
     def job(self, job: str) -> dict[str, Any]:
         if self.protocol == "http":
             return self._json("GET", f"/v1/jobs/{job}")
-        status = self._rpc("GetJob", self._pb.JobStatus.FromString, self._pb.GetJobRequest(job=job).SerializeToString(), False)
+        status = self._rpc("GetJob", self._pb.JobStatus.FromString, self._pb.GetJobRequest(job=job).SerializeToString())
         return _status_dict(status)
 
     def set_model(self, job: str, blob: bytes | memoryview) -> int:
@@ -164,7 +166,7 @@ class Gateway:
         if self.protocol == "http":
             return json.loads(self._request("PUT", f"/v1/jobs/{job}/model", memoryview(blob))[2])["version"]
         meta = self._pb.ModelMeta(job=job, size=len(blob)).SerializeToString()
-        return self._rpc("SetModel", self._pb.SetModelReply.FromString, chunk_messages(meta, blob), True).version
+        return self._pb.SetModelReply.FromString(self._upload("SetModel", meta, blob)).version
 
     def model(self, job: str) -> tuple[int, bytes]:
         """(version, blob) of the current global model."""
@@ -188,7 +190,7 @@ class Gateway:
                 headers["X-Lifl-Lease"] = lease
             return json.loads(self._request("POST", f"/v1/jobs/{job}/updates", memoryview(blob), headers)[2])
         meta = self._pb.UpdateMeta(job=job, client=client, samples=samples, base_version=base_version, size=len(blob), lease=lease)
-        reply = self._rpc("PushUpdate", self._pb.PushUpdateReply.FromString, chunk_messages(meta.SerializeToString(), blob), True)
+        reply = self._pb.PushUpdateReply.FromString(self._upload("PushUpdate", meta.SerializeToString(), blob))
         return {"key": reply.key, "version": reply.version}
 
     def metrics(self) -> str:
@@ -213,14 +215,14 @@ class Gateway:
             self._lease_rpc("ReleaseLease", self._pb.LeaseRequest(job=job, lease=lease))
 
     def _lease_rpc(self, method: str, request: Any) -> dict[str, Any]:
-        lease = self._rpc(method, self._pb.Lease.FromString, request.SerializeToString(), False)
+        lease = self._rpc(method, self._pb.Lease.FromString, request.SerializeToString())
         return {"lease": lease.lease, "version": lease.version, "round": lease.round, "ttl_s": lease.ttl_s}
 
     def rounds(self, job: str, limit: int = 100) -> list[dict[str, Any]]:
         """The last ``limit`` finished rounds, oldest first."""
         if self.protocol == "http":
             return self._json("GET", f"/v1/jobs/{job}/rounds?limit={limit}")["rounds"]
-        reply = self._rpc("GetRounds", self._pb.Rounds.FromString, self._pb.GetRoundsRequest(job=job, limit=limit).SerializeToString(), False)
+        reply = self._rpc("GetRounds", self._pb.Rounds.FromString, self._pb.GetRoundsRequest(job=job, limit=limit).SerializeToString())
         return [_round_dict(r) for r in reply.rounds]
 
 
