@@ -18,6 +18,8 @@ from collections.abc import Iterator, Sequence
 
 import hpack
 
+from lifl.gateway.stream import Stream
+
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
@@ -89,7 +91,7 @@ class UploadConnection:
         host, _, port = address.rpartition(":")
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._buf = bytearray()
+        self._stream = Stream(self.sock)
         self._encoder, self._decoder = hpack.Encoder(), hpack.Decoder()
         self._conn_window = DEFAULT_WINDOW
         self._initial_window = DEFAULT_WINDOW
@@ -159,14 +161,10 @@ class UploadConnection:
         return bytes(self._reply[5 : 5 + length])
 
     def _read_exact(self, n: int) -> bytes:
-        while len(self._buf) < n:
-            chunk = self.sock.recv(max(65536, n - len(self._buf)))
-            if not chunk:
-                raise ConnectionError("the gRPC server closed the connection")
-            self._buf += chunk
-        out = bytes(self._buf[:n])
-        del self._buf[:n]
-        return out
+        try:
+            return self._stream.read_exact(n)
+        except EOFError:
+            raise ConnectionError("the gRPC server closed the connection") from None
 
     def _read_frame(self, sid: int) -> None:
         head = self._read_exact(9)
