@@ -107,7 +107,7 @@ for _, f in ipairs(redis.call('HKEYS', h)) do
 end
 local now = now_ms()
 redis.call('HSET', h, 'version', ARGV[2], 'round', tonumber(ARGV[1]) + 1, 'round_opened', now, 'closed', 0,
-           'reserved', 0, 'accepted', 0, 'aggregated', 0, 'lost', 0)
+           'reserved', 0, 'accepted', 0, 'aggregated', 0)
 if ARGV[3] ~= '' then redis.call('HSET', h, 'model_key', ARGV[3], 'model_node', ARGV[4]) end
 if ARGV[6] ~= '' then redis.call('HSET', h, 'model_spec', ARGV[6]) end
 redis.call('DEL', KEYS[2])
@@ -151,7 +151,6 @@ class Job:
     reserved: int
     accepted: int
     aggregated: int
-    lost: int
     rejected: dict[str, int]
     last_round: dict[str, Any] | None
     checkpoint: int  # latest version durably checkpointed, -1 if none
@@ -190,7 +189,7 @@ class ClusterState:
             raise Conflict(f"job {spec.job!r} already exists", code="job_exists", grpc_status="ALREADY_EXISTS")
         self.redis.hset(job_key(spec.job), mapping={
             "goal": spec.goal, "version": NO_MODEL, "round": -1, "round_opened": 0, "closed": 0, "reserved": 0,
-            "accepted": 0, "aggregated": 0, "lost": 0, "model_key": "", "model_node": "", "checkpoint": -1,
+            "accepted": 0, "aggregated": 0, "model_key": "", "model_node": "", "checkpoint": -1,
         })
         self.redis.sadd("lifl:jobs", spec.job)
 
@@ -210,7 +209,6 @@ class ClusterState:
             reserved=int(h["reserved"]),
             accepted=int(h["accepted"]),
             aggregated=int(h["aggregated"]),
-            lost=int(h["lost"]),
             rejected={k[9:]: int(v) for k, v in h.items() if k.startswith("rejected.")},
             last_round=json.loads(h["last_round"]) if h.get("last_round") else None,
             checkpoint=int(h["checkpoint"]),
@@ -270,7 +268,7 @@ class ClusterState:
         return int(self.redis.zcount(leases_key(name), f"({now}", "+inf"))
 
     def count(self, name: str, round_id: int, field: str, delta: int = 1) -> bool:
-        """Add to a counter of round ``round_id`` (reserved, accepted, aggregated, lost, rejected.<code>)."""
+        """Add to a counter of round ``round_id`` (reserved, accepted, aggregated, rejected.<code>)."""
         return bool(self._count(keys=[job_key(name)], args=[round_id, field, delta]))
 
     def close_round(self, name: str, round_id: int) -> int:
