@@ -19,7 +19,7 @@ from lifl.gateway.ingest import BlobSink, LayoutCache
 from lifl import format as fmt
 from lifl.errors import BadRequest, Conflict, LiflError, NotFound
 from lifl.jobs import JobSpec
-from lifl.planner import ROLES
+from lifl.control.planner import ROLES
 from lifl.rpc import Client
 from lifl.state import NO_MODEL, ClusterState
 from lifl.store import MappingCache

@@ -21,7 +21,7 @@ def parse_size(text: str) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from lifl.node import NodeConfig, run
+    from lifl.node.supervisor import NodeConfig, run
 
     config = NodeConfig(
         node=args.node, http=args.http, grpc=args.grpc, redis=args.redis, run_dir=args.run_dir, data_dir=args.data_dir,

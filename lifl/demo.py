@@ -28,7 +28,7 @@ import numpy as np
 
 from lifl import procstat
 from lifl.client import Gateway, from_blob, to_blob
-from lifl.node import Node, NodeConfig
+from lifl.node.supervisor import Node, NodeConfig
 from lifl.state import ClusterState
 from lifl.workload import MODELS, evaluate, load_digits_split, make_model
 

@@ -110,7 +110,7 @@ def run_dir() -> Iterator[Path]:
 @pytest.fixture
 def node(redis_url: str, run_dir: Path, shm_node: str) -> Iterator[RunningNode]:
     """A real node (agent, gateway and aggregator processes) on the session's redis-server."""
-    from lifl.node import Node, NodeConfig
+    from lifl.node.supervisor import Node, NodeConfig
 
     config = NodeConfig(
         node=shm_node, http="127.0.0.1:0", grpc="127.0.0.1:0", redis=redis_url, run_dir=run_dir,

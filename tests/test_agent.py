@@ -13,7 +13,7 @@ import pytest
 
 from conftest import wait_for
 from lifl import format as fmt
-from lifl.agent import Agent, AgentConfig
+from lifl.node.agent import Agent, AgentConfig
 from lifl.errors import Conflict, Overloaded
 from lifl.jobs import JobSpec
 from lifl.rpc import Client

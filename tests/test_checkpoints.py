@@ -18,7 +18,7 @@ import pytest
 from conftest import wait_for
 from lifl import checkpoints
 from lifl import format as fmt
-from lifl.agent import Agent, AgentConfig
+from lifl.node.agent import Agent, AgentConfig
 from lifl.jobs import JobSpec
 from lifl.state import ClusterState, job_key
 from test_agent import gateway, push, put_model, read_model

@@ -63,7 +63,7 @@ class Up:
             if args and args[0].endswith("redis-server") and any(str(self.base) in a for a in args):
                 out["redis"] = int(p.name)
             if "--node" in args and args[args.index("--node") + 1] == self.node:
-                if "lifl.agent" in args:
+                if "lifl.node.agent" in args:
                     out["agent"] = int(p.name)
                 elif "lifl.gateway" in args:
                     out["gateway"] = int(p.name)

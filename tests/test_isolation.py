@@ -11,7 +11,7 @@ import pytest
 
 from conftest import wait_for
 from lifl import format as fmt
-from lifl.agent import Agent, AgentConfig
+from lifl.node.agent import Agent, AgentConfig
 from lifl.jobs import JobSpec
 from lifl.state import TENANT_UID_BASE, ClusterState
 from test_agent import gateway, push, put_model

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lifl.planner import InstanceView, RoundPlan, expired, pick_warm
+from lifl.control.planner import InstanceView, RoundPlan, expired, pick_warm
 
 
 @pytest.mark.parametrize("updates,fan_in,leaves,assignments", [

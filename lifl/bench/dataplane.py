@@ -42,7 +42,7 @@ import posix_ipc
 from lifl import format as fmt
 from lifl.client import Gateway
 from lifl.kernels import Tensors, fold
-from lifl.node import Node, NodeConfig
+from lifl.node.supervisor import Node, NodeConfig
 from lifl.procstat import cpu_seconds, pss_mb
 
 MODELS = [("resnet18", 44.7e6, 122), ("resnet34", 83.3e6, 218), ("resnet152", 230e6, 932)]  # name, bytes, tensors

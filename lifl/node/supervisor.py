@@ -154,7 +154,7 @@ class Node:
         self._wait_redis(redis_url)
         py = sys.executable
         self.children["agent"] = agent = Child("agent", [
-            py, "-m", "lifl.agent", "--node", c.node, "--run-dir", str(self.run_dir), "--data-dir", str(c.data_dir),
+            py, "-m", "lifl.node.agent", "--node", c.node, "--run-dir", str(self.run_dir), "--data-dir", str(c.data_dir),
             "--redis", redis_url, "--checkpoints", c.checkpoints,
             "--shm-capacity", str(c.shm_capacity), "--pool-limit", str(c.pool_limit),
             "--max-instances", str(c.max_instances), "--keep-warm", str(c.keep_warm),

@@ -43,7 +43,7 @@ from lifl import format as fmt
 from lifl.channel import KIND_CLOSE, KeyMessage, UnixKeyChannel, now_ns
 from lifl.errors import BadRequest, Conflict, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge
 from lifl.jobs import JobSpec
-from lifl.planner import LEAF, MIDDLE, ROLES, TOP, InstanceView, RoundPlan, expired, pick_warm
+from lifl.control.planner import LEAF, MIDDLE, ROLES, TOP, InstanceView, RoundPlan, expired, pick_warm
 from lifl.procs import die_with_parent
 from lifl.rpc import Connection, error_reply
 from lifl.state import NO_MODEL, RESERVE_OK, ClusterState, refusal
