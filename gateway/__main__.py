@@ -7,6 +7,8 @@ import json
 import signal
 import threading
 
+from lifl.control.controller import DEFAULT_CAPACITY
+from lifl.control.planner import BESTFIT, POLICIES
 from lifl.gateway.grpc_server import GrpcServer
 from lifl.gateway.http import HttpServer
 from lifl.gateway.service import GatewayService
@@ -28,18 +30,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--agent-socket", required=True)
     p.add_argument("--http", type=split_address, required=True, metavar="HOST:PORT")
     p.add_argument("--grpc", type=split_address, required=True, metavar="HOST:PORT")
+    p.add_argument("--placement", choices=POLICIES, default=BESTFIT)
+    p.add_argument("--capacity", type=float, default=DEFAULT_CAPACITY)
     args = p.parse_args(argv)
     die_with_parent()
-    service = GatewayService(args.node, ClusterState(args.redis), args.agent_socket)
+    service = GatewayService(args.node, ClusterState(args.redis), args.agent_socket, args.placement, args.capacity)
     http = HttpServer(service, *args.http)
     grpc = GrpcServer(service, *args.grpc)
     http.start()
     grpc.start()
+    addresses = {"http": "{}:{}".format(*http.address), "grpc": "{}:{}".format(*grpc.address)}
+    service.start(addresses["http"], addresses["grpc"])
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    print(json.dumps({"http": "{}:{}".format(*http.address), "grpc": "{}:{}".format(*grpc.address)}), flush=True)
+    print(json.dumps(addresses), flush=True)
     stop.wait()
+    service.stop()
     http.stop()
     grpc.stop()
 

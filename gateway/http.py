@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lifl.errors import BadRequest, LiflError, NotFound, Overloaded
-from lifl.gateway.service import GatewayService, Ingest, UpdateMeta
+from lifl.gateway.service import GatewayService, Ingest, ModelView, PartialMeta, UpdateMeta
 from lifl.gateway.stream import Stream, ThreadedServer
 
 MAX_HEAD = 64 << 10
@@ -155,6 +155,9 @@ class HttpServer(ThreadedServer):
             ("POST", re.compile(r"/v1/jobs/([^/]+)/updates"), self.post_update),
             ("GET", re.compile(r"/v1/jobs/([^/]+)/rounds"), self.get_rounds),
             ("POST", re.compile(r"/v1/jobs/([^/]+)/leases"), self.take_lease),
+            ("GET", re.compile(r"/v1/jobs/([^/]+)/assignment"), self.get_assignment),
+            ("POST", re.compile(r"/v1/internal/jobs/([^/]+)/rounds/([0-9]{1,18})/partials"), self.post_partial),
+            ("GET", re.compile(r"/v1/internal/jobs/([^/]+)/model"), self.get_local_model),
             ("PUT", re.compile(r"/v1/jobs/([^/]+)/leases/([^/]+)"), self.heartbeat),
             ("DELETE", re.compile(r"/v1/jobs/([^/]+)/leases/([^/]+)"), self.release_lease),
             ("GET", re.compile(r"/metrics"), self.metrics),
@@ -308,6 +311,26 @@ class HttpServer(ThreadedServer):
             limit = int(text)
         return json_response(200, {"rounds": self.service.rounds(job, limit)})
 
+    def get_assignment(self, req: Request, job: str) -> Response:
+        params = urllib.parse.parse_qs(req.query, keep_blank_values=True)
+        clients = params.get("client", [])
+        if len(clients) != 1:
+            raise BadRequest("give exactly one client: ?client=ID", code="bad_query")
+        return json_response(200, self.service.assignment(job, clients[0]))
+
+    def post_partial(self, req: Request, job: str, round_id: str) -> Response:
+        """Another node's result of a round, for the top on this node (gateway to gateway)."""
+        h = req.headers
+        meta = PartialMeta.parse(round_id, h.get("x-lifl-epoch"), h.get("x-lifl-from-node"), h.get("x-lifl-samples"),
+                                 h.get("x-lifl-updates"), h.get("x-lifl-partial"))
+        _require_framing(req)
+        ingest = self.service.begin_partial(job, meta, req.body.length)
+        return json_response(202, self._receive(req, ingest))
+
+    def get_local_model(self, req: Request, job: str) -> Response:
+        """The model if this node holds it, never fetched from elsewhere (what peers ask for)."""
+        return self._model_response(self.service.open_local_model(job))
+
     def take_lease(self, req: Request, job: str) -> Response:
         body = self._json_body(req, "lease request")
         client = body.get("client") if isinstance(body, dict) else None
@@ -360,7 +383,9 @@ class HttpServer(ThreadedServer):
             raise
 
     def get_model(self, req: Request, job: str) -> Response:
-        view = self.service.open_model(job)
+        return self._model_response(self.service.open_model(job))
+
+    def _model_response(self, view: ModelView) -> Response:
         self.service.metrics.bytes_out.labels("http").inc(view.size)
         return Response(
             200, headers={"Content-Type": "application/octet-stream", "X-Lifl-Version": str(view.version)},

@@ -27,12 +27,13 @@ class LayoutCache:
     every update, and validating it (JSON, offsets, the model's tensors) is deterministic."""
 
     def __init__(self, entries: int = 256) -> None:
-        self._entries: OrderedDict[tuple[bytes, int], tuple[fmt.ModelSpec | None, fmt.Layout]] = OrderedDict()
+        self._entries: OrderedDict[tuple[bytes, int, bool], tuple[fmt.ModelSpec | None, fmt.Layout]] = OrderedDict()
         self._max = entries
         self._lock = threading.Lock()
 
-    def validate(self, header: bytes, spec: fmt.ModelSpec | None, limit: int) -> fmt.Layout:
-        key = (header, id(spec))
+    def validate(self, header: bytes, spec: fmt.ModelSpec | None, limit: int, partial: bool = False) -> fmt.Layout:
+        """``partial``: a partial sum of ``spec``'s model (accumulator dtypes), from another node."""
+        key = (header, id(spec), partial)
         with self._lock:
             hit = self._entries.get(key)
             if hit is not None and hit[0] is spec:
@@ -41,9 +42,9 @@ class LayoutCache:
                 if layout.total_size > limit:
                     raise PayloadTooLarge(f"blob declares {layout.total_size} bytes, over the limit of {limit} bytes")
                 return layout
-        layout = fmt.parse_header(header, limit=limit)
+        layout = fmt.parse_header(header, limit=limit, allow_partial=partial)
         if spec is not None:
-            fmt.check_matches(layout, spec)
+            fmt.check_matches(layout, spec.partial() if partial else spec)
         elif not layout.entries:
             raise Unprocessable("a model needs at least one tensor", code="empty_model")
         with self._lock:
@@ -63,7 +64,9 @@ class BlobSink:
         mappings: MappingCache,
         layouts: LayoutCache,
         expected_size: int | None = None,
+        partial: bool = False,
     ) -> None:
+        self._partial = partial
         self._limit = limit
         self._spec = spec
         self._admit = admit
@@ -136,7 +139,7 @@ class BlobSink:
 
     def _on_header(self) -> None:
         assert self._header is not None
-        layout = self._layouts.validate(bytes(self._header), self._spec, self._limit)
+        layout = self._layouts.validate(bytes(self._header), self._spec, self._limit, self._partial)
         if self._expected is not None and self._expected != layout.total_size:
             raise BadRequest(
                 f"body has {self._expected} bytes but the blob's header declares {layout.total_size}",

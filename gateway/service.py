@@ -3,11 +3,22 @@
 The gateway keeps no state of its own beyond caches: jobs, versions and rounds are in Redis,
 objects belong to the node agent. It talks to the agent over per-thread connections, so an
 upload in progress belongs to its connection and is released if the gateway dies.
+
+It is also the node's door to the other nodes (paper appendix A, inter-node routing): it
+streams the agent's partial results to the gateway of the node hosting a round's top, takes
+theirs into shared memory for the top here, and fetches a model installed on another node
+once per version so that any node's gateway serves any job's model.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
+import math
 import os
+import re
+import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -15,17 +26,30 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from lifl.gateway.ingest import BlobSink, LayoutCache
 from lifl import format as fmt
-from lifl.errors import BadRequest, Conflict, LiflError, NotFound
+from lifl.control.controller import DEFAULT_CAPACITY
+from lifl.control.planner import BESTFIT, ROLES, NodeLoad, plan_round
+from lifl.errors import BadRequest, Conflict, LiflError, NotFound, Overloaded
+from lifl.gateway.ingest import BlobSink, LayoutCache
 from lifl.jobs import JobSpec
-from lifl.control.planner import ROLES
+from lifl.protocol import (
+    Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Forwarded, ForwardPartial, GetMetrics, Hello, InstallModel,
+    InstallReplica, Message, ModelOpened, OpenModel, Submit, SubmitPartial,
+)
+from lifl.protocol import Release as ReleaseRef
 from lifl.rpc import Client
-from lifl.state import NO_MODEL, ClusterState
+from lifl.state import NO_MODEL, ClusterState, Job
 from lifl.store import MappingCache
 
 MAX_CLIENT_ID = 256
 MAX_SAMPLES = 1 << 53
+MAX_UPDATES_PER_PARTIAL = 1 << 30
+NODE_NAME = re.compile(r"[a-z0-9]{1,16}")
+REGISTER_EVERY = 1.0  # seconds between refreshes of the gateway's registration (it lapses after state.NODE_TTL)
+PEER_TIMEOUT = 120.0  # seconds a peer gateway may stall a transfer before it is given up (and retried)
+MAX_ERROR_BODY = 64 << 10
+ASSIGN_ATTEMPTS = 3
+FETCH_ATTEMPTS = 3
 
 
 class GatewayMetrics:
@@ -80,26 +104,38 @@ def _integer(name: str, value: Any, low: int, high: int) -> int:
 
 
 class Ingest:
-    """One blob being received: ``sink`` takes the bytes, ``finish`` hands the object over."""
+    """One blob being received: ``sink`` takes the bytes, ``finish`` hands the object over.
 
-    def __init__(self, service: GatewayService, kind: str, job: str, protocol: str, meta: UpdateMeta | None,
-                 spec: fmt.ModelSpec | None, limit: int, expected_size: int | None) -> None:
-        self.service, self.kind, self.job, self.protocol, self.meta = service, kind, job, protocol, meta
+    ``kind`` is what the blob is: a client's ``update``, a job's initial ``model``, another
+    node's ``partial`` result for the top hosted here, or a ``replica`` of a model held by
+    another node."""
+
+    def __init__(self, service: GatewayService, kind: str, job: str, protocol: str, spec: fmt.ModelSpec | None,
+                 limit: int, expected_size: int | None, *, meta: UpdateMeta | None = None,
+                 partial: PartialMeta | None = None, version: int = NO_MODEL) -> None:
+        self.service, self.kind, self.job, self.protocol = service, kind, job, protocol
+        self.meta, self.partial, self.version = meta, partial, version
         self.agent = service.agent()
         self.started = time.perf_counter()
-        self.version: int | None = None
-        self.sink = BlobSink(limit=limit, spec=spec, admit=self._admit, mappings=service.mappings,
-                             layouts=service.layouts, expected_size=expected_size)
+        self.sink = BlobSink(limit=limit, spec=spec, admit=self._admit, mappings=service.mappings, layouts=service.layouts,
+                             expected_size=expected_size, partial=bool(partial and partial.partial))
 
     def _admit(self, layout: fmt.Layout) -> tuple[bytes, int]:
+        size = layout.total_size
         if self.kind == "model":
-            reply, fds = self.agent.call("admit_model", job=self.job, size=layout.total_size)
+            request: Message = AdmitModel(self.job, size)
+        elif self.kind == "partial":
+            assert self.partial is not None
+            p = self.partial
+            request = AdmitPartial(self.job, p.round, p.epoch, p.from_node, size)
+        elif self.kind == "replica":
+            request = AdmitReplica(self.job, self.version, size)
         else:
             assert self.meta is not None
-            reply, fds = self.agent.call("admit", job=self.job, version=self.meta.base_version, size=layout.total_size,
-                                         lease=self.meta.lease)
-            self.version = reply["version"]
-        return bytes.fromhex(reply["key"]), fds[0]
+            request = Admit(self.job, self.meta.base_version, size, self.meta.lease)
+        reply, fds = self.agent.call(request)
+        self.version = reply.version
+        return reply.key, fds[0]
 
     def finish(self) -> dict[str, Any]:
         self.sink.check_complete()
@@ -108,10 +144,17 @@ class Ingest:
         m = self.service.metrics
         m.bytes_in.labels(self.protocol).inc(self.sink.total)
         if self.kind == "model":
-            reply, _ = self.agent.call("install_model", key=key.hex())
-            return {"version": reply["version"]}
+            reply, _ = self.agent.call(InstallModel(key))
+            return {"version": reply.version}
+        if self.kind == "partial":
+            assert self.partial is not None
+            self.agent.call(SubmitPartial(key, self.partial.samples, self.partial.updates, self.partial.partial))
+            return {"round": self.partial.round}
+        if self.kind == "replica":
+            self.agent.call(InstallReplica(key))
+            return {"version": self.version}
         assert self.meta is not None
-        self.agent.call("submit", key=key.hex(), samples=self.meta.samples, client=self.meta.client)
+        self.agent.call(Submit(key, self.meta.samples, self.meta.client))
         m.arrivals.labels(self.job, self.protocol).inc()
         m.ingest.labels(self.protocol).observe(time.perf_counter() - self.started)
         return {"key": key.hex(), "version": self.version}
@@ -121,39 +164,67 @@ class Ingest:
         reason = error.code if error else "aborted"
         if self.sink.key is not None:
             try:
-                self.agent.call("abort", key=self.sink.key.hex(), reason=reason)
+                self.agent.call(Abort(self.sink.key, reason))
             except (LiflError, OSError, EOFError):
                 pass
         if self.kind == "update":
             self.service.count_rejection(self.job, self.protocol, reason, counted_by_agent=self.sink.key is not None)
 
 
+@dataclass(frozen=True)
+class PartialMeta:
+    """Headers of a partial result sent by another node's gateway."""
+
+    round: int
+    epoch: int
+    from_node: str
+    samples: int
+    updates: int
+    partial: bool  # accumulator dtypes (a sum), or a single client update passed on whole
+
+    @classmethod
+    def parse(cls, round_id: Any, epoch: Any, from_node: Any, samples: Any, updates: Any, partial: Any) -> PartialMeta:
+        if not isinstance(from_node, str) or not NODE_NAME.fullmatch(from_node):
+            raise BadRequest("X-Lifl-From-Node must name a node", code="bad_header")
+        if partial not in ("0", "1"):
+            raise BadRequest("X-Lifl-Partial must be 0 or 1", code="bad_header")
+        return cls(_integer("round", round_id, 0, 1 << 62), _integer("X-Lifl-Epoch", epoch, 0, 1 << 31), from_node,
+                   _integer("X-Lifl-Samples", samples, 1, MAX_SAMPLES * MAX_UPDATES_PER_PARTIAL),
+                   _integer("X-Lifl-Updates", updates, 1, MAX_UPDATES_PER_PARTIAL), partial == "1")
+
+
 class ModelView:
     """A read reference to a job's current model; release it when sent."""
 
-    def __init__(self, agent: Client, reply: dict[str, Any], fd: int) -> None:
+    def __init__(self, agent: Client, reply: ModelOpened, fd: int) -> None:
         self.agent, self.fd = agent, fd
-        self.key, self.version, self.size = reply["key"], reply["version"], reply["size"]
+        self.key, self.version, self.size = reply.key, reply.version, reply.size
 
     def release(self) -> None:
         os.close(self.fd)
-        self.agent.call("release", key=self.key)
+        self.agent.call(ReleaseRef(self.key))
 
 
 class GatewayService:
-    def __init__(self, node: str, state: ClusterState, agent_socket: str) -> None:
+    def __init__(self, node: str, state: ClusterState, agent_socket: str, placement: str = BESTFIT,
+                 capacity: float = DEFAULT_CAPACITY) -> None:
         self.node = node
         self.state = state
         self.agent_socket = agent_socket
+        self.placement = placement
+        self.capacity = capacity
         self.mappings = MappingCache()
         self.layouts = LayoutCache()
         self.metrics = GatewayMetrics()
         self._local = threading.local()
+        self._fetching: dict[str, threading.Lock] = {}
+        self._fetching_lock = threading.Lock()
+        self._stop = threading.Event()
 
     def agent(self) -> Client:
         client = getattr(self._local, "agent", None)
         if client is None:
-            client = self._local.agent = Client.connect(self.agent_socket, {"role": "gateway"})
+            client = self._local.agent = Client.connect(self.agent_socket, Hello("gateway"))
         return client
 
     def close_thread(self) -> None:
@@ -163,6 +234,64 @@ class GatewayService:
             client.close()
             self._local.agent = None
 
+    # -- the node's presence and its partial results ---------------------------------------------
+    def start(self, http: str, grpc: str) -> None:
+        """Register where this gateway is reached (refreshed while it runs) and start forwarding
+        the agent's partial results to other nodes."""
+        addresses = {"http": http, "grpc": grpc}
+        self.state.publish_gateway(self.node, addresses)
+        threading.Thread(target=self._register, args=(addresses,), name="gateway-register", daemon=True).start()
+        threading.Thread(target=self._forwarder, name="gateway-forwarder", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _register(self, addresses: dict[str, str]) -> None:
+        while not self._stop.wait(REGISTER_EVERY):
+            try:
+                self.state.publish_gateway(self.node, addresses)
+            except Exception as e:  # Redis restarting: the next refresh comes within a second
+                print(f"lifl gateway: cannot register: {e}", file=sys.stderr)
+
+    def _forwarder(self) -> None:
+        """Take the agent's ForwardPartial requests (one connection, reconnected if the agent
+        restarts) and stream each on a thread of its own."""
+        while not self._stop.is_set():
+            try:
+                client = Client.connect(self.agent_socket, Hello("forwarder"))
+            except (OSError, LiflError):
+                self._stop.wait(0.2)
+                continue
+            try:
+                while True:
+                    push, fds = client.next_push()
+                    if isinstance(push, ForwardPartial) and fds:
+                        threading.Thread(target=self._forward, args=(client, push, fds[0]), daemon=True).start()
+                    else:
+                        for fd in fds:
+                            os.close(fd)
+            except (EOFError, OSError, LiflError):
+                client.close()
+                self._stop.wait(0.2)
+
+    def _forward(self, client: Client, m: ForwardPartial, fd: int) -> None:
+        """Stream one object out of shared memory to another node's gateway (sendfile: the bytes
+        are copied once, by the kernel, into the socket)."""
+        try:
+            status, error = send_partial(self.state, self.node, m, fd)
+            ok = status == 202
+            # the receiver may not have learnt yet that it hosts the top: try again; a round that
+            # is over there will be over here soon too
+            reply = Forwarded(m.id, ok, error, retry=not ok)
+        except (OSError, LiflError, http.client.HTTPException) as e:
+            reply = Forwarded(m.id, False, f"{type(e).__name__}: {e}", retry=True)
+        finally:
+            os.close(fd)
+        try:
+            client.push(reply)
+        except OSError:
+            pass  # the agent is gone; it resends what it still needs when it is back
+
     # -- jobs ----------------------------------------------------------------------------------
     def create_job(self, body: Any) -> dict[str, Any]:
         spec = JobSpec.from_request(body)
@@ -170,15 +299,21 @@ class GatewayService:
         return self.job_status(spec.job)
 
     def job_status(self, name: str) -> dict[str, Any]:
+        """The job as the whole cluster sees it: the round's progress on every node."""
         job = self.state.job(name)
+        shard = self.state.shard(name)
         has_model = job.version != NO_MODEL
         aggregators = dict.fromkeys(ROLES, 0)
         queued = 0
-        for status in self.state.nodes().values():
+        nodes: dict[str, dict[str, Any]] = {}
+        for node, status in self.state.nodes().items():
             counts = status.get("jobs", {}).get(name, {})
             for role in ROLES:
                 aggregators[role] += counts.get(role, 0)
             queued += counts.get("queued", 0)
+            nodes[node] = {"updates": shard.counts.get(node, 0), "queued": counts.get("queued", 0),
+                           "aggregators": {role: counts.get(role, 0) for role in ROLES}}
+        current = shard.round == job.round
         return {
             "job": name,
             "tenant": job.spec.tenant,
@@ -201,9 +336,13 @@ class GatewayService:
                 "aggregated": job.aggregated,
                 "leases": self.state.active_leases(name),
                 "rejected": job.rejected,
+                "nodes": shard.counts if current else {},
+                "top": shard.top if current else None,
+                "lost": shard.lost if current else {},
             },
             "queued": queued,
             "aggregators": aggregators,
+            "nodes": nodes,
             "last_round": job.last_round,
             "model": {"node": job.model_node, "key": job.model_key, "checkpoint": job.checkpoint} if has_model else None,
         }
@@ -211,7 +350,7 @@ class GatewayService:
     def rounds(self, name: str, limit: int) -> list[dict[str, Any]]:
         return self.state.rounds(name, limit)
 
-    # -- leases --------------------------------------------------------------------------------
+    # -- leases and assignments ------------------------------------------------------------------
     def take_lease(self, name: str, client: Any) -> dict[str, Any]:
         """A place in the current round for a client about to train, kept by heartbeats."""
         client_id(client)
@@ -230,6 +369,34 @@ class GatewayService:
         if not self.state.release_lease(name, lease_id(lease)):
             raise NotFound(f"lease {lease} of job {name!r} has lapsed or does not exist", code="no_such_lease")
 
+    def assignment(self, name: str, client: Any) -> dict[str, Any]:
+        """The node whose gateway ``client`` should send this round's update to (paper §5.1):
+        the round's placement plan, made once per round by whichever gateway is asked first."""
+        client_id(client)
+        for _ in range(ASSIGN_ATTEMPTS):  # the round may move on between reading it and assigning
+            job = self.state.job(name)
+            if job.version == NO_MODEL:
+                raise Conflict(f"job {name!r} has no model yet", code="no_model")
+            shard = self.state.shard(name)
+            gateways = self.state.gateways()
+            live = [n for n in gateways if n not in shard.dead]
+            if not live:
+                raise Overloaded("no node is up to take updates", code="no_nodes")
+            if shard.plan is None and shard.round == job.round:
+                self.state.set_plan(name, job.round, self._plan(job, live))
+            node = self.state.assign(name, job.round, client, live)
+            if node is not None:
+                return {"job": name, "client": client, "round": job.round, "version": job.version, "node": node,
+                        **gateways[node]}
+        raise Overloaded(f"the rounds of job {name!r} move on too fast to assign a node; retry", code="assign_retry")
+
+    def _plan(self, job: Job, live: list[str]) -> dict[str, Any]:
+        capacities, loads = self.state.capacities(), self.state.loads()
+        nodes = [NodeLoad(n, capacities.get(n, self.capacity), loads.get(n, 0.0)) for n in sorted(live)]
+        expected = math.ceil(job.spec.goal * job.spec.over_selection)
+        plan = plan_round(expected, nodes, policy=self.placement, fan_in=job.spec.leaf_fan_in, reuse=True)
+        return {"policy": plan.policy, "quotas": [[n, q] for n, q in plan.quotas.items()], "top": plan.top}
+
     # -- blobs ---------------------------------------------------------------------------------
     def begin_update(self, meta: UpdateMeta, protocol: str, expected_size: int | None) -> Ingest:
         """Check what can be checked before the first byte of the blob, then receive it."""
@@ -242,7 +409,8 @@ class GatewayService:
                     f"update was trained from version {meta.base_version}, the current version is {job.version}",
                     code="version_conflict", extra={"version": job.version},
                 )
-            return Ingest(self, "update", meta.job, protocol, meta, job.model_spec, job.spec.max_update_bytes, expected_size)
+            return Ingest(self, "update", meta.job, protocol, job.model_spec, job.spec.max_update_bytes, expected_size,
+                          meta=meta)
         except LiflError as e:
             self.count_rejection(meta.job, protocol, e.code, counted_by_agent=False)
             raise
@@ -251,12 +419,46 @@ class GatewayService:
         job = self.state.job(job_name)
         if job.version != NO_MODEL:
             raise Conflict(f"job {job_name!r} already has a model", code="model_exists")
-        return Ingest(self, "model", job_name, protocol, None, None, job.spec.max_update_bytes, expected_size)
+        return Ingest(self, "model", job_name, protocol, None, job.spec.max_update_bytes, expected_size)
+
+    def begin_partial(self, job_name: str, meta: PartialMeta, expected_size: int | None) -> Ingest:
+        """Another node's result of a round, for the top aggregator on this node."""
+        job = self.state.job(job_name)
+        if job.model_spec is None:
+            raise Conflict(f"job {job_name!r} has no model yet", code="no_model")
+        spec = job.model_spec
+        limit = (spec.partial() if meta.partial else spec).data_bytes + fmt.MAX_HEADER_BYTES
+        return Ingest(self, "partial", job_name, "internal", spec, limit, expected_size, partial=meta)
 
     def open_model(self, job_name: str) -> ModelView:
+        """The job's current model, from this node's memory; a model installed on another node is
+        fetched from its gateway once per version (one copy per hop) and served from here after."""
+        for _ in range(FETCH_ATTEMPTS):
+            try:
+                return self.open_local_model(job_name)
+            except NotFound as e:
+                if e.code != "model_elsewhere":
+                    raise
+                self._fetch_replica(job_name, e.extra["node"])
+        raise Overloaded(f"the model of job {job_name!r} changes faster than it can be fetched; retry", code="model_moving")
+
+    def open_local_model(self, job_name: str) -> ModelView:
+        """The model if this node holds it (``model_elsewhere`` otherwise): what peers fetch."""
         agent = self.agent()
-        reply, fds = agent.call("open_model", job=job_name)
+        reply, fds = agent.call(OpenModel(job_name))
         return ModelView(agent, reply, fds[0])
+
+    def _fetch_replica(self, job_name: str, node: str) -> None:
+        with self._fetching_lock:
+            lock = self._fetching.setdefault(job_name, threading.Lock())
+        with lock:  # one fetch per job at a time; the others then find it here
+            try:
+                self.open_local_model(job_name).release()
+                return
+            except NotFound as e:
+                if e.code != "model_elsewhere":
+                    raise
+            fetch_replica(self, job_name, node)
 
     def count_rejection(self, job: str, protocol: str, code: str, *, counted_by_agent: bool) -> None:
         self.metrics.rejected.labels(protocol, code).inc()
@@ -270,7 +472,72 @@ class GatewayService:
     def metrics_text(self) -> bytes:
         ours = generate_latest(self.metrics.registry)
         try:
-            theirs = self.agent().call("metrics")[0]["text"].encode()
+            theirs = self.agent().call(GetMetrics())[0].text.encode()
         except (LiflError, OSError, EOFError):
             theirs = b""
         return ours + theirs
+
+
+def send_partial(state: ClusterState, node: str, m: ForwardPartial, fd: int) -> tuple[int, str]:
+    """POST a partial result to the gateway of ``m.node``: (HTTP status, error message)."""
+    peer = state.gateway(m.node)
+    if peer is None:
+        raise ConnectionError(f"node {m.node} has no gateway registered")
+    host, _, port = peer["http"].rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=PEER_TIMEOUT) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        head = (f"POST /v1/internal/jobs/{m.job}/rounds/{m.round}/partials HTTP/1.1\r\nHost: {host}\r\n"
+                f"X-Lifl-From-Node: {node}\r\nX-Lifl-Epoch: {m.epoch}\r\nX-Lifl-Samples: {m.samples}\r\n"
+                f"X-Lifl-Updates: {m.updates}\r\nX-Lifl-Partial: {int(m.partial)}\r\nContent-Length: {m.size}\r\n"
+                f"Connection: close\r\n\r\n")
+        sock.sendall(head.encode("latin-1"))
+        offset = 0
+        while offset < m.size:
+            sent = os.sendfile(sock.fileno(), fd, offset, m.size - offset)
+            if sent == 0:
+                raise ConnectionError(f"the object ended after {offset} of {m.size} bytes")
+            offset += sent
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        body = response.read(MAX_ERROR_BODY)
+    return response.status, "" if response.status == 202 else _error_text(body)
+
+
+def fetch_replica(service: GatewayService, job_name: str, node: str) -> None:
+    """Copy a job's model from ``node``'s gateway into this node's shared memory."""
+    peer = service.state.gateway(node)
+    if peer is None:
+        raise Overloaded(f"node {node}, which holds the model of {job_name!r}, is unreachable", code="model_unreachable")
+    job = service.state.job(job_name)
+    host, _, port = peer["http"].rpartition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=PEER_TIMEOUT)
+    try:
+        conn.request("GET", f"/v1/internal/jobs/{job_name}/model")
+        response = conn.getresponse()
+        if response.status != 200:
+            raise Overloaded(f"node {node} did not serve the model of {job_name!r}: {_error_text(response.read(MAX_ERROR_BODY))}",
+                             code="model_unreachable")
+        version = int(response.getheader("X-Lifl-Version", "-1"))
+        length = int(response.getheader("Content-Length", "0"))
+        ingest = Ingest(service, "replica", job_name, "internal", job.model_spec, job.spec.max_update_bytes, length,
+                        version=version)
+        try:
+            sink = ingest.sink
+            while not sink.done:
+                n = response.readinto(sink.buffer())
+                if not n:
+                    sink.check_complete()
+                sink.advance(n)
+            ingest.finish()
+        except BaseException as e:
+            ingest.abort(e if isinstance(e, LiflError) else None)
+            raise
+    finally:
+        conn.close()
+
+
+def _error_text(body: bytes) -> str:
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body[:200].decode("latin-1")

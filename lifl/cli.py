@@ -21,12 +21,33 @@ def parse_size(text: str) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from lifl.node import cluster
+    from lifl.node.agent import agent_options
+
+    if not 1 <= args.nodes <= cluster.MAX_NODES:
+        raise SystemExit(f"lifl: --nodes must be between 1 and {cluster.MAX_NODES}, got {args.nodes}")
+    if args.nodes > 1:
+        if args.http or args.grpc:
+            raise SystemExit("lifl: --http and --grpc are for one node; with --nodes each node listens on its own address")
+        try:
+            config = cluster.ClusterConfig(
+                nodes=args.nodes, node_stem=args.node or "n", prefix=args.cluster_prefix or cluster.ClusterConfig.prefix,
+                subnet=args.subnet or cluster.ClusterConfig.subnet,
+                redis=args.redis, run_dir=args.run_dir, data_dir=args.data_dir, checkpoints=args.checkpoints,
+                shm_capacity=args.shm_limit, pool_limit=args.pool_limit, netem=args.netem, **agent_options(args),
+            )
+        except ValueError as e:
+            raise SystemExit(f"lifl: {e}") from None
+        return cluster.run(config)
+    for option in ("netem", "cluster_prefix", "subnet"):
+        if getattr(args, option) is not None:
+            raise SystemExit(f"lifl: --{option.replace('_', '-')} is about the links between emulated nodes: it needs --nodes N with N > 1")
     from lifl.node.supervisor import NodeConfig, run
 
     config = NodeConfig(
-        node=args.node, http=args.http, grpc=args.grpc, redis=args.redis, run_dir=args.run_dir, data_dir=args.data_dir,
-        shm_capacity=args.shm_limit, pool_limit=args.pool_limit, max_instances=args.max_instances, keep_warm=args.keep_warm,
-        checkpoints=args.checkpoints,
+        node=args.node or "n0", http=args.http or "127.0.0.1:8080", grpc=args.grpc or "127.0.0.1:50051", redis=args.redis,
+        run_dir=args.run_dir, data_dir=args.data_dir,
+        shm_capacity=args.shm_limit, pool_limit=args.pool_limit, checkpoints=args.checkpoints, **agent_options(args),
     )
     return run(config)
 
@@ -44,22 +65,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from lifl.node.agent import add_agent_arguments
+
     p = argparse.ArgumentParser(prog="lifl", description="Elastic serverless aggregation for federated learning.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="run a worker node (agent, gateway, redis) in the foreground")
-    up.add_argument("--node", default="n0", help="node id: 1-16 lowercase letters or digits (default n0)")
-    up.add_argument("--http", default="127.0.0.1:8080", metavar="HOST:PORT", help="HTTP API address (port 0: any free port)")
-    up.add_argument("--grpc", default="127.0.0.1:50051", metavar="HOST:PORT", help="gRPC API address")
+    up = sub.add_parser("up", help="run a worker node (agent, gateway, redis) in the foreground, or N of them (--nodes)")
+    up.add_argument("--node", help="node id: 1-16 lowercase letters or digits (default n0); with --nodes N, "
+                    "the ids' stem (default n: nodes n1..nN)")
+    up.add_argument("--http", metavar="HOST:PORT", help="HTTP API address (default 127.0.0.1:8080; port 0: any free port)")
+    up.add_argument("--grpc", metavar="HOST:PORT", help="gRPC API address (default 127.0.0.1:50051)")
     up.add_argument("--redis", metavar="URL", help="use this Redis instead of starting one (redis:// or unix://)")
-    up.add_argument("--run-dir", type=Path, help="sockets and lock (default /run/lifl/NODE as root)")
-    up.add_argument("--data-dir", type=Path, help="persistent state: the embedded redis and checkpoints (default /var/lib/lifl/NODE as root)")
+    up.add_argument("--run-dir", type=Path, help="sockets and lock (default /run/lifl/NODE as root; with --nodes /run/lifl/cluster)")
+    up.add_argument("--data-dir", type=Path, help="persistent state: the embedded redis and checkpoints "
+                    "(default /var/lib/lifl/NODE as root; with --nodes /var/lib/lifl/cluster)")
     up.add_argument("--checkpoints", default="", metavar="STORE",
                     help="where model checkpoints go: dir:PATH (default DATA_DIR/checkpoints), redis, redis://..., s3://BUCKET/PREFIX?endpoint=URL")
-    up.add_argument("--shm-limit", type=parse_size, help="shared memory for objects (default: half the RAM)")
+    up.add_argument("--shm-limit", type=parse_size, help="shared memory for objects (default: half the RAM; with --nodes, shared among them)")
     up.add_argument("--pool-limit", type=parse_size, help="of which recycled buffers may keep (default: a quarter)")
-    up.add_argument("--max-instances", type=int, default=16, help="aggregator processes at most (default 16)")
-    up.add_argument("--keep-warm", type=float, default=60.0, help="seconds an idle aggregator stays warm (default 60)")
+    add_agent_arguments(up)
+    up.add_argument("--nodes", type=int, default=1, metavar="N",
+                    help="emulate a cluster: N nodes on this machine, each in a network namespace of its own, on one "
+                         "bridge and one shared Redis (needs root; 1-200; default 1: one node in this namespace)")
+    up.add_argument("--netem", metavar="SPEC",
+                    help="with --nodes: shape every node's link both ways, in netem syntax, e.g. 'rate 10gbit delay 0.1ms' "
+                         "(without the kernel's netem only 'rate' works, emulated with tbf)")
+    up.add_argument("--cluster-prefix", metavar="NAME",
+                    help="with --nodes, advanced: names the bridge (NAMEbr0), namespaces and links (NAME-NODE...); "
+                         "for tests and for running two clusters side by side (default lifl)")
+    up.add_argument("--subnet", metavar="CIDR",
+                    help="with --nodes, advanced: the bridge's subnet; node k gets its (10+k)th address (default 10.77.0.0/24)")
     up.set_defaults(func=cmd_up)
 
     demo = sub.add_parser("demo", help="train a model with federated learning through a local node, to a target accuracy")

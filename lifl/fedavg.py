@@ -38,8 +38,10 @@ class Contribution:
 
 
 class StreamingFedAvg:
-    def __init__(self, fan_in: int) -> None:
-        if fan_in < 1:
+    """``fan_in`` None: not known yet (``resize`` tells it once the round has closed)."""
+
+    def __init__(self, fan_in: int | None) -> None:
+        if fan_in is not None and fan_in < 1:
             raise ValueError(f"fan-in must be at least 1, got {fan_in}")
         self.fan_in = fan_in
         self.received = 0
@@ -48,19 +50,23 @@ class StreamingFedAvg:
 
     @property
     def complete(self) -> bool:
-        return self.received >= self.fan_in
+        return self.complete_with(0)
+
+    def complete_with(self, more: int) -> bool:
+        """Whether ``more`` inputs beyond those received would complete it."""
+        return self.fan_in is not None and self.received + more >= self.fan_in
 
     def resize(self, fan_in: int) -> None:
-        """Change how many inputs will arrive in all (a deadline or a lost input lowered it)."""
-        if fan_in < self.received:
-            raise ValueError(f"cannot lower the fan-in to {fan_in}: {self.received} inputs arrived already")
+        """Set how many inputs arrive in all (the round closed, or a lost input lowered it)."""
+        if fan_in < max(self.received, 1):
+            raise ValueError(f"cannot set the fan-in to {fan_in}: {self.received} inputs arrived already")
         self.fan_in = fan_in
 
     def offer(self, batch: Sequence[Contribution], new_accumulator: Callable[[], tuple[Tensors, Any]]) -> list[Contribution]:
         """Fold a batch of arrived inputs; returns those now folded in, which the caller may release."""
         if not batch:
             return []
-        if self.received + len(batch) > self.fan_in:
+        if self.fan_in is not None and self.received + len(batch) > self.fan_in:
             raise ValueError(f"received {self.received + len(batch)} inputs for a fan-in of {self.fan_in}")
         self.received += len(batch)
         if self._acc is None:

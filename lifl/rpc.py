@@ -1,8 +1,8 @@
-"""The agent's control connections: framed JSON messages over unix stream sockets, with file
-descriptors (shared-memory objects, channel endpoints) passed alongside via SCM_RIGHTS.
+"""The agent's control connections: typed messages (``lifl.protocol``) framed as JSON over unix
+stream sockets, with file descriptors (shared-memory objects) passed alongside via SCM_RIGHTS.
 
-A request is ``{"id": n, "op": ..., ...}``; its reply is ``{"id": n, "ok": true, ...}`` or
-``{"id": n, "ok": false, "error": {...}}``, which the caller gets back as the same
+A request is ``{"id": n, "op": ..., ...}``; its reply is ``{"id": n, "ok": true, "op": ...}``
+or ``{"id": n, "ok": false, "error": {...}}``, which the caller gets back as the same
 ``LiflError`` subclass. Messages without an id are pushes (the agent invoking an instance).
 """
 
@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lifl import errors
+from lifl.protocol import Message, decode
 
 _LEN = struct.Struct("<I")
 MAX_MESSAGE = 16 << 20
@@ -54,7 +55,12 @@ class Connection:
                 if len(self._buf) >= _LEN.size + n:
                     body = bytes(self._buf[_LEN.size : _LEN.size + n])
                     del self._buf[: _LEN.size + n]
-                    message = json.loads(body)
+                    try:
+                        message = json.loads(body)
+                    except ValueError:
+                        raise errors.BadRequest("control message is not JSON", code="bad_message") from None
+                    if not isinstance(message, dict):
+                        raise errors.BadRequest("control message is not a JSON object", code="bad_message")
                     fds = [self._fds.popleft() for _ in range(message.pop("nfds", 0))]
                     return message, fds
             data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, MAX_FDS)
@@ -81,6 +87,10 @@ def _close(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
+
+
+def reply_frame(request_id: Any, reply: Message) -> dict[str, Any]:
+    return {"id": request_id, "ok": True, **reply.encode()}
 
 
 def error_reply(request_id: Any, error: errors.LiflError) -> dict[str, Any]:
@@ -114,38 +124,48 @@ class Client:
         self.conn = conn
         self._next_id = 0
         self._lock = threading.Lock()
-        self.pushes: deque[tuple[dict[str, Any], list[int]]] = deque()
+        self.pushes: deque[tuple[Message, list[int]]] = deque()
 
     @classmethod
-    def connect(cls, path: str, hello: dict[str, Any]) -> Client:
+    def connect(cls, path: str, hello: Message) -> Client:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(path)
         client = cls(Connection(sock))
-        client.call("hello", **hello)
+        client.call(hello)
         return client
 
-    def call(self, op: str, fds: Sequence[int] = (), **args: Any) -> tuple[dict[str, Any], list[int]]:
+    def call(self, request: Message, fds: Sequence[int] = ()) -> tuple[Any, list[int]]:
+        """Send ``request`` and wait for its reply (of type ``request.reply``) and descriptors."""
         with self._lock:
             self._next_id += 1
             request_id = self._next_id
-            self.conn.send({"id": request_id, "op": op, **args}, fds)
+            self.conn.send({"id": request_id, **request.encode()}, fds)
             while True:
-                message, got = self.conn.recv()
-                if message.get("id") == request_id:
+                frame, got = self.conn.recv()
+                if frame.get("id") == request_id:
                     break
-                self.pushes.append((message, got))
-        if not message.get("ok"):
+                self.pushes.append((decode(frame), got))
+        if not frame.get("ok"):
             for fd in got:
                 _close(fd)
-            raise_error(message)
-        return message, got
+            raise_error(frame)
+        frame.pop("id")
+        frame.pop("ok")
+        reply = decode(frame)
+        if request.reply is not None and not isinstance(reply, request.reply):
+            raise errors.Internal(f"{request.op} was answered with {reply.op}")
+        return reply, got
 
-    def next_push(self) -> tuple[dict[str, Any], list[int]]:
-        """Block for the next push (EOFError when the agent is gone)."""
+    def push(self, message: Message, fds: Sequence[int] = ()) -> None:
+        self.conn.send(message.encode(), fds)
+
+    def next_push(self) -> tuple[Message, list[int]]:
+        """Block for the next push (EOFError when the peer is gone)."""
         if self.pushes:
             return self.pushes.popleft()
         with self._lock:
-            return self.conn.recv()
+            frame, fds = self.conn.recv()
+        return decode(frame), fds
 
     def close(self) -> None:
         self.conn.close()

@@ -2,8 +2,9 @@
 
 The node agent starts it with two inherited descriptors, its control connection and its
 key-channel endpoint, and then invokes it any number of times. Each invocation names the
-task, its role, fan-in and parent; the handler (by default the aggregator in
-``functions/aggregator``) does the work through a ``Context`` and returns statistics. The
+task, its role and fan-in; the handler (by default the aggregator in ``functions/aggregator``)
+does the work through a ``Context`` (inputs, accumulators, forward, install) and returns
+statistics, and knows nothing of where its inputs come from or its result goes. The
 instance keeps nothing between invocations except caches (mappings, parsed layouts), which
 is what makes a warm instance reusable for any role of any job of its tenant.
 
@@ -28,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from lifl import format as fmt
-from lifl.channel import KeyMessage, UnixKeyChannel
+from lifl.channel import KeyMessage, UnixKeyChannel, now_ns
+from lifl.protocol import Alloc, CancelTask, Done, Failed, Folded, Handoff, InstallResult, Invoke
 from lifl.rpc import Client, Connection
 from lifl.store import MappingCache, object_name
 
@@ -43,14 +45,15 @@ class Invocation:
     job: str
     version: int  # the global version whose updates this round aggregates
     role: str
-    fan_in: int
-    parent_instance: int
-    parent_task: int  # 0: no parent, the result is installed as the next global version
+    fan_in: int  # 0: open until a close message says how many inputs there are
+    lazy: bool  # fold only once every input has arrived
     spec: fmt.ModelSpec
 
 
 class Context:
-    """What a handler may do: receive and send keys, map, allocate and hand off objects."""
+    """What a handler may do: take its inputs, map them, get accumulators, and pass its result
+    on. Where the result goes (a task on this instance, another instance, another node) is
+    the agent's business: ``forward`` hands it over and sends the key where it is told to."""
 
     def __init__(self, instance_id: int, tenant: str, node: str, client: Client, channel: UnixKeyChannel) -> None:
         self.instance_id = instance_id
@@ -62,43 +65,36 @@ class Context:
         self._stash: dict[int, deque[KeyMessage]] = defaultdict(deque)  # messages for later tasks
         self._layouts: dict[bytes, fmt.Layout] = {}
 
-    # -- keys --------------------------------------------------------------------------------
-    def recv(self, task: int, timeout: float | None = None) -> KeyMessage | None:
-        """The next message for ``task``; None after ``timeout`` seconds."""
-        while True:
-            if self._stash[task]:
-                return self._stash[task].popleft()
-            self._handle_pushes()
-            ready, _, _ = select.select([self.channel, self.client.conn], [], [], timeout)
-            if not ready:
-                return None
-            if self.channel in ready:
-                self._stash_one(self.channel.recv())
-
-    def poll(self, task: int) -> list[KeyMessage]:
-        """Every message for ``task`` that is already waiting, without blocking."""
+    # -- inputs ------------------------------------------------------------------------------
+    def receive(self, inv: Invocation) -> list[KeyMessage]:
+        """The task's next messages: blocks for one, then takes every other already waiting."""
+        first = self._next(inv.task)
         while True:
             msg = self.channel.recv(timeout=0)
             if msg is None:
                 break
-            self._stash_one(msg)
-        out = list(self._stash[task])
-        self._stash[task].clear()
-        return out
-
-    def _stash_one(self, msg: KeyMessage | None) -> None:
-        if msg is not None:
             self._stash[msg.task].append(msg)
+        rest = list(self._stash[inv.task])
+        self._stash[inv.task].clear()
+        return [first, *rest]
+
+    def _next(self, task: int) -> KeyMessage:
+        while True:
+            if self._stash[task]:
+                return self._stash[task].popleft()
+            self._handle_pushes()
+            ready, _, _ = select.select([self.channel, self.client.conn], [], [])
+            if self.channel in ready:
+                msg = self.channel.recv()
+                if msg is not None:
+                    self._stash[msg.task].append(msg)
 
     def _handle_pushes(self) -> None:
         """Apply control pushes (cancellations) that arrived while the task ran."""
         while self.client.pushes or select.select([self.client.conn], [], [], 0)[0]:
             push, _ = self.client.next_push()
-            if push.get("op") == "cancel":
-                raise TaskCancelled(push.get("reason", "cancelled"))
-
-    def send(self, message: KeyMessage) -> None:
-        self.channel.send(message)
+            if isinstance(push, CancelTask):
+                raise TaskCancelled(push.reason)
 
     # -- objects -----------------------------------------------------------------------------
     def open(self, key: bytes) -> mmap.mmap:
@@ -116,19 +112,36 @@ class Context:
             self._layouts[header] = layout
         return layout
 
-    def alloc(self, task: int, header: bytes, data_bytes: int) -> tuple[bytes, mmap.mmap]:
+    def accumulator(self, inv: Invocation, header: bytes, data_bytes: int) -> tuple[bytes, mmap.mmap]:
         """A new writable object holding ``header`` followed by ``data_bytes`` of tensor data."""
-        reply, fds = self.client.call("alloc", task=task, size=len(header) + data_bytes)
+        reply, fds = self.client.call(Alloc(task=inv.task, size=len(header) + data_bytes))
         try:
             mm = self.mappings.map_fd(fds[0], writable=True)
         finally:
             for fd in fds:
                 os.close(fd)
         mm[: len(header)] = header
-        return bytes.fromhex(reply["key"]), mm
+        return reply.key, mm
 
-    def call(self, op: str, **args: Any) -> dict[str, Any]:
-        return self.client.call(op, **args)[0]
+    # -- progress and results ------------------------------------------------------------------
+    def folded(self, inv: Invocation, keys: list[bytes], updates: int, seconds: float) -> None:
+        """These inputs are in the accumulator: their objects may go."""
+        self.client.call(Folded(task=inv.task, keys=keys, updates=updates, seconds=seconds))
+
+    def forward(self, inv: Invocation, key: bytes, samples: int, updates: int, partial: bool) -> None:
+        """Pass the task's result on to its parent, wherever that is."""
+        sent_ns = now_ns()
+        route, _ = self.client.call(Handoff(task=inv.task, key=key, samples=samples, updates=updates, partial=partial))
+        if route.instance:
+            self.channel.send(KeyMessage(
+                dest=route.instance, task=route.task, key=key, samples=samples, count=updates, partial=partial,
+                src=self.instance_id, sent_ns=sent_ns,
+            ))
+
+    def install(self, inv: Invocation, key: bytes, samples: int, updates: int) -> int:
+        """The top's result, averaged: it becomes the next global version (returned)."""
+        reply, _ = self.client.call(InstallResult(task=inv.task, key=key, samples=samples, updates=updates))
+        return reply.version
 
 
 Handler = Callable[[Invocation, Context], dict[str, Any]]
@@ -146,24 +159,21 @@ def serve(ctx: Context, handler: Handler) -> None:
             push, _ = ctx.client.next_push()
         except (EOFError, ConnectionError):
             return
-        if push.get("op") != "invoke":
+        if not isinstance(push, Invoke):
             continue  # a cancellation for a task that already finished
-        if "spec" in push:
-            specs[push["job"]] = fmt.ModelSpec.from_json(push["spec"])
-        inv = Invocation(
-            push["task"], push["job"], push["version"], push["role"], push["fan_in"],
-            push["parent_instance"], push["parent_task"], specs[push["job"]],
-        )
+        if push.spec is not None:
+            specs[push.job] = fmt.ModelSpec.from_json(push.spec)
+        inv = Invocation(push.task, push.job, push.version, push.role, push.fan_in, push.lazy, specs[push.job])
         try:
             stats = handler(inv, ctx)
-            ctx.call("done", task=inv.task, stats=stats)
+            ctx.client.call(Done(task=inv.task, stats=stats))
         except TaskCancelled:
-            ctx.call("done", task=inv.task, stats={"cancelled": True})
+            ctx.client.call(Done(task=inv.task, stats={"cancelled": True}))
         except (EOFError, ConnectionError):
             return
         except Exception as e:  # the agent decides what a failed task means for its round
             traceback.print_exc()
-            ctx.call("failed", task=inv.task, error=f"{type(e).__name__}: {e}")
+            ctx.client.call(Failed(task=inv.task, error=f"{type(e).__name__}: {e}"))
 
 
 def drop_privileges(uid: int) -> None:

@@ -1,7 +1,8 @@
-"""Cluster state in Redis: the one truth that gateways, agents and the autoscaler share.
+"""Cluster state in Redis: the one truth that gateways, agents and the control plane share.
 
 Model bytes never go through Redis: only job specs, versions, rounds and their accounting,
-client leases, where each global model lives (node and object key) and what each node runs.
+client leases and assignments, each round's shard plan, where each global model lives (node
+and object key), what each node runs and how to reach its gateway.
 
 A job is the hash ``lifl:job:<name>``. Its rounds are numbered apart from its versions: a
 round that completes installs version v+1 and opens the next round; a round abandoned at its
@@ -9,8 +10,18 @@ deadline opens the next round on the same version. Clients may hold leases (a so
 expiry, renewed by heartbeats) that keep them a place in the round while they train; up to
 ``over_selection`` x goal clients may train at once, and the first ``goal`` updates win.
 
+A round is global: every node's gateway takes updates for it, and its goal counts the
+acknowledged updates of all nodes together. Its *shard* (``lifl:job:<name>:shard``, reset
+with each round) records the plan (placement policy, expected updates per node, the planned
+top node), how many updates each node acknowledged, and, once the round is closed, each
+node's final count, the node hosting the top aggregator and its epoch (bumped when the top
+moves because its node died), which nodes' partial results reached the top, which nodes
+died and what they lost.
+
 Every transition that must not race is one Lua script, timed by the Redis server's clock, so
-it is atomic across all nodes sharing the Redis.
+it is atomic across all nodes; scripts that change a round publish the job's name on
+``lifl:events`` so that agents react at once (they also re-read on a timer: a missed message
+only delays).
 """
 
 from __future__ import annotations
@@ -18,18 +29,21 @@ from __future__ import annotations
 import json
 import math
 import secrets
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
-from lifl.errors import Conflict, NotFound
+from lifl.errors import Conflict, NotFound, Overloaded
 from lifl.format import ModelSpec
 from lifl.jobs import JobSpec
 
 NO_MODEL = -1
 TENANT_UID_BASE = 610000  # tenants' functions run as uid/gid TENANT_UID_BASE + n
 HISTORY = 10000  # rounds kept per job
+EVENTS = "lifl:events"  # pub/sub channel: the name of a job whose round changed
+NODE_TTL = 6  # seconds a node's registration outlives its last refresh (refreshed every second)
 
 _NOW = """
 local function now_ms()
@@ -37,21 +51,34 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 local function field(h, f) return tonumber(redis.call('HGET', h, f)) end
+-- a closed round is full (-4) when it met its goal, else closed by its deadline (-5)
+local function closed_status(h) if field(h, 'accepted') >= field(h, 'goal') then return -4 end return -5 end
 """
 
-# KEYS: job, leases. ARGV: base version, lease ('' for none). -> {status, version, round}
+# KEYS: job, leases, shard. ARGV: base version, lease ('' for none), node. -> {status, version, round}
+# The slot is also counted against the node whose gateway receives the update, so that the
+# slots of a node that dies with uploads in progress can be given back.
 _RESERVE = _NOW + """
 local h = KEYS[1]
 if redis.call('EXISTS', h) == 0 then return {-1, 0, 0} end
 local v, r = field(h, 'version'), field(h, 'round')
 if v < 0 then return {-2, v, r} end
 if v ~= tonumber(ARGV[1]) then return {-3, v, r} end
-if field(h, 'closed') == 1 then return {-5, v, r} end
+if field(h, 'closed') == 1 then return {closed_status(h), v, r} end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms())
 if ARGV[2] ~= '' then redis.call('ZREM', KEYS[2], ARGV[2]) end
 if field(h, 'reserved') >= field(h, 'goal') then return {-4, v, r} end
 redis.call('HINCRBY', h, 'reserved', 1)
+redis.call('HINCRBY', KEYS[3], 'inflight.' .. ARGV[3], 1)
 return {0, v, r}
+"""
+
+# KEYS: job, shard. ARGV: round, node. An upload gave its slot back (refused, aborted, lost).
+_UNRESERVE = """
+if tonumber(redis.call('HGET', KEYS[1], 'round')) ~= tonumber(ARGV[1]) then return 0 end
+redis.call('HINCRBY', KEYS[1], 'reserved', -1)
+redis.call('HINCRBY', KEYS[2], 'inflight.' .. ARGV[2], -1)
+return 1
 """
 
 # KEYS: job, leases. ARGV: lease id, ttl ms, max leases. -> {status, version, round}
@@ -60,7 +87,7 @@ local h = KEYS[1]
 if redis.call('EXISTS', h) == 0 then return {-1, 0, 0} end
 local v, r = field(h, 'version'), field(h, 'round')
 if v < 0 then return {-2, v, r} end
-if field(h, 'closed') == 1 then return {-5, v, r} end
+if field(h, 'closed') == 1 then return {closed_status(h), v, r} end
 local now = now_ms()
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 if field(h, 'reserved') + redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[3]) then return {-4, v, r} end
@@ -87,18 +114,130 @@ redis.call('HINCRBY', KEYS[1], ARGV[2], ARGV[3])
 return 1
 """
 
-# KEYS: job. ARGV: round. Closes the round to new updates -> accepted updates, or -1.
-_CLOSE = """
-local h = KEYS[1]
-if tonumber(redis.call('HGET', h, 'round')) ~= tonumber(ARGV[1]) or tonumber(redis.call('HGET', h, 'closed')) == 1 then
-  return -1
+# Freezes the round: no more updates; each node's count becomes final. (Lua, shared)
+_FINALIZE = """
+local function finalize(h, s)
+  redis.call('HSET', h, 'closed', 1)
+  local all = redis.call('HGETALL', s)
+  for i = 1, #all, 2 do
+    if string.sub(all[i], 1, 6) == 'count.' then
+      redis.call('HSET', s, 'final.' .. string.sub(all[i], 7), all[i + 1])
+    end
+  end
+  redis.call('HSET', s, 'finalized', 1, 'closed_ms', now_ms())
 end
-redis.call('HSET', h, 'closed', 1)
-return tonumber(redis.call('HGET', h, 'accepted'))
 """
 
-# KEYS: job, leases, history. ARGV: round expected, new version, model key ('' keeps it), node,
-# summary json ('' records nothing), model spec json ('' keeps it). -> opening time (ms), or -1.
+# KEYS: job, shard. ARGV: round, node, job name.
+# An acknowledged update, counted once for the whole round, on the node that took it; the one
+# that meets the goal closes the round. -> {status, accepted}: 1 closed it, 0 counted,
+# -1 another round, -5 closed, -6 this node was declared dead for this round.
+_ACCEPT = _NOW + _FINALIZE + """
+local h, s = KEYS[1], KEYS[2]
+if field(h, 'round') ~= tonumber(ARGV[1]) then return {-1, 0} end
+if field(h, 'closed') == 1 then return {-5, 0} end
+if redis.call('HEXISTS', s, 'dead.' .. ARGV[2]) == 1 then return {-6, 0} end
+local accepted = redis.call('HINCRBY', h, 'accepted', 1)
+redis.call('HINCRBY', s, 'count.' .. ARGV[2], 1)
+redis.call('HINCRBY', s, 'inflight.' .. ARGV[2], -1)
+redis.call('HSETNX', s, 'first_ms', now_ms())
+if accepted >= field(h, 'goal') then
+  finalize(h, s)
+  redis.call('PUBLISH', '""" + EVENTS + """', ARGV[3])
+  return {1, accepted}
+end
+return {0, accepted}
+"""
+
+# KEYS: job, shard. ARGV: round, min updates, job name. Closes the round at its deadline:
+# 1 closed with what arrived (final counts set), 2 closed to be abandoned (fewer than the
+# minimum: no final counts, so no node starts finishing its tree), -1 not open.
+_CLOSE = _NOW + _FINALIZE + """
+local h, s = KEYS[1], KEYS[2]
+if field(h, 'round') ~= tonumber(ARGV[1]) or field(h, 'closed') == 1 then return -1 end
+redis.call('PUBLISH', '""" + EVENTS + """', ARGV[3])
+if field(h, 'accepted') < tonumber(ARGV[2]) then
+  redis.call('HSET', h, 'closed', 1)
+  return 2
+end
+finalize(h, s)
+return 1
+"""
+
+# KEYS: job, shard. ARGV: round, epoch, node, job name. Sets where the top runs, once per epoch.
+_SET_TOP = """
+local h, s = KEYS[1], KEYS[2]
+if tonumber(redis.call('HGET', h, 'round')) ~= tonumber(ARGV[1]) then return 0 end
+if tonumber(redis.call('HGET', s, 'epoch') or '0') ~= tonumber(ARGV[2]) then return 0 end
+if redis.call('HSETNX', s, 'top', ARGV[3]) == 0 then return 0 end
+redis.call('PUBLISH', '""" + EVENTS + """', ARGV[4])
+return 1
+"""
+
+# KEYS: job, shard. ARGV: round, node, epoch. A node's partial result reached the top of
+# that epoch. -> 1 first delivery, 0 a duplicate, -1 stale (another round or epoch).
+_DELIVERED = """
+local h, s = KEYS[1], KEYS[2]
+if tonumber(redis.call('HGET', h, 'round')) ~= tonumber(ARGV[1]) then return -1 end
+if tonumber(redis.call('HGET', s, 'epoch') or '0') ~= tonumber(ARGV[3]) then return -1 end
+if tonumber(redis.call('HGET', s, 'delivered.' .. ARGV[2]) or '-1') == tonumber(ARGV[3]) then return 0 end
+redis.call('HSET', s, 'delivered.' .. ARGV[2], ARGV[3])
+return 1
+"""
+
+# KEYS: job, shard. ARGV: round, dead node, job name.
+# A node died (or restarted) during the round: what it acknowledged and had not delivered to
+# the top is lost (recorded per node); while the round is open its slots reopen. If it hosted
+# the top, every partial delivered there is gone too: the epoch moves on and the survivors
+# resend theirs (dead senders' are lost). -> {status, remaining updates, closed, top lost}:
+# status -1 another round, 0 already handled, 1 handled.
+_NODE_LOST = _NOW + """
+local h, s, node = KEYS[1], KEYS[2], ARGV[2]
+if field(h, 'round') ~= tonumber(ARGV[1]) then return {-1, 0, 0, 0} end
+if redis.call('HSETNX', s, 'dead.' .. node, 1) == 0 then return {0, 0, 0, 0} end
+local closed = field(h, 'closed') == 1 and redis.call('HEXISTS', s, 'finalized') == 1
+local epoch = tonumber(redis.call('HGET', s, 'epoch') or '0')
+local function lose(n)
+  local c = tonumber(redis.call('HGET', s, 'count.' .. n) or '0')
+  if c <= 0 then return end
+  redis.call('HINCRBY', s, 'lost.' .. n, c)
+  redis.call('HSET', s, 'count.' .. n, 0)
+  if redis.call('HEXISTS', s, 'final.' .. n) == 1 then redis.call('HSET', s, 'final.' .. n, 0) end
+  if not closed then
+    redis.call('HINCRBY', h, 'accepted', -c)
+    redis.call('HINCRBY', h, 'reserved', -c)
+  end
+end
+local top_lost = 0
+if redis.call('HGET', s, 'top') == node then
+  top_lost = 1
+  local all = redis.call('HGETALL', s)
+  for i = 1, #all, 2 do  -- dead senders cannot resend what the dead top had received
+    if string.sub(all[i], 1, 5) == 'dead.' and string.sub(all[i], 6) ~= node then lose(string.sub(all[i], 6)) end
+  end
+  redis.call('HDEL', s, 'top')
+  redis.call('HSET', s, 'epoch', epoch + 1)
+  lose(node)
+elseif tonumber(redis.call('HGET', s, 'delivered.' .. node) or '-1') ~= epoch then
+  lose(node)
+end
+local inflight = tonumber(redis.call('HGET', s, 'inflight.' .. node) or '0')
+if inflight > 0 then  -- its uploads in progress died with it
+  redis.call('HINCRBY', h, 'reserved', -inflight)
+  redis.call('HSET', s, 'inflight.' .. node, 0)
+end
+local remaining = 0
+local all = redis.call('HGETALL', s)
+for i = 1, #all, 2 do
+  if string.sub(all[i], 1, 6) == 'count.' then remaining = remaining + tonumber(all[i + 1]) end
+end
+redis.call('PUBLISH', '""" + EVENTS + """', ARGV[3])
+return {1, remaining, closed and 1 or 0, top_lost}
+"""
+
+# KEYS: job, leases, history, shard, assignments. ARGV: round expected, new version, model key
+# ('' keeps it), node, summary json ('' records nothing), model spec json ('' keeps it),
+# history length, job name. -> opening time (ms), or -1.
 _NEXT_ROUND = _NOW + """
 local h = KEYS[1]
 if tonumber(redis.call('HGET', h, 'round')) ~= tonumber(ARGV[1]) then return -1 end
@@ -106,20 +245,71 @@ for _, f in ipairs(redis.call('HKEYS', h)) do
   if string.sub(f, 1, 9) == 'rejected.' then redis.call('HDEL', h, f) end
 end
 local now = now_ms()
-redis.call('HSET', h, 'version', ARGV[2], 'round', tonumber(ARGV[1]) + 1, 'round_opened', now, 'closed', 0,
+local next_round = tonumber(ARGV[1]) + 1
+redis.call('HSET', h, 'version', ARGV[2], 'round', next_round, 'round_opened', now, 'closed', 0,
            'reserved', 0, 'accepted', 0, 'aggregated', 0)
 if ARGV[3] ~= '' then redis.call('HSET', h, 'model_key', ARGV[3], 'model_node', ARGV[4]) end
 if ARGV[6] ~= '' then redis.call('HSET', h, 'model_spec', ARGV[6]) end
-redis.call('DEL', KEYS[2])
+redis.call('DEL', KEYS[2], KEYS[4], KEYS[5])
+redis.call('HSET', KEYS[4], 'round', next_round, 'epoch', 0)
 if ARGV[5] ~= '' then
   redis.call('HSET', h, 'last_round', ARGV[5])
   redis.call('RPUSH', KEYS[3], ARGV[5])
   redis.call('LTRIM', KEYS[3], -tonumber(ARGV[7]), -1)
 end
+redis.call('PUBLISH', '""" + EVENTS + """', ARGV[8])
 return now
 """
 
+# KEYS: shard, assignments. ARGV: round, client, live nodes (space-separated, in plan order
+# for nodes without a quota). Sticky within a round: a client keeps its node. A client goes
+# to the first node of the plan with quota left (the bin-packing policies), or to the node
+# with the fewest clients (least-connection, or when every quota is used up).
+_ASSIGN = """
+local s, a = KEYS[1], KEYS[2]
+if tonumber(redis.call('HGET', s, 'round') or '-1') ~= tonumber(ARGV[1]) then return '' end
+local existing = redis.call('HGET', a, ARGV[2])
+local live = {}
+for n in string.gmatch(ARGV[3], '%S+') do live[n] = true end
+if existing and live[existing] then return existing end
+local plan = cjson.decode(redis.call('HGET', s, 'plan') or '{"quotas": [], "policy": "least_connection"}')
+local chosen = nil
+if plan.policy ~= 'least_connection' then
+  for _, q in ipairs(plan.quotas) do
+    local n, quota = q[1], q[2]
+    if live[n] and tonumber(redis.call('HGET', s, 'assigned.' .. n) or '0') < quota then chosen = n break end
+  end
+end
+if not chosen then
+  local fewest = nil
+  for n in string.gmatch(ARGV[3], '%S+') do
+    local c = tonumber(redis.call('HGET', s, 'assigned.' .. n) or '0')
+    if not fewest or c < fewest then chosen, fewest = n, c end
+  end
+end
+if not chosen then return '' end
+redis.call('HSET', a, ARGV[2], chosen)
+redis.call('HINCRBY', s, 'assigned.' .. chosen, 1)
+return chosen
+"""
+
+# KEYS: lease. ARGV: holder, ttl ms. Takes or renews a lease; -> 1 if ``holder`` holds it.
+_LEAD = """
+local current = redis.call('GET', KEYS[1])
+if current and current ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# KEYS: shard. ARGV: round, plan json. The round's plan is written once (first writer wins).
+_SET_PLAN = """
+if tonumber(redis.call('HGET', KEYS[1], 'round') or '-1') ~= tonumber(ARGV[1]) then return 0 end
+return redis.call('HSETNX', KEYS[1], 'plan', ARGV[2])
+"""
+
 RESERVE_OK, RESERVE_NO_JOB, RESERVE_NO_MODEL, RESERVE_STALE, RESERVE_FULL, RESERVE_CLOSED = 0, -1, -2, -3, -4, -5
+ACCEPT_CLOSED_ROUND, ACCEPT_COUNTED, ACCEPT_OTHER_ROUND, ACCEPT_ROUND_CLOSED, ACCEPT_FENCED = 1, 0, -1, -5, -6
+CLOSE_FINAL, CLOSE_ABANDON, CLOSE_NOT_OPEN = 1, 2, -1
 
 
 def refusal(status: int, job: str, version: int, round_id: int, goal: int) -> Exception:
@@ -136,6 +326,15 @@ def refusal(status: int, job: str, version: int, round_id: int, goal: int) -> Ex
                         code="round_full", extra={"version": version})
     return Conflict(f"round {round_id} (version {version}) is closed: its deadline passed", code="round_closed",
                     extra={"version": version})
+
+
+def accept_refusal(status: int, job: str, round_id: int, version: int, node: str) -> Exception:
+    """The error for an update that arrived whole but cannot count (``accept``)."""
+    if status == ACCEPT_FENCED:
+        return Overloaded(f"node {node} was declared dead for round {round_id} of {job!r} and may not take part in it; "
+                          f"retry (another node, or the next round)", code="node_fenced")
+    return Conflict(f"round {round_id} closed while the update was arriving; pull version {version}",
+                    code="round_closed", extra={"version": version})
 
 
 @dataclass(frozen=True)
@@ -156,6 +355,63 @@ class Job:
     checkpoint: int  # latest version durably checkpointed, -1 if none
 
 
+@dataclass(frozen=True)
+class Shard:
+    """A round's shard plan and its accounting (see the module docstring)."""
+
+    round: int
+    finalized: bool  # closed with its final counts known
+    counts: dict[str, int]  # acknowledged updates per node (final once finalized)
+    top: str | None  # node hosting the top aggregator (set once finalized)
+    epoch: int  # bumped each time the top moves
+    delivered: frozenset[str]  # nodes whose partial reached the top of this epoch
+    dead: frozenset[str]
+    lost: dict[str, int]  # updates lost with dead nodes
+    plan: dict[str, Any] | None  # {"policy", "quotas": [[node, n], ...], "top"}
+    assigned: dict[str, int] = field(default_factory=dict)  # clients sent to each node
+    inflight: dict[str, int] = field(default_factory=dict)  # uploads in progress on each node
+    first_update: float | None = None  # when its first update was acknowledged (Redis clock, s)
+
+    @property
+    def participants(self) -> dict[str, int]:
+        """Nodes whose results the top waits for, with their update counts."""
+        return {n: c for n, c in self.counts.items() if c > 0}
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    @classmethod
+    def parse(cls, h: dict[str, str]) -> Shard:
+        final = {k[6:]: int(v) for k, v in h.items() if k.startswith("final.")}
+        counts = final if h.get("finalized") == "1" else {k[6:]: int(v) for k, v in h.items() if k.startswith("count.")}
+        epoch = int(h.get("epoch", 0))
+        return cls(
+            round=int(h.get("round", -1)),
+            finalized=h.get("finalized") == "1",
+            counts=counts,
+            top=h.get("top") or None,
+            epoch=epoch,
+            delivered=frozenset(k[10:] for k, v in h.items() if k.startswith("delivered.") and int(v) == epoch),
+            dead=frozenset(k[5:] for k in h if k.startswith("dead.")),
+            lost={k[5:]: int(v) for k, v in h.items() if k.startswith("lost.")},
+            plan=json.loads(h["plan"]) if h.get("plan") else None,
+            assigned={k[9:]: int(v) for k, v in h.items() if k.startswith("assigned.")},
+            inflight={k[9:]: int(v) for k, v in h.items() if k.startswith("inflight.")},
+            first_update=int(h["first_ms"]) / 1000 if "first_ms" in h else None,
+        )
+
+
+@dataclass(frozen=True)
+class Loss:
+    """What ``node_lost`` did."""
+
+    handled: bool  # False: another round, or the node was handled already
+    remaining: int  # acknowledged updates the round still holds
+    closed: bool
+    top_lost: bool
+
+
 def job_key(name: str) -> str:
     return f"lifl:job:{name}"
 
@@ -168,19 +424,45 @@ def history_key(name: str) -> str:
     return f"lifl:job:{name}:rounds"
 
 
+def shard_key(name: str) -> str:
+    return f"lifl:job:{name}:shard"
+
+
+def assignments_key(name: str) -> str:
+    return f"lifl:job:{name}:assign"
+
+
+def _ms(t: list[int]) -> int:
+    return t[0] * 1000 + t[1] // 1000
+
+
 class ClusterState:
     def __init__(self, url: str) -> None:
+        self.url = url
         self.redis = redis.Redis.from_url(url, decode_responses=True)
-        self._reserve = self.redis.register_script(_RESERVE)
-        self._take_lease = self.redis.register_script(_TAKE_LEASE)
-        self._heartbeat = self.redis.register_script(_HEARTBEAT)
-        self._count = self.redis.register_script(_COUNT)
-        self._close = self.redis.register_script(_CLOSE)
-        self._next_round = self.redis.register_script(_NEXT_ROUND)
+        r = self.redis
+        self._reserve = r.register_script(_RESERVE)
+        self._take_lease = r.register_script(_TAKE_LEASE)
+        self._heartbeat = r.register_script(_HEARTBEAT)
+        self._count = r.register_script(_COUNT)
+        self._unreserve = r.register_script(_UNRESERVE)
+        self._accept = r.register_script(_ACCEPT)
+        self._close = r.register_script(_CLOSE)
+        self._set_top = r.register_script(_SET_TOP)
+        self._delivered = r.register_script(_DELIVERED)
+        self._node_lost = r.register_script(_NODE_LOST)
+        self._next_round = r.register_script(_NEXT_ROUND)
+        self._assign = r.register_script(_ASSIGN)
+        self._set_plan = r.register_script(_SET_PLAN)
+        self._lead = r.register_script(_LEAD)
         self._specs: dict[str, ModelSpec] = {}
 
     def ping(self) -> None:
         self.redis.ping()
+
+    def now(self) -> float:
+        """The Redis server's clock (s): the one clock deadlines are measured by."""
+        return _ms(self.redis.time()) / 1000
 
     # -- jobs -----------------------------------------------------------------------------------
     def create_job(self, spec: JobSpec) -> None:
@@ -241,10 +523,15 @@ class ClusterState:
         return [json.loads(r) for r in self.redis.lrange(history_key(name), -limit, -1)]
 
     # -- rounds ---------------------------------------------------------------------------------
-    def reserve(self, name: str, base_version: int, lease: str = "") -> tuple[int, int, int]:
-        """Take one of the round's ``goal`` slots for an update: (status, version, round)."""
-        status, version, round_id = self._reserve(keys=[job_key(name), leases_key(name)], args=[base_version, lease])
+    def reserve(self, name: str, base_version: int, node: str, lease: str = "") -> tuple[int, int, int]:
+        """Take one of the round's ``goal`` slots for an update arriving at ``node``: (status, version, round)."""
+        status, version, round_id = self._reserve(keys=[job_key(name), leases_key(name), shard_key(name)],
+                                                  args=[base_version, lease, node])
         return int(status), int(version), int(round_id)
+
+    def unreserve(self, name: str, round_id: int, node: str) -> bool:
+        """Give back the slot of an upload that will not be accepted."""
+        return bool(self._unreserve(keys=[job_key(name), shard_key(name)], args=[round_id, node]))
 
     def take_lease(self, spec: JobSpec) -> tuple[str, int, int]:
         """A lease for a client about to train: (lease id, version, round); raises if refused."""
@@ -263,31 +550,62 @@ class ClusterState:
         return bool(self.redis.zrem(leases_key(name), lease))
 
     def active_leases(self, name: str) -> int:
-        t = self.redis.time()
-        now = t[0] * 1000 + t[1] // 1000
+        now = _ms(self.redis.time())
         return int(self.redis.zcount(leases_key(name), f"({now}", "+inf"))
 
     def count(self, name: str, round_id: int, field: str, delta: int = 1) -> bool:
-        """Add to a counter of round ``round_id`` (reserved, accepted, aggregated, rejected.<code>)."""
+        """Add to a counter of round ``round_id`` (aggregated, rejected.<code>)."""
         return bool(self._count(keys=[job_key(name)], args=[round_id, field, delta]))
 
-    def close_round(self, name: str, round_id: int) -> int:
-        """Stop round ``round_id`` taking updates; returns how many it accepted, -1 if not open."""
-        return int(self._close(keys=[job_key(name)], args=[round_id]))
+    def accept(self, name: str, round_id: int, node: str) -> tuple[int, int]:
+        """Count an arrived update of round ``round_id`` on ``node``: (status, accepted so far);
+        ACCEPT_CLOSED_ROUND when it met the goal and closed the round."""
+        status, accepted = self._accept(keys=[job_key(name), shard_key(name)], args=[round_id, node, name])
+        return int(status), int(accepted)
+
+    def close_round(self, name: str, round_id: int, min_updates: int) -> int:
+        """Close round ``round_id`` at its deadline: CLOSE_FINAL (finishes with what arrived),
+        CLOSE_ABANDON (fewer than ``min_updates``: abandon it) or CLOSE_NOT_OPEN."""
+        return int(self._close(keys=[job_key(name), shard_key(name)], args=[round_id, min_updates, name]))
+
+    def shard(self, name: str) -> Shard:
+        return Shard.parse(self.redis.hgetall(shard_key(name)))
+
+    def set_top(self, name: str, round_id: int, epoch: int, node: str) -> bool:
+        return bool(self._set_top(keys=[job_key(name), shard_key(name)], args=[round_id, epoch, node, name]))
+
+    def delivered(self, name: str, round_id: int, node: str, epoch: int) -> int:
+        """Record that ``node``'s partial reached the top of ``epoch``: 1 first, 0 duplicate, -1 stale."""
+        return int(self._delivered(keys=[job_key(name), shard_key(name)], args=[round_id, node, epoch]))
+
+    def node_lost(self, name: str, round_id: int, node: str) -> Loss:
+        status, remaining, closed, top_lost = self._node_lost(keys=[job_key(name), shard_key(name)],
+                                                              args=[round_id, node, name])
+        return Loss(int(status) == 1, int(remaining), bool(closed), bool(top_lost))
 
     def next_round(self, name: str, round_id: int, version: int, *, key: str = "", node: str = "",
                    summary: dict[str, Any] | None = None, spec: ModelSpec | None = None) -> float:
         """Finish round ``round_id`` (recording ``summary``) and open the next on ``version``;
         returns its opening time (s), or -1 if the round had moved on already."""
         opened = self._next_round(
-            keys=[job_key(name), leases_key(name), history_key(name)],
+            keys=[job_key(name), leases_key(name), history_key(name), shard_key(name), assignments_key(name)],
             args=[round_id, version, key, node, json.dumps(summary) if summary else "",
-                  json.dumps(spec.to_json()) if spec else "", HISTORY],
+                  json.dumps(spec.to_json()) if spec else "", HISTORY, name],
         )
         return int(opened) / 1000 if int(opened) >= 0 else -1.0
 
     def set_checkpoint(self, name: str, version: int) -> None:
         self.redis.hset(job_key(name), "checkpoint", version)
+
+    # -- placement --------------------------------------------------------------------------------
+    def set_plan(self, name: str, round_id: int, plan: dict[str, Any]) -> bool:
+        """Record the round's plan, unless one is recorded already (first writer wins)."""
+        return bool(self._set_plan(keys=[shard_key(name)], args=[round_id, json.dumps(plan)]))
+
+    def assign(self, name: str, round_id: int, client: str, live: list[str]) -> str | None:
+        """The node ``client`` should send its update of round ``round_id`` to."""
+        node = self._assign(keys=[shard_key(name), assignments_key(name)], args=[round_id, client, " ".join(live)])
+        return node or None
 
     # -- tenants and nodes ----------------------------------------------------------------------
     def tenant_id(self, tenant: str) -> int:
@@ -299,13 +617,67 @@ class ClusterState:
         self.redis.hsetnx("lifl:tenants", tenant, candidate)
         return int(self.redis.hget("lifl:tenants", tenant))
 
-    def publish_node(self, node: str, status: dict[str, Any], ttl: int = 10) -> None:
+    def publish_node(self, node: str, status: dict[str, Any], ttl: int = NODE_TTL) -> None:
+        """A node agent's status; its presence is the node's liveness."""
         self.redis.set(f"lifl:node:{node}", json.dumps(status), ex=ttl)
 
     def nodes(self) -> dict[str, dict[str, Any]]:
+        """Live nodes' statuses."""
+        return self._scan_json("lifl:node:*")
+
+    def publish_gateway(self, node: str, addresses: dict[str, str], ttl: int = NODE_TTL) -> None:
+        """Where clients and other gateways reach a node's gateway."""
+        self.redis.set(f"lifl:gateway:{node}", json.dumps(addresses), ex=ttl)
+
+    def gateways(self) -> dict[str, dict[str, str]]:
+        return self._scan_json("lifl:gateway:*")
+
+    def gateway(self, node: str) -> dict[str, str] | None:
+        raw = self.redis.get(f"lifl:gateway:{node}")
+        return json.loads(raw) if raw else None
+
+    def _scan_json(self, pattern: str) -> dict[str, Any]:
+        keys = sorted(self.redis.scan_iter(pattern))
         out = {}
-        for key in self.redis.scan_iter("lifl:node:*"):
-            raw = self.redis.get(key)
+        for key, raw in zip(keys, self.redis.mget(keys) if keys else []):
             if raw:
                 out[key.split(":", 2)[2]] = json.loads(raw)
         return out
+
+    def set_capacity(self, node: str, capacity: float, detail: dict[str, Any]) -> None:
+        """MC_i of a node, as measured by `lifl calibrate`."""
+        self.redis.hset("lifl:capacity", node, json.dumps({"capacity": capacity, **detail}))
+
+    def capacities(self) -> dict[str, float]:
+        return {n: float(json.loads(v)["capacity"]) for n, v in self.redis.hgetall("lifl:capacity").items()}
+
+    def lead(self, role: str, holder: str, ttl: float) -> bool:
+        """Take or keep the cluster-wide lease of ``role`` (one controller at a time)."""
+        return bool(self._lead(keys=[f"lifl:lease:{role}"], args=[holder, int(ttl * 1000)]))
+
+    def set_control(self, warm: dict[str, dict[str, int]], loads: dict[str, float], ttl: float) -> None:
+        """The controller's latest plan: instances to keep warm per node and tenant, and each
+        node's smoothed queue (what placement subtracts from its capacity)."""
+        pipe = self.redis.pipeline()
+        pipe.set("lifl:control:warm", json.dumps(warm), px=int(ttl * 1000))
+        pipe.set("lifl:control:loads", json.dumps(loads), px=int(ttl * 1000))
+        pipe.execute()
+
+    def warm_plan(self) -> dict[str, dict[str, int]]:
+        raw = self.redis.get("lifl:control:warm")
+        return json.loads(raw) if raw else {}
+
+    def loads(self) -> dict[str, float]:
+        raw = self.redis.get("lifl:control:loads")
+        return json.loads(raw) if raw else {}
+
+    def events(self) -> Iterator[str | None]:
+        """Names of jobs whose round changed, as they are published; None every second of quiet."""
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(EVENTS)
+        try:
+            while True:
+                message = pubsub.get_message(timeout=1.0)
+                yield message["data"] if message else None
+        finally:
+            pubsub.close()

@@ -27,6 +27,7 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Hashable
 
 import posix_ipc
@@ -95,6 +96,7 @@ class ObjectStore:
         self.pooled_bytes = 0
         self.recycled = 0
         self.created = 0
+        self.on_free: Callable[[bytes], None] | None = None  # told of every object whose last holder let go
 
     # -- creation -------------------------------------------------------------------------
     def create(self, tenant: Tenant, size: int, holder: Hashable, affinity: Hashable = None) -> Segment:
@@ -190,6 +192,22 @@ class ObjectStore:
             self._drop(seg, old)
             seg.holders[new] += 1
 
+    def hand_over(self, key: bytes, new: Hashable) -> None:
+        """Move an object in flight, which has exactly one holder, to ``new``."""
+        with self._lock:
+            seg = self.get(key)
+            if len(seg.holders) != 1:
+                raise Internal(f"object {key.hex()} has holders {sorted(map(repr, seg.holders))}, not one")
+            (old,) = seg.holders
+            seg.holders = Counter({new: seg.holders[old]})
+
+    def discard(self, key: bytes) -> None:
+        """Let go of an object whoever holds it (nobody will use it)."""
+        with self._lock:
+            seg = self.get(key)
+            seg.holders.clear()
+            self._free(seg)
+
     def release(self, key: bytes, holder: Hashable) -> None:
         with self._lock:
             seg = self.get(key)
@@ -221,6 +239,8 @@ class ObjectStore:
             del seg.holders[holder]
 
     def _free(self, seg: Segment) -> None:
+        if self.on_free is not None:
+            self.on_free(seg.key)
         del self._objects[seg.key]
         self.used_bytes -= seg.size
         if self.pooled_bytes + seg.size > self.pool_limit:

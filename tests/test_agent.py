@@ -1,4 +1,6 @@
-"""The node agent with real aggregator processes, driven through its RPC as the gateway drives it."""
+"""The node agent with real aggregator processes, driven through its typed protocol as the gateway
+drives it (admit, submit, open the model) and observed through what it reports (status,
+metrics, finished tasks)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,13 @@ import pytest
 
 from conftest import wait_for
 from lifl import format as fmt
-from lifl.node.agent import Agent, AgentConfig
-from lifl.errors import Conflict, Overloaded
+from lifl import procstat
+from lifl.errors import Conflict, NotFound, Overloaded
 from lifl.jobs import JobSpec
+from lifl.node.agent import Agent, AgentConfig
+from lifl.protocol import (
+    Abort, Admit, AdmitModel, GetMetrics, GetRecent, GetStatus, Hello, InstallModel, OpenModel, Release, Submit,
+)
 from lifl.rpc import Client
 from lifl.state import ClusterState
 
@@ -32,7 +38,7 @@ def agent(run_dir: Path, redis_url: str, shm_node: str) -> Iterator[Agent]:
 
 
 def gateway(agent: Agent) -> Client:
-    return Client.connect(str(agent.config.socket_path), {"role": "gateway"})
+    return Client.connect(str(agent.config.socket_path), Hello("gateway"))
 
 
 def write(fd: int, blob: bytes) -> None:
@@ -43,28 +49,43 @@ def write(fd: int, blob: bytes) -> None:
 
 
 def put_model(client: Client, job: str, blob: bytes) -> None:
-    reply, fds = client.call("admit_model", job=job, size=len(blob))
+    reply, fds = client.call(AdmitModel(job, len(blob)))
     write(fds[0], blob)
-    client.call("install_model", key=reply["key"])
+    client.call(InstallModel(reply.key))
 
 
-def push(client: Client, job: str, version: int, blob: bytes, samples: int) -> str:
-    reply, fds = client.call("admit", job=job, version=version, size=len(blob))
+def push(client: Client, job: str, version: int, blob: bytes, samples: int) -> bytes:
+    reply, fds = client.call(Admit(job, version, len(blob)))
     write(fds[0], blob)
-    client.call("submit", key=reply["key"], samples=samples)
-    return reply["key"]
+    client.call(Submit(reply.key, samples))
+    return reply.key
 
 
 def read_model(client: Client, job: str) -> tuple[int, dict[str, np.ndarray]]:
-    reply, fds = client.call("open_model", job=job)
-    data = os.pread(fds[0], reply["size"], 0)
+    reply, fds = client.call(OpenModel(job))
+    data = os.pread(fds[0], reply.size, 0)
     os.close(fds[0])
-    client.call("release", key=reply["key"])
-    return reply["version"], fmt.views(data, fmt.parse_layout(data))
+    client.call(Release(reply.key))
+    return reply.version, fmt.views(data, fmt.parse_layout(data))
 
 
 def random_model(rng: np.random.Generator) -> dict[str, np.ndarray]:
     return {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def shm_objects(client: Client) -> int:
+    return client.call(GetStatus())[0].body["shm"]["objects"]
+
+
+def metric(client: Client, line_start: str) -> float:
+    text = client.call(GetMetrics())[0].text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
+
+
+def aggregator_pids() -> list[int]:
+    """The aggregator processes of agents running in this (test) process."""
+    return [p for p in procstat.children(os.getpid())
+            if b"lifl.runtime" in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
 @pytest.mark.parametrize("goal,fan_in", [(1, 2), (5, 2), (6, 3)])
@@ -85,30 +106,45 @@ def test_rounds_aggregate_into_new_versions(agent: Agent, state: ClusterState, g
             ref = sum(u[name].astype(np.float64) * c for u, c in zip(updates, samples)) / sum(samples)
             assert np.all(np.abs(model[name] - ref) <= 1e-5 * (np.abs(ref) + 1e-3))
     summary = state.job("j").last_round
-    assert summary["updates"] == goal and summary["outcome"] == "complete"
+    assert summary["updates"] == goal and summary["outcome"] == "complete" and summary["nodes"] == {agent.node: goal}
     # every update and partial was recycled or freed: only the current model is held
-    wait_for(lambda: agent.store.object_count() == 1, what="objects released")
-    assert agent.store.recycled > 0  # buffers were reused, not created anew every time
+    wait_for(lambda: shm_objects(client) == 1, what="objects released")
+    assert client.call(GetStatus())[0].body["shm"]["recycled"] > 0  # buffers were reused, not created anew
 
 
 def test_admission_checks_version_round_and_budget(agent: Agent, state: ClusterState) -> None:
     state.create_job(JobSpec("j", goal=2, max_inflight=1))
     client = gateway(agent)
     with pytest.raises(Conflict, match="no model"):
-        client.call("admit", job="j", version=0, size=100)
+        client.call(Admit("j", 0, 100))
     blob = fmt.encode(random_model(np.random.default_rng(0)))
     put_model(client, "j", blob)
     with pytest.raises(Conflict, match="already has a model"):
-        client.call("admit_model", job="j", size=100)
+        client.call(AdmitModel("j", 100))
     with pytest.raises(Conflict) as info:
-        client.call("admit", job="j", version=3, size=len(blob))
+        client.call(Admit("j", 3, len(blob)))
     assert info.value.code == "version_conflict" and info.value.extra["version"] == 0
-    reply, fds = client.call("admit", job="j", version=0, size=len(blob))
+    reply, fds = client.call(Admit("j", 0, len(blob)))
     with pytest.raises(Overloaded):  # budget of one update in flight
-        client.call("admit", job="j", version=0, size=len(blob))
+        client.call(Admit("j", 0, len(blob)))
     os.close(fds[0])
-    client.call("abort", key=reply["key"], reason="test")
-    assert state.job("j").reserved == 0 and state.job("j").rejected == {"test": 1}
+    client.call(Abort(reply.key, "test"))
+    job = state.job("j")
+    assert job.reserved == 0 and job.rejected == {"test": 1}
+    assert state.shard("j").inflight.get(agent.node, 0) == 0
+
+
+def test_malformed_messages_are_refused_with_the_field_named(agent: Agent) -> None:
+    client = gateway(agent)
+    for frame, needle in (({"op": "admit", "job": "j", "version": "zero", "size": 1}, "admit.version must be int"),
+                          ({"op": "admit", "job": "j", "size": 1}, "lacks field 'version'"),
+                          ({"op": "submit", "key": "not hex", "samples": 1}, "submit.key must be hex"),
+                          ({"op": "nonsense"}, "unknown message 'nonsense'"),
+                          ({"op": "alloc", "task": 1, "size": 1}, "alloc is not served to a gateway")):
+        client.conn.send({"id": 99, **frame})
+        reply, _ = client.conn.recv()
+        assert not reply["ok"] and needle in reply["error"]["message"], (frame, reply)
+    assert shm_objects(client) == 0
 
 
 def test_gateway_disconnect_releases_its_uploads(agent: Agent, state: ClusterState) -> None:
@@ -117,12 +153,12 @@ def test_gateway_disconnect_releases_its_uploads(agent: Agent, state: ClusterSta
     client = gateway(agent)
     put_model(client, "j", blob)
     other = gateway(agent)
-    _, fds = other.call("admit", job="j", version=0, size=len(blob))
+    _, fds = other.call(Admit("j", 0, len(blob)))
     os.close(fds[0])
-    assert state.job("j").reserved == 1 and agent.store.object_count() == 2
+    assert state.job("j").reserved == 1 and shm_objects(client) == 2
     other.close()
     wait_for(lambda: state.job("j").reserved == 0, what="reservation released")
-    assert agent.store.object_count() == 1
+    assert shm_objects(client) == 1
 
 
 def test_killed_aggregator_abandons_the_round_and_reopens_its_slots(agent: Agent, state: ClusterState) -> None:
@@ -131,14 +167,13 @@ def test_killed_aggregator_abandons_the_round_and_reopens_its_slots(agent: Agent
     client = gateway(agent)
     put_model(client, "j", fmt.encode(random_model(rng)))
     push(client, "j", 0, fmt.encode(random_model(rng)), 1)
-    wait_for(lambda: agent.instances and all(i.proc.pid for i in agent.instances.values()), what="instances")
-    with agent.lock:
-        middle = agent.jobs["j"].round.middle.instance
-    middle.proc.send_signal(signal.SIGKILL)
-    wait_for(lambda: agent.jobs["j"].round is None, what="round abandoned")
+    busy = wait_for(aggregator_pids, what="the leaf's instance")
+    os.kill(busy[0], signal.SIGKILL)
+    wait_for(lambda: state.job("j").round == 1, what="round abandoned")
     job = state.job("j")
     assert (job.reserved, job.accepted, job.version) == (0, 0, 0)
-    assert agent.store.object_count() == 1  # the update held by the round was released
+    assert job.last_round["outcome"] == "abandoned" and "died" in job.last_round["reason"]
+    wait_for(lambda: shm_objects(client) == 1, what="the update held by the round released")
     # the round can still complete with fresh updates
     updates = [random_model(rng) for _ in range(3)]
     for u in updates:
@@ -148,7 +183,7 @@ def test_killed_aggregator_abandons_the_round_and_reopens_its_slots(agent: Agent
     np.testing.assert_allclose(model["a"], sum(u["a"].astype(np.float64) for u in updates) / 3, rtol=1e-5, atol=1e-8)
 
 
-def test_warm_instances_are_reused_and_expire(run_dir: Path, redis_url: str, shm_node: str) -> None:
+def test_warm_instances_are_reused_across_roles_and_expire(run_dir: Path, redis_url: str, shm_node: str) -> None:
     config = AgentConfig(shm_node, run_dir, redis_url, 64 << 20, 16 << 20, max_instances=4, keep_warm=1.0)
     agent = Agent(config, ClusterState(redis_url))
     agent.start()
@@ -162,9 +197,14 @@ def test_warm_instances_are_reused_and_expire(run_dir: Path, redis_url: str, shm
             for _ in range(2):
                 push(client, "j", version, fmt.encode(random_model(rng)), 1)
             wait_for(lambda: state.version("j") == version + 1, what="next version")
-        samples = agent.metrics.starts.collect()[0].samples
-        starts = {s.labels["kind"]: s.value for s in samples if s.name.endswith("_total")}
-        assert starts.get("warm", 0) > 0
-        wait_for(lambda: not agent.instances, timeout=10, what="idle instances to stop")
+        assert metric(client, 'lifl_aggregator_starts_total{kind="warm"}') > 0
+        tasks = client.call(GetRecent())[0].body["tasks"]
+        by_instance: dict[int, set[str]] = {}
+        for t in tasks:
+            by_instance.setdefault(t["instance"], set()).add(t["role"])
+        assert any(len(roles) > 1 for roles in by_instance.values())  # one instance served several roles
+        wait_for(lambda: not aggregator_pids(), timeout=15, what="idle instances to stop")
+        with pytest.raises(NotFound):
+            client.call(Release(b"\0" * 16))
     finally:
         agent.stop()

@@ -14,6 +14,7 @@ from lifl import format as fmt
 from lifl.node.agent import Agent, AgentConfig
 from lifl.jobs import JobSpec
 from lifl.state import TENANT_UID_BASE, ClusterState
+from lifl.protocol import GetRecent
 from test_agent import gateway, push, put_model
 
 pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="tenant isolation needs root")]
@@ -39,7 +40,7 @@ def test_tenant_functions_open_only_their_own_objects(probing_agent: Agent, stat
     push(client, "a", 0, fmt.encode(model), 1)
     push(client, "a", 0, fmt.encode(model), 1)
     wait_for(lambda: state.version("a") == 1, what="alpha's round")
-    alpha_leaf = next(t for t in probing_agent.recent if t["job"] == "a" and t["role"] == "leaf")
+    alpha_leaf = next(t for t in client.call(GetRecent())[0].body["tasks"] if t["job"] == "a" and t["role"] == "leaf")
     assert alpha_leaf["uid"] == state.tenant_id("alpha") >= TENANT_UID_BASE
     probe = alpha_leaf["probe"]
     beta = {name: result for name, result in probe.items() if name.startswith(f"lifl-{probing_agent.config.node}-beta-")}

@@ -2,10 +2,12 @@
 
 Recv takes object keys from the task's FIFO; Agg folds them into the running FedAvg sum as
 they arrive (eager; see ``lifl.fedavg`` for the folding policy); Send hands the result's key
-to the parent, or, for the top of the hierarchy, writes the averaged model and installs it.
-Recv and Agg overlap: whatever queued while a fold ran is folded together next.
+on to the parent, or, for the top of the hierarchy, writes the averaged model and installs it.
+Recv and Agg overlap: whatever queued while a fold ran is folded together next. (A lazy
+invocation, the baseline of the comparisons, folds everything at once after the last input.)
 
-The same code serves every role; the invocation says which one, the fan-in and the parent.
+The same code serves every role; the invocation says which one and the fan-in (open until
+the round closes); where the result goes is the runtime's business.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import time
 from typing import Any
 
 from lifl import format as fmt
-from lifl.channel import KIND_CLOSE, KeyMessage, now_ns
+from lifl.channel import KIND_CLOSE, now_ns
+from lifl.control.planner import TOP
 from lifl.fedavg import Contribution, StreamingFedAvg, average_into
 from lifl.kernels import TensorTable, Tensors
 from lifl.runtime import Context, Invocation
@@ -48,15 +51,16 @@ def _mapped(ctx: Context, mm: Any, spec: fmt.ModelSpec) -> Tensors:
 def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
     spec = inv.spec
     model_header, partial_header = _spec_headers(spec)
-    agg = StreamingFedAvg(inv.fan_in)
+    agg = StreamingFedAvg(inv.fan_in or None)
     handoff_us: list[float] = []
     recv_s = agg_s = alloc_s = 0.0
     live: list[Tensors] = []
+    queued: list[Contribution] = []  # lazy: everything waits for the last input
 
     def new_accumulator() -> tuple[Tensors, bytes]:
         nonlocal alloc_s
         t = time.perf_counter()
-        key, mm = ctx.alloc(inv.task, partial_header, spec.partial().data_bytes)
+        key, mm = ctx.accumulator(inv, partial_header, spec.partial().data_bytes)
         tensors = _mapped(ctx, mm, spec)
         live.append(tensors)
         alloc_s += time.perf_counter() - t
@@ -66,48 +70,41 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
         # Recv + Agg
         while not agg.complete:
             t0 = time.perf_counter()
-            first = ctx.recv(inv.task)
-            batch: list[Contribution] = []
-            for msg in [first, *ctx.poll(inv.task)]:
+            for msg in ctx.receive(inv):
                 if msg.kind == KIND_CLOSE:
                     agg.resize(msg.count)
                     continue
                 tensors = _mapped(ctx, ctx.open(msg.key), spec)
                 handoff_us.append((now_ns() - msg.sent_ns) / 1e3)
                 live.append(tensors)
-                batch.append(Contribution(tensors, msg.samples, msg.count, msg.partial, msg.key))
+                queued.append(Contribution(tensors, msg.samples, msg.count, msg.partial, msg.key))
+            batch = [] if inv.lazy and not agg.complete_with(len(queued)) else queued
             t1 = time.perf_counter()
             folded = agg.offer(batch, new_accumulator)
             t2 = time.perf_counter()
             recv_s += t1 - t0
             agg_s += t2 - t1
+            if batch is queued:
+                queued = []
             if folded:
                 for c in folded:
                     c.tensors.release()
                     live.remove(c.tensors)
-                ctx.call(
-                    "folded", task=inv.task, keys=[c.token.hex() for c in folded],
-                    updates=sum(c.updates for c in folded if not c.partial), seconds=t2 - t1,
-                )
+                ctx.folded(inv, [c.token for c in folded], sum(c.updates for c in folded if not c.partial), t2 - t1)
         result = agg.result()
 
         # Send
         t3 = time.perf_counter()
-        sent_ns = now_ns()
-        if inv.parent_task:
-            ctx.call("handoff", task=inv.task, key=result.token.hex())
-            ctx.send(KeyMessage(
-                dest=inv.parent_instance, task=inv.parent_task, key=result.token, samples=result.samples,
-                count=result.updates, partial=result.partial, src=ctx.instance_id, sent_ns=sent_ns,
-            ))
+        if inv.role != TOP:
+            ctx.forward(inv, result.token, result.samples, result.updates, result.partial)
         else:
             key = result.token
             if result.partial:  # a single client update needs no averaging: it is the model
-                key, mm = ctx.alloc(inv.task, model_header, spec.data_bytes)
+                key, mm = ctx.accumulator(inv, model_header, spec.data_bytes)
                 out = _mapped(ctx, mm, spec)
                 live.append(out)
                 average_into(out, result)
-            ctx.call("install", task=inv.task, key=key.hex(), samples=result.samples, updates=result.updates)
+            ctx.install(inv, key, result.samples, result.updates)
         send_s = time.perf_counter() - t3
     finally:
         for tensors in live:
@@ -115,6 +112,7 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
     return {
         "role": inv.role,
         "inputs": agg.received,
+        "updates": result.updates,
         "samples": result.samples,
         "handoff_us": handoff_us,
         "recv_s": recv_s,

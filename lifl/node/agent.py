@@ -1,21 +1,26 @@
 """The node agent: owns the node's shared memory, runs its aggregator instances and routes keys.
 
-- The gateway asks it for objects to receive updates into (``admit``), which also reserves
-  a slot of the job's round in Redis (converting the client's lease if it holds one) and
-  enforces the job's in-flight budget, then hands the sealed update over (``submit``).
-- For each round the agent plans the node's hierarchy (``lifl.planner``): one middle, a top
-  that reuses the middle's instance once the middle is done (§5.3), and leaves created as
-  updates arrive. Tasks go to idle warm instances of the tenant, or to new ones (a cold
-  start is a process spawn); instances idle longer than ``keep_warm`` are stopped.
-- Keys move between aggregators over the key channel; the agent provisions every
-  instance's endpoint before starting it, so keys can wait for a cold-starting instance.
-- When the top has aggregated a round, its model is checkpointed in the background and
-  installed as the next version once durable. A round still short of its goal at its
-  deadline closes with what arrived, or is abandoned if that is under the job's minimum.
-- Every object reference belongs to a holder (an upload, a task, a job's model, a
-  gateway's read). A holder that disappears is released; if an aggregator dies mid-round,
-  the node's work on that round is dropped and the next round opens on the same version.
-- On start it restores every job whose model lived on this node from its latest checkpoint.
+It is a thin shell around pure parts: the round's shared state is in Redis (``lifl.state``),
+the node's tree for each round is ``lifl.node.tree`` (events in, effects out), cluster-wide
+round duties are ``lifl.control.rounds`` and the planner is ``lifl.control.planner``. The
+shell applies effects, talks to Redis (never under its lock), and runs named periodic duties.
+
+- The gateway asks it for objects to receive blobs into (``Admit`` reserves a slot of the
+  job's global round in Redis, converting the client's lease if it holds one, and enforces
+  the job's in-flight budget), then hands the sealed update over (``Submit``), which counts
+  it once for the whole round in Redis and feeds it to this node's tree.
+- Tasks run on instances of the job's tenant: idle warm ones first (reuse, §5.3: an idle leaf
+  becomes the middle, the middle's instance the top), new ones otherwise (a cold start), or
+  wait; the planner may ask for instances to be warmed ahead of the load (§5.2).
+- The middle's result goes to the round's top; if that is on another node, this node's
+  gateway streams it there out of shared memory (``ForwardPartial``) and keeps it until the
+  round ends, in case the top moves. The top's result is checkpointed in the background and
+  installed as the next version once durable.
+- Every object reference belongs to a holder (an upload, a task, a round, a job's model or
+  replica, a gateway's read). A holder that disappears is released.
+- A node that dies mid-round is declared lost by whoever notices (its registration in Redis
+  lapses): what it acknowledged and had not delivered is recorded as lost, and the round
+  completes on the others. A restarted node does this for itself before it serves.
 """
 
 from __future__ import annotations
@@ -25,31 +30,44 @@ import os
 import queue
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
 from lifl import checkpoints
 from lifl import format as fmt
 from lifl.channel import KIND_CLOSE, KeyMessage, UnixKeyChannel, now_ns
+from lifl.control import rounds as cluster_rounds
+from lifl.control.controller import Controller, ControlConfig
+from lifl.control.planner import ROLES, InstanceView, expired, pick_warm
 from lifl.errors import BadRequest, Conflict, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge
 from lifl.jobs import JobSpec
-from lifl.control.planner import LEAF, MIDDLE, ROLES, TOP, InstanceView, RoundPlan, expired, pick_warm
+from lifl.node import tree
+from lifl.node.actuator import LocalProcesses
+from lifl.node.dispatch import serve
+from lifl.node.metrics import Metrics
 from lifl.procs import die_with_parent
-from lifl.rpc import Connection, error_reply
-from lifl.state import NO_MODEL, RESERVE_OK, ClusterState, refusal
+from lifl.protocol import (
+    PROTOCOL, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Admitted, Alloc, Allocated, CancelTask, Document,
+    Done, Failed, Folded, Forwarded, ForwardPartial, GetMetrics, GetRecent, GetStatus, Handoff, Hello, InstallModel,
+    InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, OpenModel, Release, Route, Submit,
+    SubmitPartial, Submitted, Text, Welcome,
+)
+from lifl.rpc import Connection
+from lifl.state import (
+    ACCEPT_CLOSED_ROUND, NO_MODEL, RESERVE_OK, ClusterState, Job, Shard, accept_refusal, refusal,
+)
 from lifl.store import SHM_DIR, ObjectStore, Tenant, remove_node_objects
 
 DEFAULT_HANDLER = "lifl.functions.aggregator.handler:handle"
+SETTLE_PASSES = 4  # duties that enable further duties (close, then place the top) within one settle
+FORWARD_RETRY = (0.2, 0.5, 1.0, 2.0)  # seconds before resending a partial that did not arrive
 
 
 def check_traversable(directory: Path) -> None:
@@ -75,6 +93,9 @@ class AgentConfig:
     data_dir: Path | None = None
     isolate: bool = field(default_factory=lambda: os.geteuid() == 0)
     handler: str = DEFAULT_HANDLER
+    reuse: bool = True  # warm instances take any role (§5.3); False: one task per instance (a baseline)
+    lazy: bool = False  # aggregate only once every input arrived (a baseline; lifl is eager, §5.4)
+    control: ControlConfig = field(default_factory=ControlConfig)
 
     @property
     def socket_path(self) -> Path:
@@ -86,112 +107,52 @@ class AgentConfig:
 
 
 @dataclass(eq=False)
-class Task:
-    id: int
-    job: str
-    version: int  # the global version whose updates it aggregates
-    round: int
-    role: str
-    fan_in: int
-    parent: Task | None
-    instance: Instance | None = None
-    running: bool = False
-    routed: int = 0  # inputs sent to it so far (leaves)
-    pending: list[KeyMessage] = field(default_factory=list)  # keys waiting for an instance
-
-    @property
-    def holder(self) -> tuple[str, int]:
-        return ("task", self.id)
-
-
-@dataclass(eq=False)
-class Instance:
-    id: int
-    tenant: Tenant
-    proc: subprocess.Popen
-    conn: Connection
-    task: Task | None = None
-    next_task: Task | None = None  # planned: the top after this middle (reuse)
-    last_used: float = field(default_factory=time.monotonic)
-    specs_sent: set[str] = field(default_factory=set)
-
-    @property
-    def idle(self) -> bool:
-        return self.task is None and self.next_task is None
-
-
-@dataclass(eq=False)
-class Round:
-    """This node's hierarchy for one round of a job."""
-
-    id: int
-    version: int
-    plan: RoundPlan
-    middle: Task
-    top: Task
-    leaves: list[Task] = field(default_factory=list)
-    submitted: int = 0
-    samples: int = 0
-    aggregated: int = 0
-    first_update: float = field(default_factory=time.time)
-
-    @property
-    def tasks(self) -> list[Task]:
-        return [*self.leaves, self.middle, self.top]
-
-
-@dataclass(eq=False)
 class JobRun:
-    """What this node knows of a job; Redis holds the truth."""
+    """What this node keeps of a job; Redis holds the truth."""
 
     spec: JobSpec
     tenant: Tenant
     model_spec: fmt.ModelSpec | None
-    version: int
-    round_id: int
-    round_opened: float
-    model_key: bytes | None = None
-    inflight: int = 0  # admitted or submitted updates not yet folded
-    round: Round | None = None
-    closing: bool = False  # the deadline closed the round; it finishes with what arrived
-    installing: bool = False  # the round is aggregated; its checkpoint is being written
+    model_key: bytes | None = None  # the model, if this node installed it
+    model_version: int = NO_MODEL
+    replica: tuple[bytes, int] | None = None  # (key, version): a copy fetched to serve it here
+    inflight: int = 0  # updates admitted here and not yet aggregated
     model_upload: bool = False
 
 
 @dataclass(eq=False)
 class Upload:
     job: str
-    version: int  # NO_MODEL for an initial-model upload
+    kind: str  # "update", "model", "partial" or "replica"
+    holder: Hashable
+    version: int = NO_MODEL
+    round: int = -1
+    epoch: int = 0
+    from_node: str = ""
+
+
+@dataclass(eq=False)
+class Instance:
+    id: int
+    tenant: Tenant
+    task: int | None = None
+    last_used: float = field(default_factory=time.monotonic)
+    specs_sent: set[str] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class OutgoingPartial:
+    """This node's result of a round on its way to the top on another node."""
+
+    id: int
+    job: str
     round: int
-    holder: tuple[str, int]
-
-
-class Metrics:
-    def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
-        self.steps = Histogram(
-            "lifl_aggregator_step_seconds", "Time per aggregator step (recv waits for keys, agg folds, send hands off)",
-            ["role", "step"], registry=r, buckets=(1e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
-        )
-        self.handoff = Histogram(
-            "lifl_key_handoff_seconds", "Key delivery until the receiver holds a readable view",
-            registry=r, buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 5e-3, 0.05, 1),
-        )
-        self.queue = Gauge("lifl_queue_length", "Updates received but not yet aggregated", ["job"], registry=r)
-        self.instances = Gauge("lifl_aggregator_instances", "Aggregator instances by role (idle: warm, unassigned)", ["role"], registry=r)
-        self.starts = Counter("lifl_aggregator_starts", "Task starts by instance temperature", ["kind"], registry=r)
-        self.rounds = Counter("lifl_rounds", "Rounds finished, by outcome (complete, partial, abandoned, interrupted)",
-                              ["job", "outcome"], registry=r)
-        self.round_seconds = Histogram(
-            "lifl_round_aggregation_seconds", "Aggregation completion time: a round's first update to its aggregated model",
-            ["job"], registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
-        )
-        self.round_updates = Histogram("lifl_round_updates", "Client updates aggregated per round", ["job"], registry=r,
-                                       buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))
-        self.version = Gauge("lifl_job_version", "Current global model version", ["job"], registry=r)
-        self.checkpoint_seconds = Histogram("lifl_checkpoint_seconds", "Time to write a checkpoint durably", registry=r,
-                                            buckets=(1e-3, 0.01, 0.05, 0.1, 0.5, 1, 5, 30))
-        self.shm = Gauge("lifl_shm_bytes", "Shared memory held by objects (used) and by the recycling pool", ["state"], registry=r)
+    node: str
+    epoch: int
+    input: tree.Input
+    state: str = "sending"  # sending, failed, done
+    attempts: int = 0
+    next_try: float = 0.0
 
 
 class Checkpointer:
@@ -223,39 +184,67 @@ class Checkpointer:
                 seconds, error = self.write(job, version, fd, size), None
             except Exception as e:  # the install still happens; the error is reported
                 seconds, error = 0.0, e
-            done(seconds, error)
+            try:
+                done(seconds, error)
+            except Exception:  # Redis unreachable: the round's duties retry what is left
+                traceback.print_exc()
 
     def stop(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=30)
 
 
+IO = Callable[[], None]  # work an effect needs outside the lock (Redis, other processes)
+
+
 class Agent:
     def __init__(self, config: AgentConfig, state: ClusterState) -> None:
         self.config = config
+        self.node = config.node
         self.state = state
         self.lock = threading.RLock()
         self.store = ObjectStore(config.node, config.shm_capacity, config.pool_limit)
         self.metrics = Metrics()
         data_dir = config.data_dir or config.run_dir
         self.checkpointer = Checkpointer(checkpoints.open_store(config.checkpoints, data_dir=data_dir, redis_url=config.redis_url))
+        self.trees = tree.Trees(config.node)
+        self.actuator = LocalProcesses(config.node, config.chan_dir, config.handler, self._serve_instance)
+        self.controller = Controller(state, config.node, config.control, reuse=config.reuse)
         self.jobs: dict[str, JobRun] = {}
         self.instances: dict[int, Instance] = {}
-        self.tasks: dict[int, Task] = {}
         self.uploads: dict[bytes, Upload] = {}
-        self.waiting: deque[Task] = deque()
-        self.outbox: deque[tuple[Tenant, KeyMessage]] = deque()
+        self.waiting: deque[int] = deque()  # tasks with inputs, waiting for an instance
+        self.pending: dict[int, list[KeyMessage]] = {}  # inputs of tasks not running yet
+        self.placed: dict[int, Instance] = {}  # running tasks
+        self.outbox: deque[tuple[str, KeyMessage]] = deque()  # (tenant, message) for full queues
+        self.outgoing: dict[int, OutgoingPartial] = {}
+        self.local_updates: dict[bytes, str] = {}  # client updates admitted here and not yet aggregated, by key
+        self.store.on_free = self._update_done
+        self.forwarder: Connection | None = None  # the gateway's connection taking ForwardPartial
         self.recent: deque[dict[str, Any]] = deque(maxlen=512)  # finished tasks' statistics
+        self.started_at = time.time()
         self._senders: dict[str, UnixKeyChannel] = {}
         self._tenants: dict[str, Tenant] = {}
         self._next_id = 0
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
+        self._duties: list[tuple[str, float, Callable[[], None]]] = [
+            ("reap_instances", 0.05, self.reap_instances),
+            ("flush_outbox", 0.01, self.flush_outbox),
+            ("expire_idle_instances", 0.2, self.expire_idle_instances),
+            ("round_duties", 0.2, self.round_duties),
+            ("retry_forwards", 0.1, self.retry_forwards),
+            ("publish_status", 1.0, self.publish_status),
+            ("trim_pool", 5.0, self.trim_pool),
+            ("drop_stale_replicas", 1.0, self.drop_stale_replicas),
+            ("control", config.control.period, self.control),
+            ("warm_instances", 0.5, self.warm_instances),
+        ]
 
-    # -- lifecycle ------------------------------------------------------------------------------
+    # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
-        """Clean up what a killed predecessor left, restore jobs from checkpoints, then listen."""
-        stale = remove_node_objects(self.config.node)
+        """Clean up what a killed predecessor left, give up its rounds, restore models, then listen."""
+        stale = remove_node_objects(self.node)
         if stale:
             print(f"lifl agent: removed {stale} shared-memory objects left by a previous run", file=sys.stderr)
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
@@ -264,8 +253,9 @@ class Agent:
         self.config.chan_dir.mkdir(exist_ok=True)
         os.chmod(self.config.run_dir, 0o755)
         os.chmod(self.config.chan_dir, 0o755)
-        with self.lock:
-            self._restore_jobs()
+        self._give_up_previous_rounds()
+        self._restore_models()
+        self.publish_status()
         path = self.config.socket_path
         path.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -274,7 +264,8 @@ class Agent:
         listener.listen(64)
         self._listener = listener
         threading.Thread(target=self._accept_loop, name="agent-accept", daemon=True).start()
-        threading.Thread(target=self._monitor_loop, name="agent-monitor", daemon=True).start()
+        threading.Thread(target=self._duty_loop, name="agent-duties", daemon=True).start()
+        threading.Thread(target=self._event_loop, name="agent-events", daemon=True).start()
 
     def stop(self) -> None:
         """Clean shutdown: unlink every object first (mappings stay valid for whoever holds them,
@@ -284,28 +275,32 @@ class Agent:
             self._listener.close()
         with self.lock:
             self.store.close()
-            remove_node_objects(self.config.node)
-            instances = list(self.instances.values())
-            for inst in instances:
-                inst.conn.close()
-        deadline = time.monotonic() + 3
-        for inst in instances:
-            try:
-                inst.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                inst.proc.kill()
-                inst.proc.wait()
+            remove_node_objects(self.node)
+        self.actuator.stop_all()
         self.checkpointer.stop()
         self.config.socket_path.unlink(missing_ok=True)
 
-    def _restore_jobs(self) -> None:
+    def _give_up_previous_rounds(self) -> None:
+        """A previous run of this node may have taken part in open rounds; everything it held
+        is gone, so it declares itself lost in them (their other nodes carry on)."""
+        for name in self.state.job_names():
+            shard = self.state.shard(name)
+            if self.node in shard.dead:
+                continue
+            if shard.counts.get(self.node, 0) or shard.inflight.get(self.node, 0) or shard.top == self.node:
+                self.state.node_lost(name, shard.round, self.node)
+                print(f"lifl agent: gave up round {shard.round} of {name!r}: this node restarted", file=sys.stderr)
+                self.settle(name)
+
+    def _restore_models(self) -> None:
         """Bring back the model of every job that lived on this node, from its latest checkpoint.
 
         The version clients saw is never newer than the latest checkpoint (versions are made
-        visible once durable), so resuming from it loses no version and repeats none."""
+        visible once durable), so resuming from it loses no version and repeats none; if Redis
+        lost the newest version (it syncs its log every second), the checkpoint brings it back."""
         for name in self.state.job_names():
             j = self.state.job(name)
-            if j.version == NO_MODEL or j.model_node != self.config.node:
+            if j.version == NO_MODEL or j.model_node != self.node:
                 continue
             latest = checkpoints.latest(self.checkpointer.store, name)
             if latest is None or latest < j.version:
@@ -313,18 +308,25 @@ class Agent:
                       f"it cannot resume on this node", file=sys.stderr)
                 continue
             blob = self.checkpointer.store.load(name, latest)
-            layout = fmt.validate(blob, j.model_spec)
-            tenant = self.tenant(j.spec.tenant)
-            seg = self.store.create(tenant, layout.total_size, ("model", name), affinity="gateway")
-            os.pwrite(seg.fd, blob, 0)
-            self.store.seal(seg.key)
-            summary = self._summary(j.round, j.version, None, "interrupted", reason=f"node {self.config.node} restarted")
-            opened = self.state.next_round(name, j.round, latest, key=seg.key.hex(), node=self.config.node, summary=summary)
+            self.tenant(j.spec.tenant)
+            with self.lock:
+                run = self._run(j)
+                seg = self._blob_object(run, blob, ("model", name))
+                run.model_key, run.model_version = seg.key, latest
+            if latest > j.version:
+                summary = self._summary(j, self.state.shard(name), None, "interrupted",
+                                        reason=f"node {self.node} restarted with version {latest}, which Redis had lost")
+                self.state.next_round(name, j.round, latest, key=seg.key.hex(), node=self.node, summary=summary)
             self.state.set_checkpoint(name, latest)
-            self.jobs[name] = JobRun(j.spec, tenant, j.model_spec, latest, j.round + 1, opened, model_key=seg.key)
-            self.metrics.rounds.labels(name, "interrupted").inc()
             self.metrics.version.labels(name).set(latest)
             print(f"lifl agent: job {name!r} resumed at version {latest} from its checkpoint", file=sys.stderr)
+
+    def _blob_object(self, run: JobRun, blob: bytes, holder: Hashable) -> Any:
+        layout = fmt.validate(blob, run.model_spec)
+        seg = self.store.create(run.tenant, layout.total_size, holder, affinity="gateway")
+        os.pwrite(seg.fd, blob, 0)
+        self.store.seal(seg.key)
+        return seg
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -333,609 +335,922 @@ class Agent:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
-            conn_id = self._new_id()
-            threading.Thread(target=self._serve_gateway, args=(Connection(sock), conn_id), daemon=True).start()
+            threading.Thread(target=self._serve_peer, args=(Connection(sock),), daemon=True).start()
 
-    def _new_id(self) -> int:
+    def _take_id(self) -> int:
         with self.lock:
             self._next_id += 1
             return self._next_id
 
-    # -- request dispatch -----------------------------------------------------------------------
-    def _serve(self, conn: Connection, handlers: dict[str, Any], on_close: Any, unlocked: frozenset[str] = frozenset()) -> None:
+    # -- connections ------------------------------------------------------------------------------
+    def _serve_peer(self, conn: Connection) -> None:
+        """A gateway's connection: it says hello first, as a requester or as the forwarder."""
         try:
-            while True:
-                message, fds = conn.recv()
-                request_id, op = message.pop("id", None), message.pop("op", "")
-                handler = handlers.get(op)
-                reply_fds: list[int] = []
-                try:
-                    if handler is None:
-                        raise BadRequest(f"unknown operation {op!r}")
-                    if op in unlocked:  # it takes the lock itself, around its critical parts
-                        result, reply_fds = handler(message, fds)
-                    else:
-                        with self.lock:
-                            result, reply_fds = handler(message, fds)
-                    reply = {"id": request_id, "ok": True, **result}
-                except LiflError as e:
-                    reply = error_reply(request_id, e)
-                except Exception as e:  # report, keep serving: one bad request must not kill the node
-                    traceback.print_exc()
-                    reply = error_reply(request_id, Internal(f"{type(e).__name__}: {e}"))
-                try:
-                    conn.send(reply, reply_fds)
-                finally:
-                    for fd in reply_fds:
-                        os.close(fd)
-        except (EOFError, ConnectionError, OSError):
-            pass
-        finally:
+            frame, fds = conn.recv()
+        except (EOFError, LiflError, OSError):
+            conn.close()
+            return
+        for fd in fds:
+            os.close(fd)
+        hello = frame.get("op") == Hello.op and frame.get("protocol") == PROTOCOL
+        conn.send({"id": frame.get("id"), "ok": hello, **(Welcome(self.node, PROTOCOL).encode() if hello else {
+            "error": {"type": "BadRequest", "code": "bad_hello", "message": f"expected hello with protocol {PROTOCOL}",
+                      "retry_after": None, "extra": {}}})})
+        if not hello:
+            conn.close()
+            return
+        if frame.get("role") == "forwarder":
             with self.lock:
-                on_close()
-
-    def _serve_gateway(self, conn: Connection, conn_id: int) -> None:
-        holder = ("conn", conn_id)
-        handlers = {
-            "hello": lambda m, f: ({"node": self.config.node}, []),
-            "admit": lambda m, f: self.admit(holder, m["job"], int(m["version"]), int(m["size"]), m.get("lease", "")),
-            "admit_model": lambda m, f: self.admit_model(holder, m["job"], int(m["size"])),
-            "abort": lambda m, f: self.abort(holder, bytes.fromhex(m["key"]), m.get("reason", "aborted")),
-            "submit": lambda m, f: self.submit(holder, bytes.fromhex(m["key"]), int(m["samples"])),
-            "install_model": lambda m, f: self.install_model(holder, bytes.fromhex(m["key"])),
-            "open_model": lambda m, f: self.open_model(holder, m["job"]),
-            "release": lambda m, f: self.release(holder, bytes.fromhex(m["key"])),
-            "metrics": lambda m, f: ({"text": self.metrics_text()}, []),
-            "status": lambda m, f: (self.status(), []),
-            "recent": lambda m, f: ({"tasks": list(self.recent)}, []),
+                self.forwarder = conn
+            serve(conn, {Forwarded: self.forwarded}, lambda: self._forwarder_gone(conn), "forwarder")
+            return
+        holder = ("conn", self._take_id())
+        handlers: dict[type[Message], Any] = {
+            Admit: lambda m, f: self.admit(holder, m),
+            AdmitModel: lambda m, f: self.admit_model(holder, m),
+            AdmitPartial: lambda m, f: self.admit_partial(holder, m),
+            AdmitReplica: lambda m, f: self.admit_replica(holder, m),
+            Abort: lambda m, f: self.abort(holder, m),
+            Submit: lambda m, f: self.submit(holder, m),
+            SubmitPartial: lambda m, f: self.submit_partial(holder, m),
+            InstallModel: lambda m, f: self.install_model(holder, m),
+            InstallReplica: lambda m, f: self.install_replica(holder, m),
+            OpenModel: lambda m, f: self.open_model(holder, m),
+            Release: lambda m, f: self.release(holder, m),
+            GetMetrics: lambda m, f: (Text(self.metrics_text()), []),
+            GetStatus: lambda m, f: (Document(self.status()), []),
+            GetRecent: lambda m, f: (Document({"tasks": list(self.recent)}), []),
         }
-        self._serve(conn, handlers, lambda: self._gateway_gone(holder), unlocked=frozenset({"install_model"}))
+        serve(conn, handlers, lambda: self._gateway_gone(holder), "gateway")
 
-    # -- jobs -----------------------------------------------------------------------------------
+    def _serve_instance(self, iid: int, conn: Connection) -> None:
+        handlers: dict[type[Message], Any] = {
+            Alloc: lambda m, f: self.alloc(iid, m),
+            Folded: lambda m, f: self.folded(iid, m),
+            Handoff: lambda m, f: self.handoff(iid, m),
+            InstallResult: lambda m, f: self.install(iid, m),
+            Done: lambda m, f: self.done(iid, m),
+            Failed: lambda m, f: self.failed(iid, m),
+        }
+        serve(conn, handlers, lambda: self._instance_gone(iid, "its process exited"), "function instance")
+
+    # -- jobs -------------------------------------------------------------------------------------
     def tenant(self, name: str) -> Tenant:
         t = self._tenants.get(name)
         if t is None:
-            if self.config.isolate:
-                uid = self.state.tenant_id(name)
-                t = Tenant(name, uid, uid)
-            else:
-                t = Tenant(name)
+            uid = self.state.tenant_id(name) if self.config.isolate else None
+            t = Tenant(name, uid, uid)
             directory = self.config.chan_dir / name
             directory.mkdir(exist_ok=True)
             os.chmod(directory, 0o750)
             if t.gid is not None:
                 os.chown(directory, -1, t.gid)
-            self._tenants[name] = t
-            self._senders[name] = UnixKeyChannel.sender(directory)
+            with self.lock:
+                self._senders.setdefault(name, UnixKeyChannel.sender(directory))
+                t = self._tenants.setdefault(name, t)
         return t
 
-    def job(self, name: str) -> JobRun:
-        run = self.jobs.get(name)
+    def _run(self, j: Job) -> JobRun:
+        """This node's record of a job (call with the lock held; ``j`` was read from Redis)."""
+        run = self.jobs.get(j.spec.job)
         if run is None:
-            j = self.state.job(name)
-            run = JobRun(j.spec, self.tenant(j.spec.tenant), j.model_spec, j.version, j.round, j.round_opened)
-            self.jobs[name] = run
+            run = self.jobs[j.spec.job] = JobRun(j.spec, self._tenants[j.spec.tenant], j.model_spec)
+        if run.model_spec is None:
+            run.model_spec = j.model_spec
         return run
 
-    def admit(self, holder: tuple[str, int], job: str, version: int, size: int, lease: str) -> tuple[dict[str, Any], list[int]]:
-        run = self.job(job)
-        status, current, round_id = self.state.reserve(job, version, lease)
+    def _job(self, name: str) -> tuple[Job, JobRun]:
+        """The job as Redis has it, and this node's record of it (reads Redis: no lock held)."""
+        j = self.state.job(name)
+        self.tenant(j.spec.tenant)
+        with self.lock:
+            return j, self._run(j)
+
+    # -- uploads ----------------------------------------------------------------------------------
+    def _cached_run(self, name: str) -> JobRun:
+        """This node's record of a job, read from Redis only the first time (its spec is fixed)."""
+        with self.lock:
+            run = self.jobs.get(name)
+        return run if run is not None and run.model_spec is not None else self._job(name)[1]
+
+    def admit(self, holder: Hashable, m: Admit) -> tuple[Message, list[int]]:
+        run = self._cached_run(m.job)
+        status, current, round_id = self.state.reserve(m.job, m.version, self.node, m.lease)
         if status != RESERVE_OK:
-            raise refusal(status, job, current, round_id, run.spec.goal)
+            raise refusal(status, m.job, current, round_id, run.spec.goal)
         try:
-            if run.inflight >= run.spec.inflight_budget:
-                raise Overloaded(f"job {job!r} has {run.inflight} updates in flight, its budget", code="inflight_budget")
-            seg = self.store.create(run.tenant, size, holder, affinity="gateway")
+            with self.lock:
+                if run.inflight >= run.spec.inflight_budget:
+                    raise Overloaded(f"job {m.job!r} has {run.inflight} updates in flight on node {self.node}, its budget",
+                                     code="inflight_budget")
+                seg = self.store.create(run.tenant, m.size, holder, affinity="gateway")
+                run.inflight += 1
+                self.local_updates[seg.key] = m.job
+                self.uploads[seg.key] = Upload(m.job, "update", holder, m.version, round_id)
+                self._publish_gauges(m.job, run)
+                return Admitted(seg.key, m.version, round_id), [os.dup(seg.fd)]
         except LiflError:
-            self.state.count(job, round_id, "reserved", -1)
+            self.state.unreserve(m.job, round_id, self.node)
             raise
-        run.inflight += 1
-        self.uploads[seg.key] = Upload(job, version, round_id, holder)
-        self._publish_gauges(run, job)
-        return {"key": seg.key.hex(), "version": version, "round": round_id}, [os.dup(seg.fd)]
 
-    def admit_model(self, holder: tuple[str, int], job: str, size: int) -> tuple[dict[str, Any], list[int]]:
-        run = self.job(job)
-        if self.state.version(job) != NO_MODEL:
-            raise Conflict(f"job {job!r} already has a model", code="model_exists")
-        if run.model_upload:
-            raise Conflict(f"the model of job {job!r} is being uploaded already", code="model_upload_in_progress")
-        if size > run.spec.max_update_bytes:
-            raise PayloadTooLarge(f"model of {size} bytes exceeds the job's limit of {run.spec.max_update_bytes} bytes")
-        seg = self.store.create(run.tenant, size, holder, affinity="gateway")
-        run.model_upload = True
-        self.uploads[seg.key] = Upload(job, NO_MODEL, -1, holder)
-        return {"key": seg.key.hex()}, [os.dup(seg.fd)]
+    def admit_model(self, holder: Hashable, m: AdmitModel) -> tuple[Message, list[int]]:
+        j, run = self._job(m.job)
+        if j.version != NO_MODEL:
+            raise Conflict(f"job {m.job!r} already has a model", code="model_exists")
+        if m.size > run.spec.max_update_bytes:
+            raise PayloadTooLarge(f"model of {m.size} bytes exceeds the job's limit of {run.spec.max_update_bytes} bytes")
+        with self.lock:
+            if run.model_upload:
+                raise Conflict(f"the model of job {m.job!r} is being uploaded already", code="model_upload_in_progress")
+            seg = self.store.create(run.tenant, m.size, holder, affinity="gateway")
+            run.model_upload = True
+            self.uploads[seg.key] = Upload(m.job, "model", holder)
+            return Admitted(seg.key), [os.dup(seg.fd)]
 
-    def abort(self, holder: tuple[str, int], key: bytes, reason: str) -> tuple[dict[str, Any], list[int]]:
-        upload = self._upload(holder, key)
-        self._drop_upload(key, upload, reason)
-        return {}, []
+    def admit_partial(self, holder: Hashable, m: AdmitPartial) -> tuple[Message, list[int]]:
+        run = self._cached_run(m.job)
+        if not self._hosts_top(m.job, m.round, m.epoch):
+            self.settle(m.job)  # the close may not have reached this node yet
+            if not self._hosts_top(m.job, m.round, m.epoch):
+                raise Conflict(f"node {self.node} does not host the top of round {m.round} (epoch {m.epoch}) of {m.job!r}",
+                               code="not_the_top")
+        with self.lock:
+            seg = self.store.create(run.tenant, m.size, holder, affinity="gateway")
+            self.uploads[seg.key] = Upload(m.job, "partial", holder, round=m.round, epoch=m.epoch, from_node=m.from_node)
+            return Admitted(seg.key, round=m.round), [os.dup(seg.fd)]
 
-    def _upload(self, holder: tuple[str, int], key: bytes) -> Upload:
+    def _hosts_top(self, job: str, round_id: int, epoch: int) -> bool:
+        with self.lock:
+            r = self.trees.round_of(job)
+            return r is not None and r.round == round_id and r.top is not None and r.epoch == epoch
+
+    def admit_replica(self, holder: Hashable, m: AdmitReplica) -> tuple[Message, list[int]]:
+        run = self._cached_run(m.job)
+        with self.lock:
+            seg = self.store.create(run.tenant, m.size, holder, affinity="gateway")
+            self.uploads[seg.key] = Upload(m.job, "replica", holder, version=m.version)
+            return Admitted(seg.key, version=m.version), [os.dup(seg.fd)]
+
+    def _upload(self, holder: Hashable, key: bytes, kind: str) -> Upload:
         upload = self.uploads.get(key)
         if upload is None or upload.holder != holder:
             raise NotFound(f"no upload {key.hex()} on this connection", code="no_such_upload")
+        if upload.kind != kind:
+            raise BadRequest(f"upload {key.hex()} is a {upload.kind}, not a {kind}")
         return upload
 
-    def _drop_upload(self, key: bytes, upload: Upload, reason: str) -> None:
-        del self.uploads[key]
-        self.store.release(key, upload.holder)
-        run = self.jobs[upload.job]
-        if upload.version == NO_MODEL:
-            run.model_upload = False
-            return
-        run.inflight -= 1
-        self.state.count(upload.job, upload.round, "reserved", -1)
-        self.state.count(upload.job, upload.round, f"rejected.{reason}")
-        self._publish_gauges(run, upload.job)
-
-    def install_model(self, holder: tuple[str, int], key: bytes) -> tuple[dict[str, Any], list[int]]:
-        """Make an uploaded blob version 0, once its checkpoint is durable (runs without the lock
-        while the checkpoint is written)."""
+    def abort(self, holder: Hashable, m: Abort) -> tuple[Message, list[int]]:
         with self.lock:
-            upload = self._upload(holder, key)
-            if upload.version != NO_MODEL:
-                raise BadRequest("this upload is an update, not a model")
+            upload = self.uploads.get(m.key)
+            if upload is None or upload.holder != holder:
+                raise NotFound(f"no upload {m.key.hex()} on this connection", code="no_such_upload")
+            self._drop_upload(m.key, upload)
+        if upload.kind == "update":
+            self.state.unreserve(upload.job, upload.round, self.node)
+            self.state.count(upload.job, upload.round, f"rejected.{m.reason}")
+        return None, []
+
+    def _drop_upload(self, key: bytes, upload: Upload) -> None:
+        del self.uploads[key]
+        self.store.release(key, upload.holder)  # an update's in-flight count goes with its object
+        if upload.kind == "model":
+            self.jobs[upload.job].model_upload = False
+
+    def _update_done(self, key: bytes) -> bool:
+        """A client update admitted here is no longer in flight (folded, installed, or let go);
+        False if ``key`` is not one (a partial sum, another node's result)."""
+        job = self.local_updates.pop(key, None)
+        if job is None:
+            return False
+        run = self.jobs[job]
+        run.inflight -= 1
+        self._publish_gauges(job, run)
+        return True
+
+    def _gateway_gone(self, holder: Hashable) -> None:
+        with self.lock:
+            dropped = [(k, u) for k, u in self.uploads.items() if u.holder == holder]
+            for key, upload in dropped:
+                self._drop_upload(key, upload)
+            self.store.release_holder(holder)
+        for _, upload in dropped:
+            if upload.kind == "update":
+                try:
+                    self.state.unreserve(upload.job, upload.round, self.node)
+                    self.state.count(upload.job, upload.round, "rejected.connection_lost")
+                except Exception:  # Redis away: the round's slot comes back when the round ends
+                    traceback.print_exc()
+
+    def submit(self, holder: Hashable, m: Submit) -> tuple[Message, list[int]]:
+        if m.samples < 1:
+            raise BadRequest(f"samples must be positive, got {m.samples}")
+        with self.lock:
+            upload = self._upload(holder, m.key, "update")
             run = self.jobs[upload.job]
-            seg = self.store.seal(key)
+            self.store.seal(m.key)
+            del self.uploads[m.key]
+        status, _ = self.state.accept(upload.job, upload.round, self.node)
+        if status < 0:
+            with self.lock:
+                self.store.release(m.key, holder)
+            error = accept_refusal(status, upload.job, upload.round, self.state.version(upload.job), self.node)
+            self.state.count(upload.job, upload.round, f"rejected.{error.code}")
+            raise error
+        self.metrics.arrived(upload.job)
+        with self.lock:
+            effects = self.trees.accepted(upload.job, upload.round, upload.version, run.spec.leaf_fan_in,
+                                          tree.Input(m.key, m.samples, 1, False))
+            io = self._apply(effects)
+            queued = run.inflight
+        self._run_io(io)
+        if status == ACCEPT_CLOSED_ROUND:
+            self.settle(upload.job)
+        return Submitted(upload.round, queued), []
+
+    def submit_partial(self, holder: Hashable, m: SubmitPartial) -> tuple[Message, list[int]]:
+        with self.lock:
+            upload = self._upload(holder, m.key, "partial")
+            self.store.seal(m.key)
+            del self.uploads[m.key]
+        delivered = self.state.delivered(upload.job, upload.round, upload.from_node, upload.epoch)
+        with self.lock:
+            try:
+                if delivered < 0:
+                    raise tree.NotTheTop(f"round {upload.round} (epoch {upload.epoch}) of {upload.job!r} has moved on")
+                effects = self.trees.partial(upload.job, upload.round, upload.from_node, upload.epoch,
+                                             tree.Input(m.key, m.samples, m.updates, m.partial))
+            except tree.NotTheTop as e:
+                self.store.release(m.key, holder)
+                self.metrics.partials_received.labels("refused").inc()
+                raise Conflict(str(e), code="not_the_top") from None
+            self.metrics.partials_received.labels("duplicate" if delivered == 0 else "accepted").inc()
+            io = self._apply(effects)
+        self._run_io(io)
+        return None, []
+
+    def install_model(self, holder: Hashable, m: InstallModel) -> tuple[Message, list[int]]:
+        """Make an uploaded blob version 0, once its checkpoint is durable."""
+        with self.lock:
+            upload = self._upload(holder, m.key, "model")
+            run = self.jobs[upload.job]
+            seg = self.store.seal(m.key)
             spec = self._read_layout(seg.fd).spec()
-            del self.uploads[key]
-            self.store.move_ref(key, holder, ("pending", upload.job))
+            del self.uploads[m.key]
+            self.store.move_ref(m.key, holder, ("pending", upload.job))
             fd, size = os.dup(seg.fd), seg.size
         try:
             seconds = self.checkpointer.write(upload.job, 0, fd, size)
         except OSError as e:
             with self.lock:
                 run.model_upload = False
-                self.store.release(key, ("pending", upload.job))
+                self.store.release(m.key, ("pending", upload.job))
             raise Internal(f"cannot checkpoint the model of {upload.job!r}: {e}") from None
+        opened = self.state.next_round(upload.job, -1, 0, key=m.key.hex(), node=self.node, spec=spec)
         with self.lock:
             run.model_upload = False
-            opened = self.state.next_round(upload.job, -1, 0, key=key.hex(), node=self.config.node, spec=spec)
             if opened < 0:
-                self.store.release(key, ("pending", upload.job))
+                self.store.release(m.key, ("pending", upload.job))
                 raise Conflict(f"job {upload.job!r} already has a model", code="model_exists")
-            self.state.set_checkpoint(upload.job, 0)
-            self.store.move_ref(key, ("pending", upload.job), ("model", upload.job))
-            run.model_key, run.model_spec, run.version, run.round_id, run.round_opened = key, spec, 0, 0, opened
-            self.metrics.checkpoint_seconds.observe(seconds)
-            self.metrics.version.labels(upload.job).set(0)
-        return {"version": 0}, []
+            self.store.move_ref(m.key, ("pending", upload.job), ("model", upload.job))
+            run.model_key, run.model_spec, run.model_version = m.key, spec, 0
+        self.state.set_checkpoint(upload.job, 0)
+        self.metrics.checkpoint_seconds.observe(seconds)
+        self.metrics.version.labels(upload.job).set(0)
+        return Installed(0), []
+
+    def install_replica(self, holder: Hashable, m: InstallReplica) -> tuple[Message, list[int]]:
+        with self.lock:
+            upload = self._upload(holder, m.key, "replica")
+            run = self.jobs[upload.job]
+            self.store.seal(m.key)
+            del self.uploads[m.key]
+            self._set_replica(upload.job, run, m.key, upload.version, holder)
+        self.metrics.replicas.labels("gateway").inc()
+        return None, []
+
+    def _set_replica(self, job: str, run: JobRun, key: bytes, version: int, holder: Hashable) -> None:
+        if run.replica is not None:
+            self.store.release(run.replica[0], ("replica", job))
+        self.store.move_ref(key, holder, ("replica", job))
+        run.replica = (key, version)
 
     @staticmethod
     def _read_layout(fd: int) -> fmt.Layout:
         prefix = os.pread(fd, fmt.PREFIX_BYTES, 0)
         n = fmt.header_length(prefix)
-        return fmt.parse_header(os.pread(fd, n, fmt.PREFIX_BYTES))
+        return fmt.parse_header(os.pread(fd, n, fmt.PREFIX_BYTES), allow_partial=True)
 
-    def open_model(self, holder: tuple[str, int], job: str) -> tuple[dict[str, Any], list[int]]:
-        run = self.job(job)
-        if run.model_key is None:
-            version = self.state.version(job)
-            if version == NO_MODEL:
-                raise Conflict(f"job {job!r} has no model yet", code="no_model")
-            raise NotFound(f"the model of job {job!r} is not on node {self.config.node}", code="model_elsewhere")
-        seg = self.store.add_ref(run.model_key, holder)
+    # -- models -----------------------------------------------------------------------------------
+    def open_model(self, holder: Hashable, m: OpenModel) -> tuple[Message, list[int]]:
+        """A read reference to the job's current model: the one installed here, a replica, or
+        (when the node that has it is gone) one restored from the shared checkpoints; otherwise
+        ``model_elsewhere`` tells the gateway which node to fetch it from."""
+        j, run = self._job(m.job)
+        if j.version == NO_MODEL:
+            raise Conflict(f"job {m.job!r} has no model yet", code="no_model")
+        with self.lock:
+            opened = self._open_local(holder, run, j.version)
+        if opened:
+            return opened
+        if j.model_node != self.node and self.state.gateway(j.model_node) is not None:
+            raise NotFound(f"the model of job {m.job!r} is on node {j.model_node}", code="model_elsewhere",
+                           extra={"node": j.model_node, "version": j.version})
+        blob = self.checkpointer.store.load(m.job, j.version)
+        with self.lock:
+            seg = self._blob_object(run, blob, holder)
+            self._set_replica(m.job, run, seg.key, j.version, holder)
+            opened = self._open_local(holder, run, j.version)
+        self.metrics.replicas.labels("checkpoint").inc()
+        assert opened is not None
+        return opened
+
+    def _open_local(self, holder: Hashable, run: JobRun, version: int) -> tuple[Message, list[int]] | None:
+        if run.model_key is not None and run.model_version == version:
+            key = run.model_key
+        elif run.replica is not None and run.replica[1] == version:
+            key = run.replica[0]
+        else:
+            return None
+        seg = self.store.add_ref(key, holder)
         fd = os.open(SHM_DIR / seg.name[1:], os.O_RDONLY)
-        return {"key": run.model_key.hex(), "version": run.version, "size": seg.size}, [fd]
+        return ModelOpened(key, version, seg.size), [fd]
 
-    def release(self, holder: tuple[str, int], key: bytes) -> tuple[dict[str, Any], list[int]]:
-        self.store.release(key, holder)
-        return {}, []
+    def release(self, holder: Hashable, m: Release) -> tuple[Message, list[int]]:
+        with self.lock:
+            self.store.release(m.key, holder)
+        return None, []
 
-    def _gateway_gone(self, holder: tuple[str, int]) -> None:
-        for key, upload in list(self.uploads.items()):
-            if upload.holder == holder:
-                self._drop_upload(key, upload, "connection_lost")
-        self.store.release_holder(holder)
-
-    # -- rounds ---------------------------------------------------------------------------------
-    def submit(self, holder: tuple[str, int], key: bytes, samples: int) -> tuple[dict[str, Any], list[int]]:
-        upload = self._upload(holder, key)
-        if upload.version == NO_MODEL:
-            raise BadRequest("this upload is a model, not an update")
-        if samples < 1:
-            raise BadRequest(f"samples must be positive, got {samples}")
-        run = self.jobs[upload.job]
-        if upload.round != run.round_id or run.closing or run.installing:
-            raise Conflict(f"round {upload.round} closed while the update was arriving; pull version {run.version}",
-                           code="round_closed", extra={"version": run.version})
-        self.store.seal(key)
-        del self.uploads[key]
-        self.state.count(upload.job, upload.round, "accepted")
-        rnd = run.round
-        if rnd is None or rnd.id != upload.round:
-            rnd = run.round = self._new_round(upload.job, run)
-        index, fan_in = rnd.plan.leaf_of(rnd.submitted)
-        if index == len(rnd.leaves):
-            leaf = self._new_task(upload.job, rnd, LEAF, fan_in, rnd.middle)
-            rnd.leaves.append(leaf)
-            self._assign(leaf)
-        leaf = rnd.leaves[index]
-        rnd.submitted += 1
-        rnd.samples += samples
-        leaf.routed += 1
-        self.store.move_ref(key, holder, leaf.holder)
-        self._deliver(leaf, KeyMessage(dest=0, task=leaf.id, key=key, samples=samples, count=1, sent_ns=now_ns()))
-        return {"queued": run.inflight, "round": rnd.id}, []
-
-    def _new_round(self, job: str, run: JobRun) -> Round:
-        plan = RoundPlan(run.spec.goal, run.spec.leaf_fan_in)
-        top = Task(self._take_id(), job, run.version, run.round_id, TOP, 1, None)
-        middle = Task(self._take_id(), job, run.version, run.round_id, MIDDLE, plan.middle_fan_in, top)
-        for t in (top, middle):
-            self.tasks[t.id] = t
-        rnd = Round(run.round_id, run.version, plan, middle, top)
-        self._assign(middle)
-        return rnd
-
-    def _take_id(self) -> int:
-        self._next_id += 1
-        return self._next_id
-
-    def _new_task(self, job: str, rnd: Round, role: str, fan_in: int, parent: Task | None) -> Task:
-        task = Task(self._take_id(), job, rnd.version, rnd.id, role, fan_in, parent)
-        self.tasks[task.id] = task
+    # -- function instances -------------------------------------------------------------------------
+    def _task_of(self, iid: int, task_id: int) -> tree.Task:
+        inst = self.placed.get(task_id)
+        task = self.trees.tasks.get(task_id)
+        if task is None or inst is None or inst.id != iid:
+            raise NotFound(f"task {task_id} is not running on instance {iid}", code="no_such_task")
         return task
 
-    def _check_deadlines(self) -> None:
-        now = time.time()
-        for name, run in self.jobs.items():
-            deadline = run.spec.round_deadline_s
-            if not deadline or run.version == NO_MODEL or run.closing or run.installing or now < run.round_opened + deadline:
-                continue
-            if self.state.close_round(name, run.round_id) < 0:
-                continue  # not this round any more (another node moved it on)
-            rnd = run.round if run.round and run.round.id == run.round_id else None
-            arrived = rnd.submitted if rnd else 0
-            if arrived >= run.spec.min_updates:
-                self._finish_with_what_arrived(run, rnd)
-            else:
-                self._abandon_round(name, run.round_id, f"deadline passed with {arrived} of the {run.spec.min_updates} updates needed")
+    def alloc(self, iid: int, m: Alloc) -> tuple[Message, list[int]]:
+        with self.lock:
+            self._task_of(iid, m.task)
+            seg = self.store.create(self.instances[iid].tenant, m.size, ("task", m.task), affinity=iid)
+            return Allocated(seg.key), [os.dup(seg.fd)]
 
-    def _finish_with_what_arrived(self, run: JobRun, rnd: Round) -> None:
-        """Shrink the hierarchy to the updates that arrived: the last leaf and the middle learn
-        their final fan-in, and the round completes as usual ("partial")."""
-        run.closing = True
-        last = rnd.leaves[-1]
-        for task, fan_in in ((last, last.routed), (rnd.middle, len(rnd.leaves))):
-            if fan_in < task.fan_in:
-                task.fan_in = fan_in
-                self._deliver(task, KeyMessage(dest=0, task=task.id, kind=KIND_CLOSE, count=fan_in, sent_ns=now_ns()))
+    def folded(self, iid: int, m: Folded) -> tuple[Message, list[int]]:
+        with self.lock:
+            task = self._task_of(iid, m.task)
+            updates = sum(self._update_done(key) for key in m.keys)
+            for key in m.keys:
+                self.store.release(key, ("task", m.task))
+        self.metrics.aggregated(task.job, updates, m.seconds)
+        if updates:
+            self.state.count(task.job, task.round, "aggregated", updates)
+        return None, []
 
-    def _assign(self, task: Task) -> None:
-        """Start a task on a warm instance, a new one, or queue it until one frees up."""
-        run = self.jobs[task.job]
-        if not self._startable(task):
-            self.waiting.append(task)
-            return
-        views = [InstanceView(i.id, i.tenant.name, i.idle, i.last_used) for i in self.instances.values()]
-        chosen = pick_warm(views, run.tenant.name)
-        if chosen is not None:
-            self.metrics.starts.labels("warm").inc()
-            inst = self.instances[chosen]
-        elif len(self.instances) < self.config.max_instances:
-            self.metrics.starts.labels("cold").inc()
-            inst = self._spawn(run.tenant)
-        else:
-            self.waiting.append(task)
-            return
-        self._start(inst, task)
+    def handoff(self, iid: int, m: Handoff) -> tuple[Message, list[int]]:
+        """A leaf's or middle's result: to its parent here (the instance sends the key itself when
+        the parent runs), or to the top on another node."""
+        with self.lock:
+            task = self._task_of(iid, m.task)
+            if not self.store.get(m.key).sealed:
+                self.store.seal(m.key)
+            self.store.hand_over(m.key, ("round", task.job, task.round))
+            route: list[tuple[int, int]] = []
+            io = self._apply(self.trees.result(task.id, tree.Input(m.key, m.samples, m.updates, m.partial)), route)
+        self._run_io(io)
+        return (Route(*route[0]) if route else Route()), []
+
+    def install(self, iid: int, m: InstallResult) -> tuple[Message, list[int]]:
+        """The top has the round's model: checkpoint it in the background, then install it."""
+        with self.lock:
+            task = self._task_of(iid, m.task)
+            if not self.store.get(m.key).sealed:
+                self.store.seal(m.key)
+            self.store.hand_over(m.key, ("round", task.job, task.round))
+            io = self._apply(self.trees.result(task.id, tree.Input(m.key, m.samples, m.updates, False)))
+        self._run_io(io)
+        return Installed(task.version + 1), []
+
+    def done(self, iid: int, m: Done) -> tuple[Message, list[int]]:
+        """The instance finished a task (or acknowledged its cancellation) and is free again."""
+        with self.lock:
+            inst = self.instances.get(iid)
+            task = self.trees.tasks.get(m.task)
+            if inst is not None and inst.task == m.task:
+                self._finish(m.task)
+                inst.task = None
+                inst.last_used = time.monotonic()
+            if task is not None and not m.stats.get("cancelled"):
+                self._record_task(task, iid, m.stats)
+            if inst is not None:
+                self._free(inst)
+        return None, []
+
+    def _record_task(self, task: tree.Task, iid: int, stats: dict[str, Any]) -> None:
+        role = stats.get("role", task.role)
+        for step in ("recv", "agg", "send"):
+            if isinstance(stats.get(f"{step}_s"), (int, float)):
+                self.metrics.steps.labels(role, step).observe(stats[f"{step}_s"])
+        for us in stats.get("handoff_us", []):
+            if isinstance(us, (int, float)):
+                self.metrics.handoff.observe(us / 1e6)
+        self.recent.append({"task": task.id, "job": task.job, "round": task.round, "instance": iid, **stats})
+
+    def failed(self, iid: int, m: Failed) -> tuple[Message, list[int]]:
+        with self.lock:
+            inst = self.instances.get(iid)
+            task = self.trees.tasks.get(m.task)
+            if inst is not None and inst.task == m.task:
+                self._finish(m.task)
+                inst.task = None
+        if task is not None:
+            print(f"lifl agent: task {task.id} ({task.role} of {task.job}) failed: {m.error}", file=sys.stderr)
+            self._abandon(task.job, task.round, f"{task.role} failed: {m.error}")
+        with self.lock:
+            if inst is not None and inst.id in self.instances:
+                self._free(inst)
+        return None, []
+
+    def _finish(self, task_id: int) -> None:
+        self.placed.pop(task_id, None)
+        self.pending.pop(task_id, None)
+        self.store.release_holder(("task", task_id))
+        self.trees.finished(task_id)
+
+    def _instance_gone(self, iid: int, why: str) -> None:
+        with self.lock:
+            inst = self.instances.pop(iid, None)
+            task = self.trees.tasks.get(inst.task) if inst and inst.task is not None else None
+            if inst is not None and inst.task is not None:
+                self._finish(inst.task)
+            self._refresh_instance_gauges()
+        if task is not None and not self._stopping.is_set():
+            self._abandon(task.job, task.round, f"aggregator instance {iid} died ({why})")
+        with self.lock:
+            self._dispatch()
+
+    def _abandon(self, job: str, round_id: int, reason: str) -> None:
+        """The node's tree for a round failed: the round starts over on the same version."""
+        print(f"lifl agent: abandoning round {round_id} of {job}: {reason}", file=sys.stderr)
+        with self.lock:
+            r = self.trees.round_of(job)
+            io = self._apply(self.trees.end(job, reason)) if r is not None and r.round == round_id else []
+        self._run_io(io)
+        self._perform(job, cluster_rounds.AbandonRound(round_id, "abandoned", reason))
+        self.settle(job)
+
+    # -- effects ----------------------------------------------------------------------------------
+    def _apply(self, effects: Sequence[tree.Effect], route: list[tuple[int, int]] | None = None) -> list[IO]:
+        """Apply the tree's effects (with the lock held); returns what must happen without it.
+        With ``route``, one delivery to a running task is left to the caller to send."""
+        io: list[IO] = []
+        for e in effects:
+            if isinstance(e, tree.Deliver):
+                self.store.hand_over(e.input.key, ("task", e.task))
+                msg = KeyMessage(dest=0, task=e.task, key=e.input.key, samples=e.input.samples, count=e.input.updates,
+                                 partial=e.input.partial, sent_ns=now_ns())
+                inst = self.placed.get(e.task)
+                if inst is not None and route is not None and not route:
+                    route.append((inst.id, e.task))
+                elif inst is not None:
+                    self._send_key(inst, msg)
+                else:
+                    self.pending.setdefault(e.task, []).append(msg)
+                    if e.task not in self.waiting:
+                        self.waiting.append(e.task)
+            elif isinstance(e, tree.Resize):
+                inst = self.placed.get(e.task)
+                if inst is not None:  # a task not started yet is invoked with its new fan-in
+                    self._send_key(inst, KeyMessage(dest=inst.id, task=e.task, kind=KIND_CLOSE, count=e.fan_in,
+                                                    sent_ns=now_ns()))
+            elif isinstance(e, tree.Forward):
+                io.append(self._outgoing(e))
+            elif isinstance(e, tree.Install):
+                io.append(self._install_io(e))
+            elif isinstance(e, tree.Cancel):
+                self._cancel(e.task, e.reason)
+            elif isinstance(e, tree.Drop):
+                self.store.discard(e.key)
+            elif isinstance(e, tree.Release):
+                self.store.release_holder(("round", e.job, e.round))
+                for oid in [o.id for o in self.outgoing.values() if (o.job, o.round) == (e.job, e.round)]:
+                    del self.outgoing[oid]
+            # tree.Start: a task runs once it has an input (Deliver queues it)
+        self._dispatch()
+        return io
 
     @staticmethod
-    def _startable(task: Task) -> bool:
-        """A task can start once its parent has an instance to send its result to (a middle's
-        parent, the top, takes over the middle's own instance)."""
-        return task.parent is None or task.role == MIDDLE or task.parent.instance is not None
+    def _run_io(io: list[IO]) -> None:
+        for action in io:
+            action()
 
-    def _start(self, inst: Instance, task: Task) -> None:
-        if task.role == MIDDLE:  # the top reuses the middle's instance once the middle is done (§5.3)
-            assert task.parent is not None
-            inst.next_task, task.parent.instance = task.parent, inst
-        inst.task, task.instance, task.running = task, inst, True
-        parent = task.parent
-        push = {
-            "op": "invoke", "task": task.id, "job": task.job, "version": task.version, "role": task.role,
-            "fan_in": task.fan_in, "parent_instance": parent.instance.id if parent and parent.instance else 0,
-            "parent_task": parent.id if parent else 0,
-        }
-        if task.job not in inst.specs_sent:
-            push["spec"] = self.jobs[task.job].model_spec.to_json()
-            inst.specs_sent.add(task.job)
-        inst.conn.send(push)
-        for msg in task.pending:
-            self._deliver(task, msg)
-        task.pending.clear()
-        self._refresh_instance_gauges()
+    def _send_key(self, inst: Instance, msg: KeyMessage) -> None:
+        msg = KeyMessage(**{**msg.__dict__, "dest": inst.id})
+        sender = self._senders[inst.tenant.name]
+        if self.outbox or not sender.try_send(msg):
+            self.outbox.append((inst.tenant.name, msg))  # the instance's queue is full; a duty retries
 
-    def _deliver(self, task: Task, msg: KeyMessage) -> None:
-        if task.instance is None:
-            task.pending.append(msg)
+    def _cancel(self, task_id: int, reason: str) -> None:
+        """A running task keeps its objects until its instance acknowledges (it may still be
+        writing into them); one not started lets them go now."""
+        inst = self.placed.get(task_id)
+        if inst is not None:
+            try:
+                self.actuator.invoke(inst.id, CancelTask(task_id, reason))
+            except ConnectionError:
+                pass  # its instance is gone: reaping it releases the task
             return
-        msg = KeyMessage(**{**msg.__dict__, "dest": task.instance.id})
-        tenant = task.instance.tenant
-        if self.outbox or not self._senders[tenant.name].try_send(msg):
-            self.outbox.append((tenant, msg))  # the instance's queue is full; the monitor retries
+        if task_id in self.waiting:
+            self.waiting.remove(task_id)
+        self.pending.pop(task_id, None)
+        self.store.release_holder(("task", task_id))
 
-    # -- instances --------------------------------------------------------------------------------
-    def _spawn(self, tenant: Tenant) -> Instance:
-        iid = self._take_id()
-        chan = UnixKeyChannel.provision(self.config.chan_dir / tenant.name, iid, tenant.gid)
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        cmd = [
-            sys.executable, "-m", "lifl.runtime", "--instance", str(iid), "--tenant", tenant.name,
-            "--node", self.config.node, "--chan-dir", str(self.config.chan_dir / tenant.name),
-            "--control-fd", str(theirs.fileno()), "--channel-fd", str(chan.fileno()), "--handler", self.config.handler,
-        ]
-        if tenant.uid is not None:
-            cmd += ["--user", str(tenant.uid)]
-        env = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "LANG", "LC_ALL")}
-        env["HOME"] = "/"
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
-        proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), chan.fileno()), cwd="/", env=env)
-        theirs.close()
-        chan.close()
-        inst = Instance(iid, tenant, proc, Connection(ours))
-        self.instances[iid] = inst
-        threading.Thread(target=self._serve_instance, args=(inst,), name=f"instance-{iid}", daemon=True).start()
-        return inst
+    def _install_io(self, e: tree.Install) -> IO:
+        self._update_done(e.input.key)  # a lone client update is itself the model
+        self.store.hand_over(e.input.key, ("pending", e.job, e.round))
+        seg = self.store.get(e.input.key)
+        fd, size = os.dup(seg.fd), seg.size
 
-    def _serve_instance(self, inst: Instance) -> None:
-        handlers = {
-            "alloc": lambda m, f: self.alloc(inst, self._task_of(inst, m), int(m["size"])),
-            "folded": lambda m, f: self.folded(self._task_of(inst, m), m["keys"], int(m["updates"])),
-            "handoff": lambda m, f: self.handoff(self._task_of(inst, m), bytes.fromhex(m["key"])),
-            "install": lambda m, f: self.install(self._task_of(inst, m), bytes.fromhex(m["key"]), int(m["samples"]), int(m["updates"])),
-            "done": lambda m, f: self.done(inst, int(m["task"]), m.get("stats") or {}),
-            "failed": lambda m, f: self.failed(inst, int(m["task"]), m.get("error", "")),
-        }
-        self._serve(inst.conn, handlers, lambda: self._instance_gone(inst, "its process exited"))
+        def write() -> None:
+            self.checkpointer.submit(e.job, e.version + 1, fd, size,
+                                     lambda seconds, error: self._installed(e, seconds, error))
+        return write
 
-    def _task_of(self, inst: Instance, message: dict[str, Any]) -> Task:
-        task = self.tasks.get(int(message.get("task", 0)))
-        if task is None or task.instance is not inst or not task.running:
-            raise NotFound(f"task {message.get('task')} is not running on instance {inst.id}", code="no_such_task")
-        return task
-
-    def alloc(self, inst: Instance, task: Task, size: int) -> tuple[dict[str, Any], list[int]]:
-        seg = self.store.create(inst.tenant, size, task.holder, affinity=inst.id)
-        return {"key": seg.key.hex()}, [os.dup(seg.fd)]
-
-    def folded(self, task: Task, keys: list[str], updates: int) -> tuple[dict[str, Any], list[int]]:
-        for key in keys:
-            self.store.release(bytes.fromhex(key), task.holder)
-        run = self.jobs[task.job]
-        run.inflight -= updates
-        if run.round is not None and run.round.id == task.round:
-            run.round.aggregated += updates
-        self.state.count(task.job, task.round, "aggregated", updates)
-        self._publish_gauges(run, task.job)
-        return {}, []
-
-    def handoff(self, task: Task, key: bytes) -> tuple[dict[str, Any], list[int]]:
-        if task.parent is None:
-            raise BadRequest("the top of the hierarchy installs its result, it has no parent")
-        seg = self.store.get(key)
-        if not seg.sealed:
-            self.store.seal(key)
-        self.store.move_ref(key, task.holder, task.parent.holder)
-        return {}, []
-
-    def install(self, task: Task, key: bytes, samples: int, updates: int) -> tuple[dict[str, Any], list[int]]:
-        """The top has the round's model: checkpoint it in the background, then install it."""
-        run = self.jobs[task.job]
-        rnd = run.round
-        if task.role != TOP or rnd is None or rnd.top is not task:
-            raise BadRequest(f"task {task.id} is not the top of a running round")
-        seg = self.store.get(key)
-        if not seg.sealed:
-            self.store.seal(key)
-        run.installing = True
-        run.inflight -= rnd.submitted - rnd.aggregated  # updates forwarded whole, never folded
-        outcome = "partial" if run.closing else "complete"
-        summary = self._summary(rnd.id, rnd.version, rnd.version + 1, outcome, updates=updates, samples=samples,
-                                seconds=round(time.time() - rnd.first_update, 6), opened=run.round_opened)
-        self.store.move_ref(key, task.holder, ("pending", task.job))
-        self.checkpointer.submit(task.job, rnd.version + 1, os.dup(seg.fd), seg.size,
-                                 lambda seconds, error: self._installed(task.job, rnd, key, summary, seconds, error))
-        return {"version": rnd.version + 1}, []
-
-    def _installed(self, job: str, rnd: Round, key: bytes, summary: dict[str, Any], seconds: float, error: Exception | None) -> None:
+    def _installed(self, e: tree.Install, seconds: float, error: Exception | None) -> None:
         """The checkpoint of a round's model is durable (or failed): make it the next version."""
+        job, key, version = e.job, e.input.key, e.version + 1
+        if error is not None:
+            print(f"lifl agent: checkpoint of {job} version {version} failed: {error}", file=sys.stderr)
+        j, shard = self.state.job(job), self.state.shard(job)
+        now = self.state.now()
+        summary = self._summary(j, shard, version, "complete" if e.input.updates >= j.spec.goal else "partial",
+                                updates=e.input.updates, samples=e.input.samples, checkpoint_s=round(seconds, 6),
+                                seconds=round(now - shard.first_update, 6) if shard.first_update else None)
+        if error is not None:
+            summary["checkpoint_error"] = str(error)
+        opened = self.state.next_round(job, e.round, version, key=key.hex(), node=self.node, summary=summary)
         with self.lock:
             run = self.jobs[job]
-            if error is not None:
-                print(f"lifl agent: checkpoint of {job} version {rnd.version + 1} failed: {error}", file=sys.stderr)
-                summary["checkpoint_error"] = str(error)
-            summary["checkpoint_s"] = round(seconds, 6)
-            opened = self.state.next_round(job, rnd.id, rnd.version + 1, key=key.hex(), node=self.config.node, summary=summary)
             if opened < 0:  # the round moved on meanwhile (abandoned): drop this model
-                self.store.release(key, ("pending", job))
+                self.store.release(key, ("pending", job, e.round))
                 return
-            if error is None:
-                self.state.set_checkpoint(job, rnd.version + 1)
-            self.store.move_ref(key, ("pending", job), ("model", job))
+            self.store.move_ref(key, ("pending", job, e.round), ("model", job))
             if run.model_key is not None:
                 self.store.release(run.model_key, ("model", job))
-            run.model_key, run.version, run.round_id, run.round_opened = key, rnd.version + 1, rnd.id + 1, opened
-            run.round, run.closing, run.installing = None, False, False
+            run.model_key, run.model_version = key, version
             self._count_round(job, summary)
             self.metrics.checkpoint_seconds.observe(seconds)
-            self.metrics.version.labels(job).set(run.version)
-            self._publish_gauges(run, job)
-            self._publish_status()
+            self.metrics.version.labels(job).set(version)
+        if error is None:
+            self.state.set_checkpoint(job, version)
+        self.settle(job)
 
-    def _summary(self, round_id: int, version: int, new_version: int | None, outcome: str, **extra: Any) -> dict[str, Any]:
-        return {"round": round_id, "version": version, "new_version": new_version, "outcome": outcome,
-                "updates": 0, "samples": 0, "seconds": None, "closed": round(time.time(), 3), **extra}
+    def _summary(self, j: Job, shard: Shard, new_version: int | None, outcome: str, **extra: Any) -> dict[str, Any]:
+        return {"round": j.round, "version": j.version, "new_version": new_version, "outcome": outcome,
+                "updates": 0, "samples": 0, "seconds": None, "opened": j.round_opened, "closed": round(time.time(), 3),
+                "nodes": shard.counts, "top": shard.top, "lost": shard.lost, **extra}
 
     def _count_round(self, job: str, summary: dict[str, Any]) -> None:
         self.metrics.rounds.labels(job, summary["outcome"]).inc()
-        if summary["outcome"] in ("complete", "partial"):
+        if summary["outcome"] in ("complete", "partial") and summary["seconds"] is not None:
             self.metrics.round_seconds.labels(job).observe(summary["seconds"])
             self.metrics.round_updates.labels(job).observe(summary["updates"])
 
-    def done(self, inst: Instance, task_id: int, stats: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        """The instance finished a task (or acknowledged its cancellation) and is free again."""
-        task = self.tasks.get(task_id)
-        if task is not None and task.instance is inst:
-            self._finish(task)
-        if task is not None and not stats.get("cancelled"):
-            role = stats.get("role", task.role)
-            for step in ("recv", "agg", "send"):
-                if f"{step}_s" in stats:
-                    self.metrics.steps.labels(role, step).observe(stats[f"{step}_s"])
-            for us in stats.get("handoff_us", []):
-                self.metrics.handoff.observe(us / 1e6)
-            self.recent.append({"task": task.id, "job": task.job, "instance": inst.id, **stats})
-        inst.task = None
-        inst.last_used = time.monotonic()
-        self._next_for(inst)
-        return {}, []
-
-    def failed(self, inst: Instance, task_id: int, error: str) -> tuple[dict[str, Any], list[int]]:
-        task = self.tasks.get(task_id)
-        inst.task = None
-        if task is not None:
-            print(f"lifl agent: task {task.id} ({task.role} of {task.job}) failed: {error}", file=sys.stderr)
-            self._abandon_round(task.job, task.round, f"{task.role} failed: {error}")
-        self._next_for(inst)
-        return {}, []
-
-    def _finish(self, task: Task) -> None:
-        task.running = False
-        self.store.release_holder(task.holder)
-        self.tasks.pop(task.id, None)
-
-    def _next_for(self, inst: Instance) -> None:
-        """Give a freed instance its planned next task, or the oldest waiting one of its tenant."""
-        if inst.next_task is not None:
-            task, inst.next_task = inst.next_task, None
-            self._start(inst, task)
-            return
-        for task in list(self.waiting):
-            if self.jobs[task.job].tenant == inst.tenant and self._startable(task):
-                self.waiting.remove(task)
+    # -- scheduling tasks on instances ------------------------------------------------------------
+    def _dispatch(self) -> None:
+        """Give waiting tasks instances: a warm idle one of the tenant, else a new one while the
+        node has room (a cold start); the rest wait for an instance to free up."""
+        for task_id in list(self.waiting):
+            task = self.trees.tasks.get(task_id)
+            if task is None:
+                self.waiting.remove(task_id)
+                continue
+            tenant = self.jobs[task.job].tenant
+            inst = self._idle_instance(tenant) if self.config.reuse else None
+            if inst is not None:
                 self.metrics.starts.labels("warm").inc()
-                self._start(inst, task)
-                if task.role == MIDDLE:  # its leaves can start now
-                    for leaf in [t for t in self.waiting if t.parent is task]:
-                        self.waiting.remove(leaf)
-                        self._assign(leaf)
-                return
+            elif len(self.instances) < self.config.max_instances:
+                inst = self._spawn(tenant, "cold_start")
+                self.metrics.starts.labels("cold").inc()
+            else:
+                continue
+            self.waiting.remove(task_id)
+            self._start(inst, task)
+
+    def _idle_instance(self, tenant: Tenant) -> Instance | None:
+        views = [InstanceView(i.id, i.tenant.name, i.task is None, i.last_used) for i in self.instances.values()]
+        chosen = pick_warm(views, tenant.name)
+        return self.instances[chosen] if chosen is not None else None
+
+    def _spawn(self, tenant: Tenant, reason: str) -> Instance:
+        iid = self.actuator.spawn(tenant)
+        inst = self.instances[iid] = Instance(iid, tenant)
+        self.metrics.spawned.labels(reason).inc()
+        return inst
+
+    def _start(self, inst: Instance, task: tree.Task) -> None:
+        inst.task = task.id
+        self.placed[task.id] = inst
+        run = self.jobs[task.job]
+        spec = None
+        if task.job not in inst.specs_sent:
+            assert run.model_spec is not None
+            spec = run.model_spec.to_json()
+            inst.specs_sent.add(task.job)
+        self.actuator.invoke(inst.id, Invoke(task.id, task.job, task.version, task.role, task.fan_in,
+                                             self.config.lazy, spec))
+        for msg in self.pending.pop(task.id, []):
+            self._send_key(inst, msg)
         self._refresh_instance_gauges()
 
-    def _instance_gone(self, inst: Instance, why: str) -> None:
-        if self.instances.pop(inst.id, None) is None:
-            return
-        inst.conn.close()
-        UnixKeyChannel.retire(self.config.chan_dir / inst.tenant.name, inst.id)
-        for task in (inst.task, inst.next_task):
-            if task is not None and not self._stopping.is_set():
-                self._abandon_round(task.job, task.round, f"aggregator instance {inst.id} died ({why})")
+    def _free(self, inst: Instance) -> None:
+        """An instance finished its task: reuse it for a waiting task, or keep it warm (or, without
+        reuse, let it go)."""
+        if not self.config.reuse:
+            self.actuator.stop(inst.id)
+        self._dispatch()
         self._refresh_instance_gauges()
 
-    def _abandon_round(self, job: str, round_id: int, reason: str) -> None:
-        """Drop the node's work on a round and open the next one on the same version."""
-        run = self.jobs.get(job)
-        if run is None or run.round_id != round_id or run.installing:
-            return
-        print(f"lifl agent: abandoning round {round_id} of {job}: {reason}", file=sys.stderr)
-        rnd = run.round if run.round and run.round.id == round_id else None
-        if rnd is not None:
-            for task in rnd.tasks:
-                self.store.release_holder(task.holder)
-                if task in self.waiting:
-                    self.waiting.remove(task)
-                inst = task.instance
-                if inst is not None and inst.id in self.instances:
-                    if inst.next_task is task:
-                        inst.next_task = None
-                    if inst.task is task:
-                        inst.conn.send({"op": "cancel", "task": task.id, "reason": reason})
-                self.tasks.pop(task.id, None)
-            run.inflight -= rnd.submitted - rnd.aggregated
-        summary = self._summary(round_id, run.version, None, "abandoned", reason=reason, opened=run.round_opened,
-                                updates=rnd.submitted if rnd else 0, samples=rnd.samples if rnd else 0)
-        opened = self.state.next_round(job, round_id, run.version, summary=summary)
-        run.round, run.closing = None, False
-        if opened >= 0:
-            run.round_id, run.round_opened = round_id + 1, opened
-        self._count_round(job, summary)
-        self._publish_gauges(run, job)
-        self._publish_status()
-
-    # -- monitoring -------------------------------------------------------------------------------
-    def _monitor_loop(self) -> None:
-        last_publish = 0.0
-        while not self._stopping.wait(0.005 if self.outbox else 0.1):
+    # -- rounds across the cluster ----------------------------------------------------------------
+    def settle(self, job: str, live: set[str] | None = None) -> None:
+        """Carry out the round's cluster duties, then bring this node's tree in line with the
+        round's shard (reads and writes Redis: no lock held)."""
+        try:
+            for _ in range(SETTLE_PASSES):
+                j, shard = self.state.job(job), self.state.shard(job)
+                todo = cluster_rounds.duties(j, shard, self.state.now(), live if live is not None else self._assume_live(shard))
+                if not todo:
+                    break
+                for duty in todo:
+                    self._perform(job, duty, j, shard)
             with self.lock:
-                self._flush_outbox()
-                for inst in list(self.instances.values()):
-                    if inst.proc.poll() is not None:
-                        self._instance_gone(inst, f"exit status {inst.proc.returncode}")
-                views = [InstanceView(i.id, i.tenant.name, i.idle, i.last_used) for i in self.instances.values()]
-                for iid in expired(views, time.monotonic(), self.config.keep_warm):
-                    self.instances[iid].conn.close()  # it exits on EOF; the reader thread cleans up
-                try:
-                    self._check_deadlines()
-                except Exception:  # Redis restarting: the next tick retries
+                io = self._apply(self.trees.sync(job, shard))
+        except NotFound:  # the job is gone
+            with self.lock:
+                io = self._apply(self.trees.end(job, "the job no longer exists"))
+        self._run_io(io)
+
+    @staticmethod
+    def _assume_live(shard: Shard) -> set[str]:
+        """Without a fresh list of live nodes, assume every node involved is alive."""
+        return set(shard.counts) | set(shard.inflight) | ({shard.top} if shard.top else set())
+
+    def _perform(self, job: str, duty: cluster_rounds.Duty, j: Job | None = None, shard: Shard | None = None) -> None:
+        if isinstance(duty, cluster_rounds.CloseAtDeadline):
+            self.state.close_round(job, duty.round, duty.min_updates)
+        elif isinstance(duty, cluster_rounds.PlaceTop):
+            self.state.set_top(job, duty.round, duty.epoch, duty.node)
+        elif isinstance(duty, cluster_rounds.DeclareLost):
+            loss = self.state.node_lost(job, duty.round, duty.node)
+            if loss.handled:
+                print(f"lifl agent: node {duty.node} is gone: round {duty.round} of {job!r} carries on with "
+                      f"{loss.remaining} updates", file=sys.stderr)
+        elif isinstance(duty, cluster_rounds.AbandonRound):
+            j = j or self.state.job(job)
+            shard = shard or self.state.shard(job)
+            summary = self._summary(j, shard, None, duty.outcome, reason=duty.reason, updates=shard.total)
+            if self.state.next_round(job, duty.round, j.version, summary=summary) >= 0:
+                self._count_round(job, summary)
+
+    def round_duties(self) -> None:
+        """Deadlines, dead nodes and the top's placement for the jobs this node takes part in
+        (the controller sweeps every job)."""
+        with self.lock:
+            jobs = list(self.trees.rounds) + [j for j, r in self.jobs.items() if r.spec.round_deadline_s]
+        if not jobs:
+            return
+        live = set(self.state.nodes())
+        for job in dict.fromkeys(jobs):
+            self.settle(job, live)
+
+    def _event_loop(self) -> None:
+        """React at once when a round changes (the duties' timer covers missed messages)."""
+        while not self._stopping.is_set():
+            try:
+                for job in self.state.events():
+                    if self._stopping.is_set():
+                        return
+                    with self.lock:
+                        involved = job in self.trees.rounds or job in self.jobs
+                    if job is not None and involved:
+                        self.settle(job)
+            except Exception:  # Redis restarting: subscribe again
+                if not self._stopping.wait(0.5):
                     traceback.print_exc()
-                if time.monotonic() - last_publish >= 1.0:
-                    last_publish = time.monotonic()
-                    self.store.trim_pool(idle_seconds=max(self.config.keep_warm, 30.0))
-                    self._publish_status()
 
-    def _flush_outbox(self) -> None:
-        while self.outbox:
-            tenant, msg = self.outbox[0]
-            if not self._senders[tenant.name].try_send(msg):
-                return
-            self.outbox.popleft()
+    # -- partial results to other nodes -----------------------------------------------------------
+    def _outgoing(self, e: tree.Forward) -> IO:
+        out = OutgoingPartial(self._take_id(), e.job, e.round, e.node, e.epoch, e.input)
+        for oid in [o.id for o in self.outgoing.values() if (o.job, o.round) == (e.job, e.round)]:
+            del self.outgoing[oid]  # superseded: the top moved
+        self.outgoing[out.id] = out
+        return lambda: self._send_partial(out)
 
-    def _publish_gauges(self, run: JobRun, job: str) -> None:
+    def _send_partial(self, out: OutgoingPartial) -> None:
+        """Ask the gateway to stream the partial to the top's node (no lock held)."""
+        with self.lock:
+            forwarder = self.forwarder
+            try:
+                seg = self.store.get(out.input.key)
+            except NotFound:
+                return  # the round ended meanwhile
+            fd, size = os.dup(seg.fd), seg.size
+            out.state, out.attempts = "sending", out.attempts + 1
+        try:
+            if forwarder is None:
+                raise ConnectionError("no gateway is connected to forward through")
+            forwarder.send(ForwardPartial(out.id, out.job, out.round, out.epoch, out.node, out.input.samples,
+                                          out.input.updates, out.input.partial, size).encode(), [fd])
+        except (ConnectionError, OSError) as e:
+            self._forward_failed(out, str(e), retry=True)
+        finally:
+            os.close(fd)
+
+    def forwarded(self, m: Forwarded, fds: Sequence[int] = ()) -> tuple[Message | None, list[int]]:
+        with self.lock:
+            out = self.outgoing.get(m.id)
+            if out is None:
+                return None, []
+            if m.ok:
+                out.state = "done"
+                self.metrics.forwarded.labels("delivered").inc()
+                self.metrics.forwarded_bytes.inc(self.store.get(out.input.key).size)
+                return None, []
+        self._forward_failed(out, m.error, m.retry)
+        return None, []
+
+    def _forward_failed(self, out: OutgoingPartial, error: str, retry: bool) -> None:
+        with self.lock:
+            out.state = "failed"
+            out.next_try = time.monotonic() + FORWARD_RETRY[min(out.attempts, len(FORWARD_RETRY)) - 1]
+            self.metrics.forwarded.labels("failed").inc()
+        print(f"lifl agent: forwarding round {out.round} of {out.job!r} to {out.node} failed: {error}", file=sys.stderr)
+        if not retry:  # the receiver says the round moved on there: learn where it is now
+            self.settle(out.job)
+
+    def _forwarder_gone(self, conn: Connection) -> None:
+        with self.lock:
+            if self.forwarder is conn:
+                self.forwarder = None
+            for out in self.outgoing.values():
+                if out.state == "sending":
+                    out.state, out.next_try = "failed", time.monotonic()
+
+    def retry_forwards(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            due = [o for o in self.outgoing.values() if o.state == "failed" and o.next_try <= now]
+        for out in due:
+            self._send_partial(out)
+
+    # -- periodic duties --------------------------------------------------------------------------
+    def _duty_loop(self) -> None:
+        last = {name: 0.0 for name, _, _ in self._duties}
+        while not self._stopping.wait(0.01):
+            now = time.monotonic()
+            for name, every, duty in self._duties:
+                if now - last[name] < every:
+                    continue
+                last[name] = now
+                try:
+                    duty()
+                except Exception:  # Redis restarting, a peer gone: the next tick retries
+                    traceback.print_exc()
+
+    def reap_instances(self) -> None:
+        for iid in self.actuator.exited():
+            self._instance_gone(iid, "its process exited")
+
+    def flush_outbox(self) -> None:
+        with self.lock:
+            while self.outbox:
+                tenant, msg = self.outbox[0]
+                if not self._senders[tenant].try_send(msg):
+                    return
+                self.outbox.popleft()
+
+    def expire_idle_instances(self) -> None:
+        """Scale to zero: warm instances idle past ``keep_warm`` are let go (beyond what the planner
+        wants kept warm)."""
+        with self.lock:
+            views = [InstanceView(i.id, i.tenant.name, i.task is None, i.last_used) for i in self.instances.values()]
+            keep = self.controller.warm_for(self.node) if self.config.control.prewarm else {}
+            for iid in expired(views, time.monotonic(), self.config.keep_warm):
+                tenant = self.instances[iid].tenant.name
+                if keep.get(tenant, 0) > 0:
+                    keep[tenant] -= 1
+                    continue
+                self.actuator.stop(iid)
+
+    def warm_instances(self) -> None:
+        """Keep the instances the planner asked for ready ahead of the load (§5.2)."""
+        if not self.config.control.prewarm:
+            return
+        wanted = self.controller.read_warm(self.node)
+        for tenant_name, count in wanted.items():
+            tenant = self.tenant(tenant_name)
+            with self.lock:
+                have = sum(1 for i in self.instances.values() if i.tenant == tenant)
+                for _ in range(min(count - have, self.config.max_instances - len(self.instances))):
+                    self._spawn(tenant, "prewarm")
+                self._dispatch()
+
+    def control(self) -> None:
+        """The control plane's periodic re-plan, on the node that holds the controller lease."""
+        if self.controller.tick():
+            for job in self.state.job_names():
+                self.settle(job, set(self.state.nodes()))
+
+    def publish_status(self) -> None:
+        self.state.publish_node(self.node, self.status())
+
+    def trim_pool(self) -> None:
+        self.store.trim_pool(idle_seconds=max(self.config.keep_warm, 30.0))
+
+    def drop_stale_replicas(self) -> None:
+        """A replica of an older version serves nobody: let it go."""
+        with self.lock:
+            held = {name: run.replica[1] for name, run in self.jobs.items() if run.replica is not None}
+        for name, version in held.items():
+            if self.state.version(name) == version:
+                continue
+            with self.lock:
+                run = self.jobs[name]
+                if run.replica is not None and run.replica[1] == version:
+                    self.store.release(run.replica[0], ("replica", name))
+                    run.replica = None
+
+    # -- status and metrics -------------------------------------------------------------------------
+    def _publish_gauges(self, job: str, run: JobRun) -> None:
         self.metrics.queue.labels(job).set(run.inflight)
         self.metrics.shm.labels("used").set(self.store.used_bytes)
         self.metrics.shm.labels("pooled").set(self.store.pooled_bytes)
 
-    def _publish_status(self) -> None:
-        try:
-            self.state.publish_node(self.config.node, self.status())
-        except Exception as e:  # Redis restarting: the monitor publishes again within a second
-            print(f"lifl agent: cannot publish status: {e}", file=sys.stderr)
-
     def _refresh_instance_gauges(self) -> None:
-        self._publish_status()
         counts = dict.fromkeys((*ROLES, "idle"), 0)
         for inst in self.instances.values():
-            counts[inst.task.role if inst.task else ("idle" if inst.idle else TOP)] += 1
+            task = self.trees.tasks.get(inst.task) if inst.task is not None else None
+            counts[task.role if task else "idle"] += 1
         for role, n in counts.items():
             self.metrics.instances.labels(role).set(n)
 
     def status(self) -> dict[str, Any]:
-        jobs: dict[str, dict[str, Any]] = {}
-        for name, run in self.jobs.items():
-            jobs[name] = {**dict.fromkeys(ROLES, 0), "queued": run.inflight, "closing": run.closing, "installing": run.installing}
-        for inst in self.instances.values():  # instances at work, by the role of their current task
-            if inst.task is not None and inst.task.job in jobs:
-                jobs[inst.task.job][inst.task.role] += 1
-        return {
-            "node": self.config.node,
-            "time": time.time(),
-            "instances": {"total": len(self.instances), "idle": sum(i.idle for i in self.instances.values())},
-            "jobs": jobs,
-            "shm": {
-                "used": self.store.used_bytes, "pooled": self.store.pooled_bytes, "capacity": self.store.capacity,
-                "objects": self.store.object_count(), "created": self.store.created, "recycled": self.store.recycled,
-            },
-        }
+        with self.lock:
+            jobs: dict[str, dict[str, Any]] = {}
+            for name, run in self.jobs.items():
+                r = self.trees.round_of(name)
+                jobs[name] = {**dict.fromkeys(ROLES, 0), "queued": run.inflight, "round": r.round if r else None,
+                              "tenant": run.tenant.name, "leaf_fan_in": run.spec.leaf_fan_in}
+            for inst in self.instances.values():  # instances at work, by the role of their current task
+                task = self.trees.tasks.get(inst.task) if inst.task is not None else None
+                if task is not None and task.job in jobs:
+                    jobs[task.job][task.role] += 1
+            return {
+                "node": self.node,
+                "time": time.time(),
+                "started": self.started_at,
+                "instances": {"total": len(self.instances), "idle": sum(i.task is None for i in self.instances.values()),
+                              "by_tenant": _count_by(i.tenant.name for i in self.instances.values())},
+                "jobs": jobs,
+                "counters": self.metrics.planner_counters(),
+                "shm": {
+                    "used": self.store.used_bytes, "pooled": self.store.pooled_bytes, "capacity": self.store.capacity,
+                    "objects": self.store.object_count(), "created": self.store.created, "recycled": self.store.recycled,
+                },
+            }
 
     def metrics_text(self) -> str:
-        for name, run in self.jobs.items():
-            self._publish_gauges(run, name)
-        self._refresh_instance_gauges()
-        return generate_latest(self.metrics.registry).decode()
+        with self.lock:
+            for name, run in self.jobs.items():
+                self._publish_gauges(name, run)
+            self._refresh_instance_gauges()
+        return self.metrics.exposition()
+
+
+def _count_by(names: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for n in names:
+        out[n] = out.get(n, 0) + 1
+    return out
+
+
+def add_agent_arguments(p: argparse.ArgumentParser) -> None:
+    """The agent's tuning flags, shared by `lifl up` and the agent's own command line."""
+    p.add_argument("--max-instances", type=int, default=16, help="aggregator processes at most (default 16)")
+    p.add_argument("--keep-warm", type=float, default=60.0, help="seconds an idle aggregator stays warm (default 60)")
+    p.add_argument("--no-reuse", action="store_true", help="baseline: one task per aggregator instance (no reuse, §5.3)")
+    p.add_argument("--lazy", action="store_true", help="baseline: aggregate only once every input arrived (§5.4)")
+    ControlConfig.add_arguments(p)
+
+
+def agent_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"max_instances": args.max_instances, "keep_warm": args.keep_warm, "reuse": not args.no_reuse,
+            "lazy": args.lazy, "control": ControlConfig.from_arguments(args)}
+
+
+def agent_argv(options: dict[str, Any]) -> list[str]:
+    """The command-line spelling of ``agent_options`` (for starting the agent as a process)."""
+    argv = ["--max-instances", str(options["max_instances"]), "--keep-warm", str(options["keep_warm"])]
+    argv += ["--no-reuse"] * (not options["reuse"]) + ["--lazy"] * options["lazy"]
+    return argv + options["control"].argv()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -946,15 +1261,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--redis", required=True)
     p.add_argument("--shm-capacity", type=int, required=True)
     p.add_argument("--pool-limit", type=int, required=True)
-    p.add_argument("--max-instances", type=int, default=16)
-    p.add_argument("--keep-warm", type=float, default=60.0)
     p.add_argument("--checkpoints", default="")
+    add_agent_arguments(p)
     args = p.parse_args(argv)
     die_with_parent()
-    config = AgentConfig(
-        args.node, args.run_dir, args.redis, args.shm_capacity, args.pool_limit, args.max_instances, args.keep_warm,
-        checkpoints=args.checkpoints, data_dir=args.data_dir,
-    )
+    config = AgentConfig(args.node, args.run_dir, args.redis, args.shm_capacity, args.pool_limit,
+                         checkpoints=args.checkpoints, data_dir=args.data_dir, **agent_options(args))
     agent = Agent(config, ClusterState(args.redis))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -19,13 +19,15 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 import redis
 
 from lifl import procstat
+from lifl.control.controller import ControlConfig
+from lifl.node.agent import agent_argv
 from lifl.procs import die_with_parent
 from lifl.store import SHM_DIR, remove_node_objects
 
@@ -64,6 +66,13 @@ class NodeConfig:
     max_instances: int = 16
     keep_warm: float = 60.0
     checkpoints: str = ""  # "" = a directory under data_dir; see lifl.checkpoints
+    reuse: bool = True  # see lifl.node.agent.AgentConfig
+    lazy: bool = False
+    control: ControlConfig = field(default_factory=ControlConfig)
+
+    def agent_options(self) -> dict[str, object]:
+        return {"max_instances": self.max_instances, "keep_warm": self.keep_warm, "reuse": self.reuse, "lazy": self.lazy,
+                "control": self.control}
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z0-9]{1,16}", self.node):  # no '-': it separates name parts in /dev/shm
@@ -156,13 +165,13 @@ class Node:
         self.children["agent"] = agent = Child("agent", [
             py, "-m", "lifl.node.agent", "--node", c.node, "--run-dir", str(self.run_dir), "--data-dir", str(c.data_dir),
             "--redis", redis_url, "--checkpoints", c.checkpoints,
-            "--shm-capacity", str(c.shm_capacity), "--pool-limit", str(c.pool_limit),
-            "--max-instances", str(c.max_instances), "--keep-warm", str(c.keep_warm),
+            "--shm-capacity", str(c.shm_capacity), "--pool-limit", str(c.pool_limit), *agent_argv(c.agent_options()),
         ], ready="ready", log=self.log)
         agent.start()
         self.children["gateway"] = gateway = Child("gateway", [
             py, "-m", "lifl.gateway", "--node", c.node, "--redis", redis_url,
             "--agent-socket", str(self.run_dir / "agent.sock"), "--http", c.http, "--grpc", c.grpc,
+            "--placement", c.control.placement, "--capacity", str(c.control.capacity),
         ], ready="{", log=self.log)
         gateway.start()
         addresses = json.loads(gateway.ready_line)

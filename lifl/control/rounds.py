@@ -1,0 +1,77 @@
+"""What a round needs next, cluster-wide: a pure function of the job, its shard and which nodes live.
+
+Every agent runs these duties for the jobs it takes part in (and the controller for all
+jobs): close at the deadline, abandon a round that cannot complete, declare a dead node's
+updates lost, place the top once the final counts are known. Each duty is carried out by one
+Redis script that checks the round first, so any number of nodes may try the same duty at
+once and it happens exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set
+from dataclasses import dataclass
+
+from lifl.control.planner import choose_top
+from lifl.state import NO_MODEL, Job, Shard
+
+
+@dataclass(frozen=True)
+class CloseAtDeadline:
+    round: int
+    min_updates: int
+
+
+@dataclass(frozen=True)
+class AbandonRound:
+    round: int
+    outcome: str  # "abandoned" or "interrupted"
+    reason: str
+
+
+@dataclass(frozen=True)
+class DeclareLost:
+    round: int
+    node: str
+
+
+@dataclass(frozen=True)
+class PlaceTop:
+    round: int
+    epoch: int
+    node: str
+
+
+Duty = CloseAtDeadline | AbandonRound | DeclareLost | PlaceTop
+
+
+def duties(job: Job, shard: Shard, now: float, live: Set[str]) -> list[Duty]:
+    """The duties round ``job.round`` needs now (``now`` on the Redis clock)."""
+    if job.version == NO_MODEL or shard.round != job.round:
+        return []  # no model yet, or a next round is being opened
+    involved = {n for n, c in shard.counts.items() if c > 0} | {n for n, c in shard.inflight.items() if c > 0}
+    if shard.top:
+        involved.add(shard.top)
+    lost = [DeclareLost(job.round, n) for n in sorted(involved - shard.dead) if n not in live]
+    if lost:
+        return list(lost)  # the rest is decided on the counts that remain
+    deadline = job.spec.round_deadline_s
+    if not job.closed and deadline and now >= job.round_opened + deadline:
+        return [CloseAtDeadline(job.round, job.spec.min_updates)]
+    if job.closed and not shard.finalized:
+        return [AbandonRound(job.round, "abandoned",
+                             f"deadline passed with {job.accepted} of the {job.spec.min_updates} updates needed")]
+    if shard.finalized and shard.total == 0:
+        return [AbandonRound(job.round, "abandoned", f"every update of the round was lost with node(s) {_names(shard.lost)}")]
+    if shard.finalized and shard.top is None:
+        planned = (shard.plan or {}).get("top")
+        top = choose_top(shard.participants, planned)
+        return [PlaceTop(job.round, shard.epoch, top)] if top else []
+    if not job.closed and job.accepted == 0 and job.reserved == 0 and shard.lost:
+        return [AbandonRound(job.round, "interrupted",
+                             f"its updates were lost with node(s) {_names(shard.lost)}")]
+    return []
+
+
+def _names(nodes: dict[str, int]) -> str:
+    return ", ".join(sorted(nodes)) or "none"

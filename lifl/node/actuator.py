@@ -1,0 +1,137 @@
+"""How aggregator instances come and go on a node: the ``Actuator`` seam.
+
+The agent decides which task runs where and when an instance is started or let go; an
+actuator carries it out. ``LocalProcesses`` runs each instance as a process on this machine
+(``lifl up``); a Kubernetes actuator plugs in behind the same four calls.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from lifl.channel import UnixKeyChannel
+from lifl.protocol import Message
+from lifl.rpc import Connection
+from lifl.store import Tenant
+
+
+class Actuator(Protocol):
+    def spawn(self, tenant: Tenant) -> int:
+        """Start an instance for ``tenant`` (a cold start); returns its id. Its endpoint exists
+        before it runs, so keys sent to it wait for it."""
+
+    def stop(self, instance: int) -> None:
+        """Let an instance go (it finishes nothing more)."""
+
+    def alive(self, instance: int) -> bool:
+        """Whether the instance still runs."""
+
+    def invoke(self, instance: int, message: Message) -> None:
+        """Push a control message (an invocation, a cancellation) to the instance."""
+
+
+@dataclass(eq=False)
+class _Process:
+    proc: subprocess.Popen
+    conn: Connection
+    tenant: Tenant
+
+
+class LocalProcesses:
+    """Instances as processes of ``python -m lifl.runtime``, each with a control connection
+    (served by ``serve(instance id, connection)`` on a thread of its own, which returns when the
+    process goes) and a key-channel endpoint in its tenant's directory."""
+
+    def __init__(self, node: str, chan_dir: Path, handler: str, serve: Callable[[int, Connection], None]) -> None:
+        self.node = node
+        self.chan_dir = chan_dir
+        self.handler = handler
+        self._serve = serve
+        self._procs: dict[int, _Process] = {}
+        self._lock = threading.Lock()
+        self._next_id = 0
+
+    def spawn(self, tenant: Tenant) -> int:
+        with self._lock:
+            self._next_id += 1
+            iid = self._next_id
+        directory = self.chan_dir / tenant.name
+        chan = UnixKeyChannel.provision(directory, iid, tenant.gid)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        cmd = [
+            sys.executable, "-m", "lifl.runtime", "--instance", str(iid), "--tenant", tenant.name,
+            "--node", self.node, "--chan-dir", str(directory),
+            "--control-fd", str(theirs.fileno()), "--channel-fd", str(chan.fileno()), "--handler", self.handler,
+        ]
+        if tenant.uid is not None:
+            cmd += ["--user", str(tenant.uid)]
+        env = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "LANG", "LC_ALL")}
+        env["HOME"] = "/"
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), chan.fileno()), cwd="/", env=env)
+        theirs.close()
+        chan.close()
+        conn = Connection(ours)
+        with self._lock:
+            self._procs[iid] = _Process(proc, conn, tenant)
+        threading.Thread(target=self._run, args=(iid, conn), name=f"instance-{iid}", daemon=True).start()
+        return iid
+
+    def _run(self, iid: int, conn: Connection) -> None:
+        try:
+            self._serve(iid, conn)
+        finally:
+            with self._lock:
+                p = self._procs.pop(iid, None)
+            if p is not None:
+                UnixKeyChannel.retire(self.chan_dir / p.tenant.name, iid)
+
+    def stop(self, instance: int) -> None:
+        with self._lock:
+            p = self._procs.get(instance)
+        if p is not None:
+            p.conn.close()  # the runtime exits when its control connection closes
+
+    def alive(self, instance: int) -> bool:
+        with self._lock:
+            p = self._procs.get(instance)
+        return p is not None and p.proc.poll() is None
+
+    def invoke(self, instance: int, message: Message) -> None:
+        with self._lock:
+            p = self._procs.get(instance)
+        if p is None:
+            raise ConnectionError(f"instance {instance} is gone")
+        p.conn.send(message.encode())
+
+    def exited(self) -> list[int]:
+        """Instances whose process has exited (their connections are closed so they are reaped)."""
+        with self._lock:
+            gone = [(iid, p) for iid, p in self._procs.items() if p.proc.poll() is not None]
+        for _, p in gone:
+            p.conn.close()
+        return [iid for iid, _ in gone]
+
+    def pids(self) -> list[int]:
+        with self._lock:
+            return [p.proc.pid for p in self._procs.values()]
+
+    def stop_all(self, timeout: float = 3.0) -> None:
+        with self._lock:
+            procs = list(self._procs.values())
+        for p in procs:
+            p.conn.close()
+        for p in procs:
+            try:
+                p.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+                p.proc.wait()

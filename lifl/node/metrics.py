@@ -1,0 +1,81 @@
+"""The node agent's metrics: Prometheus series for operators, cumulative counters for the planner.
+
+The planner's inputs (paper §5.1: each node's arrival rate k and mean aggregation time E)
+are published with the node's status as cumulative counters, so that whoever plans can
+difference two snapshots however far apart they were taken.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+@dataclass
+class PlannerCounters:
+    """Cumulative since the agent started; see ``lifl.control.planner.Counters``."""
+
+    arrivals: int = 0  # client updates acknowledged here
+    aggregated: int = 0  # client updates whose leaf aggregation finished here
+    agg_seconds: float = 0.0  # seconds leaves spent aggregating them
+
+    def to_json(self) -> dict[str, float]:
+        return asdict(self)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.lock = threading.Lock()  # guards the planner counters (bumped from several threads)
+        self.counters: dict[str, PlannerCounters] = {}  # by job
+        self.steps = Histogram(
+            "lifl_aggregator_step_seconds", "Time per aggregator step (recv waits for keys, agg folds, send hands off)",
+            ["role", "step"], registry=r, buckets=(1e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
+        )
+        self.handoff = Histogram(
+            "lifl_key_handoff_seconds", "Key delivery until the receiver holds a readable view",
+            registry=r, buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 5e-3, 0.05, 1),
+        )
+        self.queue = Gauge("lifl_queue_length", "Updates received but not yet aggregated", ["job"], registry=r)
+        self.instances = Gauge("lifl_aggregator_instances", "Aggregator instances by role (idle: warm, unassigned)", ["role"], registry=r)
+        self.starts = Counter("lifl_aggregator_starts", "Task starts by instance temperature", ["kind"], registry=r)
+        self.spawned = Counter("lifl_aggregator_instances_created", "Aggregator instances started (cold starts and pre-warming)",
+                               ["reason"], registry=r)
+        self.rounds = Counter("lifl_rounds", "Rounds finished, by outcome (complete, partial, abandoned, interrupted)",
+                              ["job", "outcome"], registry=r)
+        self.round_seconds = Histogram(
+            "lifl_round_aggregation_seconds", "Aggregation completion time: a round's first update to its aggregated model",
+            ["job"], registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+        )
+        self.round_updates = Histogram("lifl_round_updates", "Client updates aggregated per round", ["job"], registry=r,
+                                       buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))
+        self.version = Gauge("lifl_job_version", "Current global model version", ["job"], registry=r)
+        self.checkpoint_seconds = Histogram("lifl_checkpoint_seconds", "Time to write a checkpoint durably", registry=r,
+                                            buckets=(1e-3, 0.01, 0.05, 0.1, 0.5, 1, 5, 30))
+        self.shm = Gauge("lifl_shm_bytes", "Shared memory held by objects (used) and by the recycling pool", ["state"], registry=r)
+        self.forwarded = Counter("lifl_partials_forwarded", "Partial results sent to the top on another node, by result",
+                                 ["result"], registry=r)
+        self.forwarded_bytes = Counter("lifl_partial_bytes_forwarded", "Bytes of partial results sent to other nodes", registry=r)
+        self.partials_received = Counter("lifl_partials_received", "Partial results received from other nodes, by result",
+                                         ["result"], registry=r)
+        self.replicas = Counter("lifl_model_replicas", "Copies of models fetched to serve them here, by source",
+                                ["source"], registry=r)
+
+    def arrived(self, job: str) -> None:
+        with self.lock:
+            self.counters.setdefault(job, PlannerCounters()).arrivals += 1
+
+    def aggregated(self, job: str, updates: int, seconds: float) -> None:
+        with self.lock:
+            c = self.counters.setdefault(job, PlannerCounters())
+            c.aggregated += updates
+            c.agg_seconds += seconds
+
+    def planner_counters(self) -> dict[str, dict[str, float]]:
+        with self.lock:
+            return {job: c.to_json() for job, c in self.counters.items()}
+
+    def exposition(self) -> str:
+        return generate_latest(self.registry).decode()

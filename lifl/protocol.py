@@ -1,0 +1,405 @@
+"""Typed messages between a node's processes: gateway ↔ agent, agent ↔ function instances.
+
+Every message is a frozen dataclass registered under its ``op`` name; ``lifl.rpc`` frames
+them as JSON (bytes fields travel as hex) and checks every field's type on the way in, so a
+malformed message is refused with the field named instead of failing somewhere deeper.
+A gateway's first message is ``Hello`` with the protocol version; the agent refuses another.
+
+Requests name their reply type; pushes (``Invoke``, ``CancelTask``, ``ForwardPartial``,
+``Forwarded``) have none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from lifl.errors import BadRequest
+
+PROTOCOL = 2
+
+_REGISTRY: dict[str, type[Message]] = {}
+
+
+@dataclass(frozen=True)
+class Message:
+    op: ClassVar[str] = ""
+    reply: ClassVar[type[Message] | None] = None
+
+    def encode(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"op": self.op}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = _encode_value(value)
+        return out
+
+
+def message(op: str, reply: type[Message] | None = None) -> Any:
+    """Register a message class under ``op`` (and the type of its reply, for requests)."""
+
+    def register(cls: type[Message]) -> type[Message]:
+        if op in _REGISTRY:
+            raise ValueError(f"message op {op!r} registered twice")
+        cls.op, cls.reply = op, reply
+        _REGISTRY[op] = cls
+        return cls
+
+    return register
+
+
+def decode(data: dict[str, Any]) -> Message:
+    """The message a decoded JSON object stands for; BadRequest naming what is wrong."""
+    op = data.get("op")
+    cls = _REGISTRY.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise BadRequest(f"unknown message {op!r}", code="bad_message")
+    hints = _hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise BadRequest(f"message {op!r} lacks field {f.name!r}", code="bad_message")
+            continue
+        values[f.name] = _decode_value(hints[f.name], data[f.name], f"{op}.{f.name}")
+    return cls(**values)
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
+
+
+def _encode_value(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, list):
+        return [_encode_value(v) for v in value]
+    return value
+
+
+def _decode_value(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        (inner,) = [o for o in options if o is not type(None)]
+        return _decode_value(inner, value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise BadRequest(f"{where} must be a list", code="bad_message")
+        (inner,) = typing.get_args(hint)
+        return [_decode_value(inner, v, where) for v in value]
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise BadRequest(f"{where} must be an object", code="bad_message")
+        return value
+    if hint is bytes:
+        if not isinstance(value, str):
+            raise BadRequest(f"{where} must be hex", code="bad_message")
+        try:
+            return bytes.fromhex(value)
+        except ValueError:
+            raise BadRequest(f"{where} must be hex", code="bad_message") from None
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise BadRequest(f"{where} must be a number", code="bad_message")
+        return float(value)
+    if hint is Any:
+        return value
+    if hint in (int, str, bool) and (not isinstance(value, hint) or (hint is int and isinstance(value, bool))):
+        raise BadRequest(f"{where} must be {hint.__name__}", code="bad_message")
+    return value
+
+
+# -- replies ---------------------------------------------------------------------------------------
+@message("ok")
+@dataclass(frozen=True)
+class Ok(Message):
+    pass
+
+
+@message("hello_reply")
+@dataclass(frozen=True)
+class Welcome(Message):
+    node: str
+    protocol: int
+
+
+@message("admitted")
+@dataclass(frozen=True)
+class Admitted(Message):
+    """An object to receive a blob into (its descriptor comes with the reply)."""
+
+    key: bytes
+    version: int = -1
+    round: int = -1
+
+
+@message("submitted")
+@dataclass(frozen=True)
+class Submitted(Message):
+    round: int
+    queued: int
+
+
+@message("installed")
+@dataclass(frozen=True)
+class Installed(Message):
+    version: int
+
+
+@message("model_opened")
+@dataclass(frozen=True)
+class ModelOpened(Message):
+    """A read reference to a model (its descriptor comes with the reply)."""
+
+    key: bytes
+    version: int
+    size: int
+
+
+@message("text")
+@dataclass(frozen=True)
+class Text(Message):
+    text: str
+
+
+@message("document")
+@dataclass(frozen=True)
+class Document(Message):
+    body: dict[str, Any]
+
+
+@message("allocated")
+@dataclass(frozen=True)
+class Allocated(Message):
+    key: bytes
+
+
+@message("route")
+@dataclass(frozen=True)
+class Route(Message):
+    """Where a handed-off result goes: send it to ``instance`` for ``task`` yourself, or
+    (instance 0) nothing to do, the agent delivers it."""
+
+    instance: int = 0
+    task: int = 0
+
+
+# -- gateway -> agent ----------------------------------------------------------------------------
+@message("hello", Welcome)
+@dataclass(frozen=True)
+class Hello(Message):
+    role: str  # "gateway" (requests) or "forwarder" (the agent's forwarding requests go to it)
+    protocol: int = PROTOCOL
+
+
+@message("admit", Admitted)
+@dataclass(frozen=True)
+class Admit(Message):
+    """Reserve a slot of the job's round for an update of ``size`` bytes trained from ``version``."""
+
+    job: str
+    version: int
+    size: int
+    lease: str = ""
+
+
+@message("admit_model", Admitted)
+@dataclass(frozen=True)
+class AdmitModel(Message):
+    job: str
+    size: int
+
+
+@message("admit_partial", Admitted)
+@dataclass(frozen=True)
+class AdmitPartial(Message):
+    """Another node's result of a round, for the top hosted here."""
+
+    job: str
+    round: int
+    epoch: int
+    from_node: str
+    size: int
+
+
+@message("admit_replica", Admitted)
+@dataclass(frozen=True)
+class AdmitReplica(Message):
+    """A copy of a job's model held by another node, to serve it from here."""
+
+    job: str
+    version: int
+    size: int
+
+
+@message("abort", Ok)
+@dataclass(frozen=True)
+class Abort(Message):
+    key: bytes
+    reason: str = "aborted"
+
+
+@message("submit", Submitted)
+@dataclass(frozen=True)
+class Submit(Message):
+    key: bytes
+    samples: int
+    client: str = ""
+
+
+@message("submit_partial", Ok)
+@dataclass(frozen=True)
+class SubmitPartial(Message):
+    key: bytes
+    samples: int
+    updates: int
+    partial: bool  # a partial sum (accumulator dtypes), or one client's update passed on whole
+
+
+@message("install_model", Installed)
+@dataclass(frozen=True)
+class InstallModel(Message):
+    key: bytes
+
+
+@message("install_replica", Ok)
+@dataclass(frozen=True)
+class InstallReplica(Message):
+    key: bytes
+
+
+@message("open_model", ModelOpened)
+@dataclass(frozen=True)
+class OpenModel(Message):
+    job: str
+
+
+@message("release", Ok)
+@dataclass(frozen=True)
+class Release(Message):
+    key: bytes
+
+
+@message("metrics", Text)
+@dataclass(frozen=True)
+class GetMetrics(Message):
+    pass
+
+
+@message("status", Document)
+@dataclass(frozen=True)
+class GetStatus(Message):
+    pass
+
+
+@message("recent", Document)
+@dataclass(frozen=True)
+class GetRecent(Message):
+    pass
+
+
+# -- agent -> gateway (forwarder connection) ---------------------------------------------------
+@message("forward_partial")
+@dataclass(frozen=True)
+class ForwardPartial(Message):
+    """Stream this object (its descriptor comes along) to ``node``'s gateway, for the top of
+    round ``round`` (epoch ``epoch``) of ``job``."""
+
+    id: int
+    job: str
+    round: int
+    epoch: int
+    node: str
+    samples: int
+    updates: int
+    partial: bool
+    size: int
+
+
+@message("forwarded")
+@dataclass(frozen=True)
+class Forwarded(Message):
+    id: int
+    ok: bool
+    error: str = ""
+    retry: bool = True  # False: the receiver refused it for good (the round moved on)
+
+
+# -- agent <-> function instances ---------------------------------------------------------------
+@message("invoke")
+@dataclass(frozen=True)
+class Invoke(Message):
+    task: int
+    job: str
+    version: int
+    role: str
+    fan_in: int  # 0: open, a close message will tell
+    lazy: bool = False  # fold only once every input has arrived (a baseline, not lifl's way)
+    spec: list[Any] | None = None  # the job's model spec, the first time an instance works for the job
+
+
+@message("cancel")
+@dataclass(frozen=True)
+class CancelTask(Message):
+    task: int
+    reason: str
+
+
+@message("alloc", Allocated)
+@dataclass(frozen=True)
+class Alloc(Message):
+    task: int
+    size: int
+
+
+@message("folded", Ok)
+@dataclass(frozen=True)
+class Folded(Message):
+    task: int
+    keys: list[bytes]
+    updates: int
+    seconds: float
+
+
+@message("handoff", Route)
+@dataclass(frozen=True)
+class Handoff(Message):
+    task: int
+    key: bytes
+    samples: int
+    updates: int
+    partial: bool
+
+
+@message("install", Installed)
+@dataclass(frozen=True)
+class InstallResult(Message):
+    task: int
+    key: bytes
+    samples: int
+    updates: int
+
+
+@message("done", Ok)
+@dataclass(frozen=True)
+class Done(Message):
+    task: int
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@message("failed", Ok)
+@dataclass(frozen=True)
+class Failed(Message):
+    task: int
+    error: str
