@@ -9,7 +9,7 @@ HPACK is the ``hpack`` package's. Models are streamed back with ``sendmsg`` from
 memory, within the client's flow-control windows.
 
 Scope: gRPC over cleartext HTTP/2 with prior knowledge (what gRPC clients do for
-``insecure_channel``), identity encoding only, the five RPCs of lifl.v1.Gateway.
+``insecure_channel``), identity encoding only, the RPCs of lifl.v1.Gateway.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ MAX_META = 64 << 10
 MODEL_CHUNK = 1 << 20
 IDLE_TIMEOUT = 300.0
 SERVICE = "/lifl.v1.Gateway/"
-UNARY = ("CreateJob", "GetJob", "GetModel", "TakeLease", "Heartbeat", "ReleaseLease", "GetRounds")
+UNARY = ("CreateJob", "GetJob", "GetModel", "TakeLease", "Heartbeat", "ReleaseLease", "GetRounds", "GetAssignment")
 
 
 class ConnectionError_(Exception):
@@ -575,6 +575,9 @@ class H2Connection:
             req = pb.LeaseRequest.FromString(request)
             service.release_lease(req.job, req.lease)
             return pb.Lease(lease=req.lease)
+        if method == "GetAssignment":
+            req = pb.AssignmentRequest.FromString(request)
+            return pb.Assignment(**service.assignment(req.job, req.client))
         req = pb.GetRoundsRequest.FromString(request)
         return pb.Rounds(rounds=[_last_round(r) for r in service.rounds(req.job, req.limit or 100)])
 
@@ -643,6 +646,7 @@ def _last_round(r: dict[str, Any]) -> pb.LastRound:
     return pb.LastRound(
         version=r["version"], updates=r["updates"], samples=r["samples"], seconds=r["seconds"] or 0.0,
         outcome=r["outcome"], round=r["round"], new_version=_optional(r["new_version"]), reason=r.get("reason", ""),
+        nodes=r.get("nodes", {}), top=r.get("top") or "", lost=r.get("lost", {}),
     )
 
 
@@ -655,6 +659,7 @@ def _job_status(status: dict[str, Any]) -> pb.JobStatus:
             version=_optional(rnd["version"]), received=rnd["received"], in_progress=rnd["in_progress"],
             aggregated=rnd["aggregated"], rejected=rnd["rejected"], id=_optional(rnd["id"]),
             opened_at=rnd["opened_at"] or 0.0, closed=rnd["closed"], leases=rnd["leases"],
+            nodes=rnd["nodes"], top=rnd["top"] or "", lost=rnd["lost"],
         ),
         aggregators=status["aggregators"],
     )

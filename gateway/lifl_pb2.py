@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17lifl/gateway/lifl.proto\x12\x07lifl.v1\"\xde\x01\n\x10\x43reateJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04goal\x18\x02 \x01(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x13\n\x0bleaf_fan_in\x18\x04 \x01(\r\x12\x18\n\x10max_update_bytes\x18\x05 \x01(\x04\x12\x14\n\x0cmax_inflight\x18\x06 \x01(\r\x12\x18\n\x10round_deadline_s\x18\x07 \x01(\x01\x12\x13\n\x0bmin_updates\x18\x08 \x01(\r\x12\x13\n\x0blease_ttl_s\x18\t \x01(\x01\x12\x16\n\x0eover_selection\x18\n \x01(\x01\"\x1c\n\rGetJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x1e\n\x0fGetModelRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"7\n\tModelMeta\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0c\n\x04size\x18\x03 \x01(\x04\"<\n\nModelChunk\x12 \n\x04meta\x18\x01 \x01(\x0b\x32\x12.lifl.v1.ModelMeta\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\" \n\rSetModelReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\"m\n\nUpdateMeta\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0e\n\x06\x63lient\x18\x02 \x01(\t\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\r\n\x05lease\x18\x06 \x01(\t\">\n\x0bUpdateChunk\x12!\n\x04meta\x18\x01 \x01(\x0b\x32\x13.lifl.v1.UpdateMeta\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"/\n\x0fPushUpdateReply\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\xff\x01\n\x0bRoundStatus\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08received\x18\x02 \x01(\r\x12\x13\n\x0bin_progress\x18\x03 \x01(\r\x12\x12\n\naggregated\x18\x04 \x01(\r\x12\x34\n\x08rejected\x18\x05 \x03(\x0b\x32\".lifl.v1.RoundStatus.RejectedEntry\x12\n\n\x02id\x18\x06 \x01(\x03\x12\x11\n\topened_at\x18\x07 \x01(\x01\x12\x0e\n\x06\x63losed\x18\x08 \x01(\x08\x12\x0e\n\x06leases\x18\t \x01(\r\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x94\x01\n\tLastRound\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07updates\x18\x02 \x01(\r\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x0f\n\x07outcome\x18\x05 \x01(\t\x12\r\n\x05round\x18\x06 \x01(\x03\x12\x13\n\x0bnew_version\x18\x07 \x01(\x03\x12\x0e\n\x06reason\x18\x08 \x01(\t\"/\n\x10TakeLeaseRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0e\n\x06\x63lient\x18\x02 \x01(\t\"*\n\x0cLeaseRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05lease\x18\x02 \x01(\t\"E\n\x05Lease\x12\r\n\x05lease\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05round\x18\x03 \x01(\x03\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\".\n\x10GetRoundsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\",\n\x06Rounds\x12\"\n\x06rounds\x18\x01 \x03(\x0b\x32\x12.lifl.v1.LastRound\"\xa7\x02\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04goal\x18\x03 \x01(\r\x12\x13\n\x0bleaf_fan_in\x18\x04 \x01(\r\x12\x0f\n\x07version\x18\x05 \x01(\x03\x12#\n\x05round\x18\x06 \x01(\x0b\x32\x14.lifl.v1.RoundStatus\x12\x0e\n\x06queued\x18\x07 \x01(\r\x12\x38\n\x0b\x61ggregators\x18\x08 \x03(\x0b\x32#.lifl.v1.JobStatus.AggregatorsEntry\x12&\n\nlast_round\x18\t \x01(\x0b\x32\x12.lifl.v1.LastRound\x1a\x32\n\x10\x41ggregatorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x32\x8f\x04\n\x07Gateway\x12:\n\tCreateJob\x12\x19.lifl.v1.CreateJobRequest\x1a\x12.lifl.v1.JobStatus\x12\x34\n\x06GetJob\x12\x16.lifl.v1.GetJobRequest\x1a\x12.lifl.v1.JobStatus\x12\x39\n\x08SetModel\x12\x13.lifl.v1.ModelChunk\x1a\x16.lifl.v1.SetModelReply(\x01\x12;\n\x08GetModel\x12\x18.lifl.v1.GetModelRequest\x1a\x13.lifl.v1.ModelChunk0\x01\x12>\n\nPushUpdate\x12\x14.lifl.v1.UpdateChunk\x1a\x18.lifl.v1.PushUpdateReply(\x01\x12\x36\n\tTakeLease\x12\x19.lifl.v1.TakeLeaseRequest\x1a\x0e.lifl.v1.Lease\x12\x32\n\tHeartbeat\x12\x15.lifl.v1.LeaseRequest\x1a\x0e.lifl.v1.Lease\x12\x35\n\x0cReleaseLease\x12\x15.lifl.v1.LeaseRequest\x1a\x0e.lifl.v1.Lease\x12\x37\n\tGetRounds\x12\x19.lifl.v1.GetRoundsRequest\x1a\x0f.lifl.v1.Roundsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17lifl/gateway/lifl.proto\x12\x07lifl.v1\"\xde\x01\n\x10\x43reateJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04goal\x18\x02 \x01(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x13\n\x0bleaf_fan_in\x18\x04 \x01(\r\x12\x18\n\x10max_update_bytes\x18\x05 \x01(\x04\x12\x14\n\x0cmax_inflight\x18\x06 \x01(\r\x12\x18\n\x10round_deadline_s\x18\x07 \x01(\x01\x12\x13\n\x0bmin_updates\x18\x08 \x01(\r\x12\x13\n\x0blease_ttl_s\x18\t \x01(\x01\x12\x16\n\x0eover_selection\x18\n \x01(\x01\"\x1c\n\rGetJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x1e\n\x0fGetModelRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"7\n\tModelMeta\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0c\n\x04size\x18\x03 \x01(\x04\"<\n\nModelChunk\x12 \n\x04meta\x18\x01 \x01(\x0b\x32\x12.lifl.v1.ModelMeta\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\" \n\rSetModelReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\"m\n\nUpdateMeta\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0e\n\x06\x63lient\x18\x02 \x01(\t\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\r\n\x05lease\x18\x06 \x01(\t\">\n\x0bUpdateChunk\x12!\n\x04meta\x18\x01 \x01(\x0b\x32\x13.lifl.v1.UpdateMeta\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"/\n\x0fPushUpdateReply\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\xc5\x03\n\x0bRoundStatus\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08received\x18\x02 \x01(\r\x12\x13\n\x0bin_progress\x18\x03 \x01(\r\x12\x12\n\naggregated\x18\x04 \x01(\r\x12\x34\n\x08rejected\x18\x05 \x03(\x0b\x32\".lifl.v1.RoundStatus.RejectedEntry\x12\n\n\x02id\x18\x06 \x01(\x03\x12\x11\n\topened_at\x18\x07 \x01(\x01\x12\x0e\n\x06\x63losed\x18\x08 \x01(\x08\x12\x0e\n\x06leases\x18\t \x01(\r\x12.\n\x05nodes\x18\n \x03(\x0b\x32\x1f.lifl.v1.RoundStatus.NodesEntry\x12\x0b\n\x03top\x18\x0b \x01(\t\x12,\n\x04lost\x18\x0c \x03(\x0b\x32\x1e.lifl.v1.RoundStatus.LostEntry\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a,\n\nNodesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a+\n\tLostEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xd6\x02\n\tLastRound\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07updates\x18\x02 \x01(\r\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x0f\n\x07outcome\x18\x05 \x01(\t\x12\r\n\x05round\x18\x06 \x01(\x03\x12\x13\n\x0bnew_version\x18\x07 \x01(\x03\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12,\n\x05nodes\x18\t \x03(\x0b\x32\x1d.lifl.v1.LastRound.NodesEntry\x12\x0b\n\x03top\x18\n \x01(\t\x12*\n\x04lost\x18\x0b \x03(\x0b\x32\x1c.lifl.v1.LastRound.LostEntry\x1a,\n\nNodesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a+\n\tLostEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"/\n\x10TakeLeaseRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0e\n\x06\x63lient\x18\x02 \x01(\t\"*\n\x0cLeaseRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05lease\x18\x02 \x01(\t\"E\n\x05Lease\x12\r\n\x05lease\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05round\x18\x03 \x01(\x03\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\".\n\x10GetRoundsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\"0\n\x11\x41ssignmentRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0e\n\x06\x63lient\x18\x02 \x01(\t\"s\n\nAssignment\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0e\n\x06\x63lient\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x0c\n\x04node\x18\x05 \x01(\t\x12\x0c\n\x04http\x18\x06 \x01(\t\x12\x0c\n\x04grpc\x18\x07 \x01(\t\",\n\x06Rounds\x12\"\n\x06rounds\x18\x01 \x03(\x0b\x32\x12.lifl.v1.LastRound\"\xa7\x02\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04goal\x18\x03 \x01(\r\x12\x13\n\x0bleaf_fan_in\x18\x04 \x01(\r\x12\x0f\n\x07version\x18\x05 \x01(\x03\x12#\n\x05round\x18\x06 \x01(\x0b\x32\x14.lifl.v1.RoundStatus\x12\x0e\n\x06queued\x18\x07 \x01(\r\x12\x38\n\x0b\x61ggregators\x18\x08 \x03(\x0b\x32#.lifl.v1.JobStatus.AggregatorsEntry\x12&\n\nlast_round\x18\t \x01(\x0b\x32\x12.lifl.v1.LastRound\x1a\x32\n\x10\x41ggregatorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x32\xd1\x04\n\x07Gateway\x12:\n\tCreateJob\x12\x19.lifl.v1.CreateJobRequest\x1a\x12.lifl.v1.JobStatus\x12\x34\n\x06GetJob\x12\x16.lifl.v1.GetJobRequest\x1a\x12.lifl.v1.JobStatus\x12\x39\n\x08SetModel\x12\x13.lifl.v1.ModelChunk\x1a\x16.lifl.v1.SetModelReply(\x01\x12;\n\x08GetModel\x12\x18.lifl.v1.GetModelRequest\x1a\x13.lifl.v1.ModelChunk0\x01\x12>\n\nPushUpdate\x12\x14.lifl.v1.UpdateChunk\x1a\x18.lifl.v1.PushUpdateReply(\x01\x12\x36\n\tTakeLease\x12\x19.lifl.v1.TakeLeaseRequest\x1a\x0e.lifl.v1.Lease\x12\x32\n\tHeartbeat\x12\x15.lifl.v1.LeaseRequest\x1a\x0e.lifl.v1.Lease\x12\x35\n\x0cReleaseLease\x12\x15.lifl.v1.LeaseRequest\x1a\x0e.lifl.v1.Lease\x12\x37\n\tGetRounds\x12\x19.lifl.v1.GetRoundsRequest\x1a\x0f.lifl.v1.Rounds\x12@\n\rGetAssignment\x12\x1a.lifl.v1.AssignmentRequest\x1a\x13.lifl.v1.Assignmentb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,6 +33,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ROUNDSTATUS_REJECTEDENTRY']._loaded_options = None
   _globals['_ROUNDSTATUS_REJECTEDENTRY']._serialized_options = b'8\001'
+  _globals['_ROUNDSTATUS_NODESENTRY']._loaded_options = None
+  _globals['_ROUNDSTATUS_NODESENTRY']._serialized_options = b'8\001'
+  _globals['_ROUNDSTATUS_LOSTENTRY']._loaded_options = None
+  _globals['_ROUNDSTATUS_LOSTENTRY']._serialized_options = b'8\001'
+  _globals['_LASTROUND_NODESENTRY']._loaded_options = None
+  _globals['_LASTROUND_NODESENTRY']._serialized_options = b'8\001'
+  _globals['_LASTROUND_LOSTENTRY']._loaded_options = None
+  _globals['_LASTROUND_LOSTENTRY']._serialized_options = b'8\001'
   _globals['_JOBSTATUS_AGGREGATORSENTRY']._loaded_options = None
   _globals['_JOBSTATUS_AGGREGATORSENTRY']._serialized_options = b'8\001'
   _globals['_CREATEJOBREQUEST']._serialized_start=37
@@ -54,25 +62,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHUPDATEREPLY']._serialized_start=651
   _globals['_PUSHUPDATEREPLY']._serialized_end=698
   _globals['_ROUNDSTATUS']._serialized_start=701
-  _globals['_ROUNDSTATUS']._serialized_end=956
-  _globals['_ROUNDSTATUS_REJECTEDENTRY']._serialized_start=909
-  _globals['_ROUNDSTATUS_REJECTEDENTRY']._serialized_end=956
-  _globals['_LASTROUND']._serialized_start=959
-  _globals['_LASTROUND']._serialized_end=1107
-  _globals['_TAKELEASEREQUEST']._serialized_start=1109
-  _globals['_TAKELEASEREQUEST']._serialized_end=1156
-  _globals['_LEASEREQUEST']._serialized_start=1158
-  _globals['_LEASEREQUEST']._serialized_end=1200
-  _globals['_LEASE']._serialized_start=1202
-  _globals['_LEASE']._serialized_end=1271
-  _globals['_GETROUNDSREQUEST']._serialized_start=1273
-  _globals['_GETROUNDSREQUEST']._serialized_end=1319
-  _globals['_ROUNDS']._serialized_start=1321
-  _globals['_ROUNDS']._serialized_end=1365
-  _globals['_JOBSTATUS']._serialized_start=1368
-  _globals['_JOBSTATUS']._serialized_end=1663
-  _globals['_JOBSTATUS_AGGREGATORSENTRY']._serialized_start=1613
-  _globals['_JOBSTATUS_AGGREGATORSENTRY']._serialized_end=1663
-  _globals['_GATEWAY']._serialized_start=1666
-  _globals['_GATEWAY']._serialized_end=2193
+  _globals['_ROUNDSTATUS']._serialized_end=1154
+  _globals['_ROUNDSTATUS_REJECTEDENTRY']._serialized_start=1016
+  _globals['_ROUNDSTATUS_REJECTEDENTRY']._serialized_end=1063
+  _globals['_ROUNDSTATUS_NODESENTRY']._serialized_start=1065
+  _globals['_ROUNDSTATUS_NODESENTRY']._serialized_end=1109
+  _globals['_ROUNDSTATUS_LOSTENTRY']._serialized_start=1111
+  _globals['_ROUNDSTATUS_LOSTENTRY']._serialized_end=1154
+  _globals['_LASTROUND']._serialized_start=1157
+  _globals['_LASTROUND']._serialized_end=1499
+  _globals['_LASTROUND_NODESENTRY']._serialized_start=1065
+  _globals['_LASTROUND_NODESENTRY']._serialized_end=1109
+  _globals['_LASTROUND_LOSTENTRY']._serialized_start=1111
+  _globals['_LASTROUND_LOSTENTRY']._serialized_end=1154
+  _globals['_TAKELEASEREQUEST']._serialized_start=1501
+  _globals['_TAKELEASEREQUEST']._serialized_end=1548
+  _globals['_LEASEREQUEST']._serialized_start=1550
+  _globals['_LEASEREQUEST']._serialized_end=1592
+  _globals['_LEASE']._serialized_start=1594
+  _globals['_LEASE']._serialized_end=1663
+  _globals['_GETROUNDSREQUEST']._serialized_start=1665
+  _globals['_GETROUNDSREQUEST']._serialized_end=1711
+  _globals['_ASSIGNMENTREQUEST']._serialized_start=1713
+  _globals['_ASSIGNMENTREQUEST']._serialized_end=1761
+  _globals['_ASSIGNMENT']._serialized_start=1763
+  _globals['_ASSIGNMENT']._serialized_end=1878
+  _globals['_ROUNDS']._serialized_start=1880
+  _globals['_ROUNDS']._serialized_end=1924
+  _globals['_JOBSTATUS']._serialized_start=1927
+  _globals['_JOBSTATUS']._serialized_end=2222
+  _globals['_JOBSTATUS_AGGREGATORSENTRY']._serialized_start=2172
+  _globals['_JOBSTATUS_AGGREGATORSENTRY']._serialized_end=2222
+  _globals['_GATEWAY']._serialized_start=2225
+  _globals['_GATEWAY']._serialized_end=2818
 # @@protoc_insertion_point(module_scope)

@@ -79,6 +79,11 @@ class GatewayStub:
                 request_serializer=lifl_dot_gateway_dot_lifl__pb2.GetRoundsRequest.SerializeToString,
                 response_deserializer=lifl_dot_gateway_dot_lifl__pb2.Rounds.FromString,
                 _registered_method=True)
+        self.GetAssignment = channel.unary_unary(
+                '/lifl.v1.Gateway/GetAssignment',
+                request_serializer=lifl_dot_gateway_dot_lifl__pb2.AssignmentRequest.SerializeToString,
+                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.Assignment.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -142,6 +147,13 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetAssignment(self, request, context):
+        """The node whose gateway a client should send this round's update to (any gateway answers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -189,6 +201,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.GetRounds,
                     request_deserializer=lifl_dot_gateway_dot_lifl__pb2.GetRoundsRequest.FromString,
                     response_serializer=lifl_dot_gateway_dot_lifl__pb2.Rounds.SerializeToString,
+            ),
+            'GetAssignment': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAssignment,
+                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.AssignmentRequest.FromString,
+                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.Assignment.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -434,6 +451,33 @@ class Gateway:
             '/lifl.v1.Gateway/GetRounds',
             lifl_dot_gateway_dot_lifl__pb2.GetRoundsRequest.SerializeToString,
             lifl_dot_gateway_dot_lifl__pb2.Rounds.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAssignment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lifl.v1.Gateway/GetAssignment',
+            lifl_dot_gateway_dot_lifl__pb2.AssignmentRequest.SerializeToString,
+            lifl_dot_gateway_dot_lifl__pb2.Assignment.FromString,
             options,
             channel_credentials,
             insecure,

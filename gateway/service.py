@@ -282,9 +282,9 @@ class GatewayService:
             ok = status == 202
             # the receiver may not have learnt yet that it hosts the top: try again; a round that
             # is over there will be over here soon too
-            reply = Forwarded(m.id, ok, error, retry=not ok)
+            reply = Forwarded(m.ref, ok, error, retry=not ok)
         except (OSError, LiflError, http.client.HTTPException) as e:
-            reply = Forwarded(m.id, False, f"{type(e).__name__}: {e}", retry=True)
+            reply = Forwarded(m.ref, False, f"{type(e).__name__}: {e}", retry=True)
         finally:
             os.close(fd)
         try:

@@ -218,6 +218,15 @@ class Gateway:
         lease = self._rpc(method, self._pb.Lease.FromString, request.SerializeToString())
         return {"lease": lease.lease, "version": lease.version, "round": lease.round, "ttl_s": lease.ttl_s}
 
+    def assignment(self, job: str, client: str) -> dict[str, Any]:
+        """The node this client should send the current round's update to:
+        {"node", "http", "grpc", "round", "version", ...}; any gateway answers."""
+        if self.protocol == "http":
+            return self._json("GET", f"/v1/jobs/{job}/assignment?client={urllib.parse.quote(client, safe='')}")
+        reply = self._rpc("GetAssignment", self._pb.Assignment.FromString,
+                          self._pb.AssignmentRequest(job=job, client=client).SerializeToString())
+        return {**_dict(reply), "round": reply.round, "version": reply.version}
+
     def rounds(self, job: str, limit: int = 100) -> list[dict[str, Any]]:
         """The last ``limit`` finished rounds, oldest first."""
         if self.protocol == "http":
@@ -237,6 +246,7 @@ def _round_dict(r: Any) -> dict[str, Any]:
     out = _dict(r)
     out["new_version"] = None if r.new_version < 0 else r.new_version
     out["samples"] = int(out["samples"])
+    out["top"] = r.top or None
     return out
 
 
@@ -247,6 +257,7 @@ def _status_dict(status: Any) -> dict[str, Any]:
     rnd = out["round"]
     for key in ("id", "version"):
         rnd[key] = None if int(rnd[key]) < 0 else int(rnd[key])
+    rnd["top"] = rnd["top"] or None
     out["last_round"] = _round_dict(status.last_round) if status.HasField("last_round") else None
     return out
 
@@ -306,9 +317,11 @@ class RoundResult:
 class Participant:
     """One client's side of synchronous FL rounds.
 
-    ``run_round(train)`` takes a lease, pulls the current model, calls ``train(state, version)``
-    (which returns the trained state and its sample count) while a thread heartbeats the lease,
-    and pushes the update; it retries on back-pressure, honouring Retry-After.
+    ``run_round(train)`` asks any gateway which node to use this round (the cluster's placement)
+    and talks to that node's gateway: it takes a lease, pulls the current model, calls
+    ``train(state, version)`` (which returns the trained state and its sample count) while a
+    thread heartbeats the lease, and pushes the update; it retries on back-pressure, honouring
+    Retry-After. ``address`` is the gateway it starts from (and falls back to).
     """
 
     def __init__(self, address: str, job: str, client: str, *, protocol: str = "http", as_torch: bool = False,
@@ -316,12 +329,29 @@ class Participant:
         self.address, self.job, self.client, self.protocol = address, job, client, protocol
         self.as_torch = as_torch
         self.max_wait = max_wait
-        self.gateway = Gateway(address, protocol)
+        self.bootstrap = Gateway(address, protocol)
+        self.gateway = self.bootstrap
+        self.gateway_address = address  # the assigned node's, once known
 
     def close(self) -> None:
-        self.gateway.close()
+        if self.gateway is not self.bootstrap:
+            self.gateway.close()
+        self.bootstrap.close()
+
+    def _follow_assignment(self) -> None:
+        """Use the gateway of the node assigned for this round (the one it had, if unchanged)."""
+        try:
+            assigned = self.bootstrap.assignment(self.job, self.client)[self.protocol]
+        except (errors.LiflError, OSError):
+            return  # an older gateway, or none reachable: keep the one in use
+        if assigned != self.gateway_address:
+            if self.gateway is not self.bootstrap:
+                self.gateway.close()
+            self.gateway = Gateway(assigned, self.protocol)
+            self.gateway_address = assigned
 
     def run_round(self, train: Callable[[dict[str, Any], int], tuple[Mapping[str, Any], int]]) -> RoundResult:
+        self._follow_assignment()
         try:
             lease = self.gateway.take_lease(self.job, self.client)
         except errors.Conflict as e:  # round full or closed: try again for the next one
@@ -329,7 +359,7 @@ class Participant:
         try:
             version, blob = self.gateway.model(self.job)
             state = from_blob(blob, as_torch=self.as_torch)
-            with _Heartbeats(self.address, self.protocol, self.job, lease):
+            with _Heartbeats(self.gateway_address, self.protocol, self.job, lease):
                 trained, samples = train(state, version)
             return self._push(to_blob(trained), samples, version, lease["lease"])
         except errors.Conflict as e:

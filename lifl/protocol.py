@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from lifl.errors import BadRequest
 
 PROTOCOL = 2
+ENVELOPE = frozenset({"id", "ok", "op", "nfds", "error"})  # lifl.rpc's framing: no message field may be one
 
 _REGISTRY: dict[str, type[Message]] = {}
 
@@ -43,6 +44,9 @@ def message(op: str, reply: type[Message] | None = None) -> Any:
     def register(cls: type[Message]) -> type[Message]:
         if op in _REGISTRY:
             raise ValueError(f"message op {op!r} registered twice")
+        clash = {f.name for f in dataclasses.fields(cls)} & ENVELOPE
+        if clash:
+            raise ValueError(f"message {op!r} uses the envelope's field names {sorted(clash)}")
         cls.op, cls.reply = op, reply
         _REGISTRY[op] = cls
         return cls
@@ -314,9 +318,9 @@ class GetRecent(Message):
 @dataclass(frozen=True)
 class ForwardPartial(Message):
     """Stream this object (its descriptor comes along) to ``node``'s gateway, for the top of
-    round ``round`` (epoch ``epoch``) of ``job``."""
+    round ``round`` (epoch ``epoch``) of ``job``; ``Forwarded`` answers with the same ``ref``."""
 
-    id: int
+    ref: int
     job: str
     round: int
     epoch: int
@@ -330,9 +334,9 @@ class ForwardPartial(Message):
 @message("forwarded")
 @dataclass(frozen=True)
 class Forwarded(Message):
-    id: int
-    ok: bool
-    error: str = ""
+    ref: int
+    delivered: bool
+    problem: str = ""
     retry: bool = True  # False: the receiver refused it for good (the round moved on)
 
 
@@ -402,4 +406,4 @@ class Done(Message):
 @dataclass(frozen=True)
 class Failed(Message):
     task: int
-    error: str
+    problem: str

@@ -173,7 +173,7 @@ def serve(ctx: Context, handler: Handler) -> None:
             return
         except Exception as e:  # the agent decides what a failed task means for its round
             traceback.print_exc()
-            ctx.client.call(Failed(task=inv.task, error=f"{type(e).__name__}: {e}"))
+            ctx.client.call(Failed(task=inv.task, problem=f"{type(e).__name__}: {e}"))
 
 
 def drop_privileges(uid: int) -> None:

@@ -144,7 +144,7 @@ class Instance:
 class OutgoingPartial:
     """This node's result of a round on its way to the top on another node."""
 
-    id: int
+    ref: int
     job: str
     round: int
     node: str
@@ -762,8 +762,8 @@ class Agent:
                 self._finish(m.task)
                 inst.task = None
         if task is not None:
-            print(f"lifl agent: task {task.id} ({task.role} of {task.job}) failed: {m.error}", file=sys.stderr)
-            self._abandon(task.job, task.round, f"{task.role} failed: {m.error}")
+            print(f"lifl agent: task {task.id} ({task.role} of {task.job}) failed: {m.problem}", file=sys.stderr)
+            self._abandon(task.job, task.round, f"{task.role} failed: {m.problem}")
         with self.lock:
             if inst is not None and inst.id in self.instances:
                 self._free(inst)
@@ -831,8 +831,8 @@ class Agent:
                 self.store.discard(e.key)
             elif isinstance(e, tree.Release):
                 self.store.release_holder(("round", e.job, e.round))
-                for oid in [o.id for o in self.outgoing.values() if (o.job, o.round) == (e.job, e.round)]:
-                    del self.outgoing[oid]
+                for ref in [o.ref for o in self.outgoing.values() if (o.job, o.round) == (e.job, e.round)]:
+                    del self.outgoing[ref]
             # tree.Start: a task runs once it has an input (Deliver queues it)
         self._dispatch()
         return io
@@ -1039,9 +1039,9 @@ class Agent:
     # -- partial results to other nodes -----------------------------------------------------------
     def _outgoing(self, e: tree.Forward) -> IO:
         out = OutgoingPartial(self._take_id(), e.job, e.round, e.node, e.epoch, e.input)
-        for oid in [o.id for o in self.outgoing.values() if (o.job, o.round) == (e.job, e.round)]:
-            del self.outgoing[oid]  # superseded: the top moved
-        self.outgoing[out.id] = out
+        for ref in [o.ref for o in self.outgoing.values() if (o.job, o.round) == (e.job, e.round)]:
+            del self.outgoing[ref]  # superseded: the top moved
+        self.outgoing[out.ref] = out
         return lambda: self._send_partial(out)
 
     def _send_partial(self, out: OutgoingPartial) -> None:
@@ -1057,7 +1057,7 @@ class Agent:
         try:
             if forwarder is None:
                 raise ConnectionError("no gateway is connected to forward through")
-            forwarder.send(ForwardPartial(out.id, out.job, out.round, out.epoch, out.node, out.input.samples,
+            forwarder.send(ForwardPartial(out.ref, out.job, out.round, out.epoch, out.node, out.input.samples,
                                           out.input.updates, out.input.partial, size).encode(), [fd])
         except (ConnectionError, OSError) as e:
             self._forward_failed(out, str(e), retry=True)
@@ -1066,15 +1066,15 @@ class Agent:
 
     def forwarded(self, m: Forwarded, fds: Sequence[int] = ()) -> tuple[Message | None, list[int]]:
         with self.lock:
-            out = self.outgoing.get(m.id)
+            out = self.outgoing.get(m.ref)
             if out is None:
                 return None, []
-            if m.ok:
+            if m.delivered:
                 out.state = "done"
                 self.metrics.forwarded.labels("delivered").inc()
                 self.metrics.forwarded_bytes.inc(self.store.get(out.input.key).size)
                 return None, []
-        self._forward_failed(out, m.error, m.retry)
+        self._forward_failed(out, m.problem, m.retry)
         return None, []
 
     def _forward_failed(self, out: OutgoingPartial, error: str, retry: bool) -> None:
