@@ -52,6 +52,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run(config)
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from lifl.control import calibrate
+
+    return calibrate.main(args)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from lifl import demo
 
@@ -96,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--subnet", metavar="CIDR",
                     help="with --nodes, advanced: the bridge's subnet; node k gets its (10+k)th address (default 10.77.0.0/24)")
     up.set_defaults(func=cmd_up)
+
+    cal = sub.add_parser("calibrate", help="measure each node's maximum service capacity MC (LIFL appendix E) for placement")
+    from lifl.control.calibrate import add_arguments as calibrate_arguments
+
+    calibrate_arguments(cal)
+    cal.set_defaults(func=cmd_calibrate)
 
     demo = sub.add_parser("demo", help="train a model with federated learning through a local node, to a target accuracy")
     from lifl.demo import add_arguments as demo_arguments

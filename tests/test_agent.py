@@ -16,6 +16,7 @@ import pytest
 from conftest import wait_for
 from lifl import format as fmt
 from lifl import procstat
+from lifl.control.controller import ControlConfig
 from lifl.errors import Conflict, NotFound, Overloaded
 from lifl.jobs import JobSpec
 from lifl.node.agent import Agent, AgentConfig
@@ -206,5 +207,55 @@ def test_warm_instances_are_reused_across_roles_and_expire(run_dir: Path, redis_
         wait_for(lambda: not aggregator_pids(), timeout=15, what="idle instances to stop")
         with pytest.raises(NotFound):
             client.call(Release(b"\0" * 16))
+    finally:
+        agent.stop()
+
+
+def test_lazy_baseline_without_reuse_folds_once_per_task_on_fresh_instances(run_dir: Path, redis_url: str, shm_node: str) -> None:
+    config = AgentConfig(shm_node, run_dir, redis_url, 64 << 20, 16 << 20, max_instances=8, keep_warm=30,
+                         reuse=False, lazy=True, data_dir=run_dir.parent / "data")
+    agent = Agent(config, ClusterState(redis_url))
+    agent.start()
+    try:
+        state = ClusterState(redis_url)
+        state.create_job(JobSpec("j", goal=5, leaf_fan_in=2))
+        rng = np.random.default_rng(2)
+        client = gateway(agent)
+        put_model(client, "j", fmt.encode(random_model(rng)))
+        updates = [(random_model(rng), int(rng.integers(1, 9))) for _ in range(5)]
+        for u, c in updates:
+            push(client, "j", 0, fmt.encode(u), c)
+        wait_for(lambda: state.version("j") == 1, what="version 1")
+        _, model = read_model(client, "j")
+        ref = sum(u["a"].astype(np.float64) * c for u, c in updates) / sum(c for _, c in updates)
+        np.testing.assert_allclose(model["a"], ref, rtol=1e-5, atol=1e-8)
+        tasks = client.call(GetRecent())[0].body["tasks"]
+        assert sorted(t["role"] for t in tasks) == ["leaf"] * 3 + ["middle", "top"]
+        assert len({t["instance"] for t in tasks}) == 5  # no instance served twice
+        assert all(t["folds"] == (1 if t["inputs"] > 1 else 0) for t in tasks)  # everything at once, at the end
+        assert metric(client, 'lifl_aggregator_instances_created_total{reason="cold_start"}') == 5
+    finally:
+        agent.stop()
+
+
+def test_the_planned_hierarchy_is_warmed_before_its_updates_arrive(run_dir: Path, redis_url: str, shm_node: str) -> None:
+    config = AgentConfig(shm_node, run_dir, redis_url, 64 << 20, 16 << 20, max_instances=8, keep_warm=30,
+                         data_dir=run_dir.parent / "data", control=ControlConfig(period=0.2))
+    agent = Agent(config, ClusterState(redis_url))
+    agent.start()
+    try:
+        state = ClusterState(redis_url)
+        state.create_job(JobSpec("j", goal=6, leaf_fan_in=2))
+        rng = np.random.default_rng(3)
+        client = gateway(agent)
+        put_model(client, "j", fmt.encode(random_model(rng)))
+        for i in range(6):  # six clients are assigned to this node: ceil(6 / 2) leaves, the middle and top reuse them
+            assert state.assign("j", 0, f"c{i}", [agent.node]) == agent.node
+        wait_for(lambda: client.call(GetStatus())[0].body["instances"]["total"] == 3, what="the planned instances warm")
+        assert metric(client, 'lifl_aggregator_instances_created_total{reason="prewarm"}') == 3
+        for _ in range(6):
+            push(client, "j", 0, fmt.encode(random_model(rng)), 1)
+        wait_for(lambda: state.version("j") == 1, what="version 1")
+        assert metric(client, 'lifl_aggregator_starts_total{kind="cold"}') == 0  # every task found a warm instance
     finally:
         agent.stop()

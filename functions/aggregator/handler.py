@@ -54,6 +54,7 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
     agg = StreamingFedAvg(inv.fan_in or None)
     handoff_us: list[float] = []
     recv_s = agg_s = alloc_s = 0.0
+    folds = 0
     live: list[Tensors] = []
     queued: list[Contribution] = []  # lazy: everything waits for the last input
 
@@ -87,6 +88,7 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
             if batch is queued:
                 queued = []
             if folded:
+                folds += 1
                 for c in folded:
                     c.tensors.release()
                     live.remove(c.tensors)
@@ -112,6 +114,7 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
     return {
         "role": inv.role,
         "inputs": agg.received,
+        "folds": folds,  # passes over the accumulator (lazy: one)
         "updates": result.updates,
         "samples": result.samples,
         "handoff_us": handoff_us,

@@ -45,7 +45,7 @@ from lifl import format as fmt
 from lifl.channel import KIND_CLOSE, KeyMessage, UnixKeyChannel, now_ns
 from lifl.control import rounds as cluster_rounds
 from lifl.control.controller import Controller, ControlConfig
-from lifl.control.planner import ROLES, InstanceView, expired, pick_warm
+from lifl.control.planner import LEAF, ROLES, InstanceView, expired, pick_warm
 from lifl.errors import BadRequest, Conflict, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge
 from lifl.jobs import JobSpec
 from lifl.node import tree
@@ -927,6 +927,8 @@ class Agent:
             inst = self._idle_instance(tenant) if self.config.reuse else None
             if inst is not None:
                 self.metrics.starts.labels("warm").inc()
+            elif self.config.reuse and task.role != LEAF and self._busy(tenant):
+                continue  # its input's producer is about to be idle: it takes over (§5.3), no cold start
             elif len(self.instances) < self.config.max_instances:
                 inst = self._spawn(tenant, "cold_start")
                 self.metrics.starts.labels("cold").inc()
@@ -934,6 +936,9 @@ class Agent:
                 continue
             self.waiting.remove(task_id)
             self._start(inst, task)
+
+    def _busy(self, tenant: Tenant) -> bool:
+        return any(i.tenant == tenant and i.task is not None for i in self.instances.values())
 
     def _idle_instance(self, tenant: Tenant) -> Instance | None:
         views = [InstanceView(i.id, i.tenant.name, i.task is None, i.last_used) for i in self.instances.values()]
