@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import socket
 import time
 import traceback
@@ -22,7 +21,7 @@ from typing import Any
 
 from lifl.errors import BadRequest, LiflError, NotFound, Overloaded
 from lifl.gateway.service import GatewayService, Ingest, ModelView, PartialMeta, UpdateMeta
-from lifl.gateway.stream import Stream, ThreadedServer
+from lifl.gateway.stream import Stream, ThreadedServer, sendfile_all
 
 MAX_HEAD = 64 << 10
 MAX_JSON_BODY = 1 << 20
@@ -270,11 +269,7 @@ class HttpServer(ThreadedServer):
         head += "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
         if r.sendfile:
             sock.sendall(head.encode("latin-1"))
-            fd, count = r.sendfile
-            offset = 0
-            while offset < count:  # sendfile straight out of shared memory
-                sent = _sendfile(sock, fd, offset, count - offset)
-                offset += sent
+            sendfile_all(sock, *r.sendfile, IDLE_TIMEOUT)  # straight out of shared memory
         else:
             sock.sendall(head.encode("latin-1") + r.body)
 
@@ -399,12 +394,3 @@ class HttpServer(ThreadedServer):
 def _require_framing(req: Request) -> None:
     if not req.body.framed:
         raise BadRequest("a blob needs Content-Length or chunked Transfer-Encoding", code="length_required")
-
-
-def _sendfile(sock: socket.socket, fd: int, offset: int, count: int) -> int:
-    while True:
-        try:
-            return os.sendfile(sock.fileno(), fd, offset, count)
-        except BlockingIOError:  # the socket has a timeout, so it is non-blocking underneath
-            if not select.select([], [sock], [], IDLE_TIMEOUT)[1]:
-                raise TimeoutError("client stopped reading the model") from None

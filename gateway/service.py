@@ -31,6 +31,7 @@ from lifl.control.controller import DEFAULT_CAPACITY
 from lifl.control.planner import BESTFIT, ROLES, NodeLoad, plan_round
 from lifl.errors import BadRequest, Conflict, LiflError, NotFound, Overloaded
 from lifl.gateway.ingest import BlobSink, LayoutCache
+from lifl.gateway.stream import sendfile_all
 from lifl.jobs import JobSpec
 from lifl.protocol import (
     Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Forwarded, ForwardPartial, GetMetrics, Hello, InstallModel,
@@ -491,12 +492,7 @@ def send_partial(state: ClusterState, node: str, m: ForwardPartial, fd: int) -> 
                 f"X-Lifl-Updates: {m.updates}\r\nX-Lifl-Partial: {int(m.partial)}\r\nContent-Length: {m.size}\r\n"
                 f"Connection: close\r\n\r\n")
         sock.sendall(head.encode("latin-1"))
-        offset = 0
-        while offset < m.size:
-            sent = os.sendfile(sock.fileno(), fd, offset, m.size - offset)
-            if sent == 0:
-                raise ConnectionError(f"the object ended after {offset} of {m.size} bytes")
-            offset += sent
+        sendfile_all(sock, fd, m.size, PEER_TIMEOUT)
         response = http.client.HTTPResponse(sock)
         response.begin()
         body = response.read(MAX_ERROR_BODY)

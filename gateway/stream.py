@@ -1,9 +1,11 @@
 """Socket plumbing shared by the gateway's front ends: a listener with a thread per connection,
-and a read side on which small reads go through a buffer while bulk reads land directly in the
-caller's memory (a shared-memory object) with no intermediate copy."""
+a read side on which small reads go through a buffer while bulk reads land directly in the
+caller's memory (a shared-memory object) with no intermediate copy, and sendfile out of it."""
 
 from __future__ import annotations
 
+import os
+import select
 import socket
 import threading
 from abc import ABC, abstractmethod
@@ -69,6 +71,22 @@ class Stream:
     @property
     def buffered(self) -> int:
         return len(self._buf)
+
+
+def sendfile_all(sock: socket.socket, fd: int, count: int, timeout: float) -> None:
+    """Send ``count`` bytes of ``fd`` from offset 0 with sendfile (the kernel copies them from
+    shared memory into the socket); TimeoutError if the peer reads nothing for ``timeout`` s."""
+    offset = 0
+    while offset < count:
+        try:
+            sent = os.sendfile(sock.fileno(), fd, offset, count - offset)
+        except BlockingIOError:  # a socket with a timeout is non-blocking underneath
+            if not select.select([], [sock], [], timeout)[1]:
+                raise TimeoutError(f"the peer stopped reading after {offset} of {count} bytes") from None
+            continue
+        if sent == 0:
+            raise ConnectionError(f"the object ended after {offset} of {count} bytes")
+        offset += sent
 
 
 class ThreadedServer(ABC):

@@ -65,9 +65,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from lifl.bench import dataplane
+    from lifl.bench import dataplane, orchestration
 
-    return dataplane.main(args)
+    return {"dataplane": dataplane.main, "orchestration": orchestration.main}[args.bench](args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,9 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from lifl.bench.dataplane import add_arguments
+    from lifl.bench import dataplane, orchestration
 
-    add_arguments(bench_sub.add_parser("dataplane", help="ingest, hand-off, aggregation and memory of the data plane"))
+    dataplane.add_arguments(bench_sub.add_parser("dataplane", help="ingest, hand-off, aggregation and memory of the data plane"))
+    orchestration.add_arguments(bench_sub.add_parser(
+        "orchestration", help="the control plane on emulated nodes: SL-H, +1, +123, +1234 (LIFL Fig. 8)"))
     bench.set_defaults(func=cmd_bench)
     return p
 

@@ -2,7 +2,8 @@
 
 The agent decides which task runs where and when an instance is started or let go; an
 actuator carries it out. ``LocalProcesses`` runs each instance as a process on this machine
-(``lifl up``); a Kubernetes actuator plugs in behind the same four calls.
+(``lifl up``); a Kubernetes actuator plugs in behind the same calls. An instance that goes
+away, for whatever reason, is reported by its control connection closing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from lifl.protocol import Message
 from lifl.rpc import Connection
 from lifl.store import Tenant
 
+STOP_GRACE = 3.0  # seconds an instance has to exit once its control connection is closed
+
 
 class Actuator(Protocol):
     def spawn(self, tenant: Tenant) -> int:
@@ -30,9 +33,6 @@ class Actuator(Protocol):
 
     def stop(self, instance: int) -> None:
         """Let an instance go (it finishes nothing more)."""
-
-    def alive(self, instance: int) -> bool:
-        """Whether the instance still runs."""
 
     def invoke(self, instance: int, message: Message) -> None:
         """Push a control message (an invocation, a cancellation) to the instance."""
@@ -93,17 +93,14 @@ class LocalProcesses:
                 p = self._procs.pop(iid, None)
             if p is not None:
                 UnixKeyChannel.retire(self.chan_dir / p.tenant.name, iid)
+                _reap(p.proc)
+
 
     def stop(self, instance: int) -> None:
         with self._lock:
             p = self._procs.get(instance)
         if p is not None:
             p.conn.close()  # the runtime exits when its control connection closes
-
-    def alive(self, instance: int) -> bool:
-        with self._lock:
-            p = self._procs.get(instance)
-        return p is not None and p.proc.poll() is None
 
     def invoke(self, instance: int, message: Message) -> None:
         with self._lock:
@@ -112,26 +109,20 @@ class LocalProcesses:
             raise ConnectionError(f"instance {instance} is gone")
         p.conn.send(message.encode())
 
-    def exited(self) -> list[int]:
-        """Instances whose process has exited (their connections are closed so they are reaped)."""
-        with self._lock:
-            gone = [(iid, p) for iid, p in self._procs.items() if p.proc.poll() is not None]
-        for _, p in gone:
-            p.conn.close()
-        return [iid for iid, _ in gone]
-
-    def pids(self) -> list[int]:
-        with self._lock:
-            return [p.proc.pid for p in self._procs.values()]
-
-    def stop_all(self, timeout: float = 3.0) -> None:
+    def stop_all(self) -> None:
         with self._lock:
             procs = list(self._procs.values())
         for p in procs:
             p.conn.close()
         for p in procs:
-            try:
-                p.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                p.proc.kill()
-                p.proc.wait()
+            _reap(p.proc)
+
+
+def _reap(proc: subprocess.Popen, grace: float = STOP_GRACE) -> None:
+    """Wait for an instance whose connection is gone (it exits on EOF), so that it leaves no
+    zombie and its CPU time is charged to the agent; kill it if it does not go."""
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -229,7 +229,6 @@ class Agent:
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
         self._duties: list[tuple[str, float, Callable[[], None]]] = [
-            ("reap_instances", 0.05, self.reap_instances),
             ("flush_outbox", 0.01, self.flush_outbox),
             ("expire_idle_instances", 0.2, self.expire_idle_instances),
             ("round_duties", 0.2, self.round_duties),
@@ -1119,10 +1118,6 @@ class Agent:
                     duty()
                 except Exception:  # Redis restarting, a peer gone: the next tick retries
                     traceback.print_exc()
-
-    def reap_instances(self) -> None:
-        for iid in self.actuator.exited():
-            self._instance_gone(iid, "its process exited")
 
     def flush_outbox(self) -> None:
         with self.lock:

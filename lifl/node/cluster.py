@@ -79,6 +79,7 @@ class ClusterConfig:
     lazy: bool = False
     control: ControlConfig = field(default_factory=ControlConfig)
     netem: str | None = None  # shaping of every node's link, netem syntax (see netns)
+    internode_rate: str | None = None  # a tc rate for traffic between nodes only (clients' is not shaped)
     http_port: int = 8080
     grpc_port: int = 50051
     start_timeout: float = 120.0
@@ -94,6 +95,10 @@ class ClusterConfig:
         if self.nodes > self.network.capacity:
             raise ValueError(f"subnet {self.subnet} has room for {self.network.capacity} nodes, not {self.nodes}")
         self.netem_spec = netns.parse_netem(self.netem) if self.netem is not None else None
+        if self.internode_rate is not None:
+            if self.netem is not None:
+                raise ValueError("shape either every link (netem) or the traffic between nodes (internode rate), not both")
+            netns.parse_rate(self.internode_rate)
         if self.redis is not None:
             _check_redis_url(self.redis)
         self.run_dir = self.run_dir or default_run_dir("cluster")
@@ -255,6 +260,12 @@ class Cluster:
             netns.add_node(self.network, node, k)
             if qdisc:
                 netns.shape(self.network, node, qdisc)
+        if c.internode_rate is not None:
+            addresses = [self.network.address(k) for k in range(1, len(c.node_configs) + 1)]
+            for k, node in enumerate(c.node_configs, 1):
+                peers = [a for j, a in enumerate(addresses, 1) if j != k]
+                netns.shape_between_nodes(self.network, node, peers, netns.parse_rate(c.internode_rate))
+            qdisc = ["htb", "between nodes", c.internode_rate]
         redis_url = c.redis or self._start_redis()
         for node, nc in c.node_configs.items():
             argv = netns.exec_argv(self.network.namespace(node), node_argv(dataclasses.replace(nc, redis=redis_url)))

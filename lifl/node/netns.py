@@ -141,6 +141,21 @@ def shape(net: Network, node: str, qdisc: Sequence[str]) -> None:
     run(["tc", "qdisc", "add", "dev", net.host_end(node), "root", *qdisc])  # bridge → node
 
 
+def shape_between_nodes(net: Network, node: str, peers: Sequence[ipaddress.IPv4Address], rate_bits: int) -> None:
+    """Shape only the traffic between this node and ``peers`` (the other nodes), both ways, with
+    an htb class of ``rate_bits``: what crosses the cluster's network is limited, clients' and
+    Redis's traffic to and from the bridge address is not (htb sends unclassified packets
+    straight through)."""
+    burst = str(max(rate_bits // 8 // 250, 64 << 10))
+    klass = ["htb", "rate", f"{rate_bits}bit", "ceil", f"{rate_bits}bit", "burst", burst, "cburst", burst]
+    for tc, dev, direction in ((["tc", "-n", net.namespace(node)], "eth0", "dst"), (["tc"], net.host_end(node), "src")):
+        run([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "r2q", "1000"])
+        run([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", *klass])
+        for peer in peers:
+            run([*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                 "match", "ip", direction, f"{peer}/32", "flowid", "1:10"])
+
+
 def netem_available(prefix: str) -> bool:
     """Whether this kernel has the netem qdisc, tried on a scratch veth pair."""
     probe = _probe_name(prefix)
