@@ -97,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
     if unknown or any(n < 1 for n in loads) or args.nodes < 1 or args.repeat < 1:
         print(f"lifl bench orchestration: bad --systems/--loads/--nodes/--repeat ({', '.join(sorted(unknown))})", file=sys.stderr)
         return 2
-    result = run(args, loads, systems, log=not args.json)
+    result = run(args, loads, systems, log=True)  # progress on stderr, results on stdout
     result["plots"] = plot(args.results, result)
     print(json.dumps(result) if args.json else summary_table(result))
     return 0

@@ -68,6 +68,7 @@ from lifl.store import SHM_DIR, ObjectStore, Tenant, remove_node_objects
 DEFAULT_HANDLER = "lifl.functions.aggregator.handler:handle"
 SETTLE_PASSES = 4  # duties that enable further duties (close, then place the top) within one settle
 FORWARD_RETRY = (0.2, 0.5, 1.0, 2.0)  # seconds before resending a partial that did not arrive
+OUTBOX_RETRY = 0.005  # seconds between attempts to deliver keys to an instance whose queue was full
 
 
 def check_traversable(directory: Path) -> None:
@@ -227,9 +228,9 @@ class Agent:
         self._tenants: dict[str, Tenant] = {}
         self._next_id = 0
         self._stopping = threading.Event()
+        self._wake = threading.Event()  # the duty loop: stop, or keys wait in the outbox
         self._listener: socket.socket | None = None
         self._duties: list[tuple[str, float, Callable[[], None]]] = [
-            ("flush_outbox", 0.01, self.flush_outbox),
             ("expire_idle_instances", 0.2, self.expire_idle_instances),
             ("round_duties", 0.2, self.round_duties),
             ("retry_forwards", 0.1, self.retry_forwards),
@@ -270,6 +271,7 @@ class Agent:
         """Clean shutdown: unlink every object first (mappings stay valid for whoever holds them,
         and a checkpoint being written has its own descriptor), then stop the instances."""
         self._stopping.set()
+        self._wake.set()
         if self._listener:
             self._listener.close()
         with self.lock:
@@ -654,7 +656,11 @@ class Agent:
         if j.model_node != self.node and self.state.gateway(j.model_node) is not None:
             raise NotFound(f"the model of job {m.job!r} is on node {j.model_node}", code="model_elsewhere",
                            extra={"node": j.model_node, "version": j.version})
-        blob = self.checkpointer.store.load(m.job, j.version)
+        try:
+            blob = self.checkpointer.store.load(m.job, j.version)
+        except FileNotFoundError as e:  # a store of this node's own, not shared with the node that had it
+            raise Overloaded(f"the model of job {m.job!r} (version {j.version}) is on node {j.model_node}, which is "
+                             f"gone, and this node's checkpoint store does not have it: {e}", code="model_unreachable") from None
         with self.lock:
             seg = self._blob_object(run, blob, holder)
             self._set_replica(m.job, run, seg.key, j.version, holder)
@@ -845,7 +851,8 @@ class Agent:
         msg = KeyMessage(**{**msg.__dict__, "dest": inst.id})
         sender = self._senders[inst.tenant.name]
         if self.outbox or not sender.try_send(msg):
-            self.outbox.append((inst.tenant.name, msg))  # the instance's queue is full; a duty retries
+            self.outbox.append((inst.tenant.name, msg))  # the instance's queue is full; the duty loop retries
+            self._wake.set()
 
     def _cancel(self, task_id: int, reason: str) -> None:
         """A running task keeps its objects until its instance acknowledges (it may still be
@@ -1099,17 +1106,35 @@ class Agent:
                     out.state, out.next_try = "failed", time.monotonic()
 
     def retry_forwards(self) -> None:
+        """Send again what did not arrive, while it is still where the round's result should go."""
         now = time.monotonic()
         with self.lock:
+            for ref in [ref for ref, o in self.outgoing.items() if not self._still_wanted(o)]:
+                del self.outgoing[ref]  # the top moved (here, or to another epoch's node)
             due = [o for o in self.outgoing.values() if o.state == "failed" and o.next_try <= now]
         for out in due:
             self._send_partial(out)
 
+    def _still_wanted(self, out: OutgoingPartial) -> bool:
+        r = self.trees.round_of(out.job)
+        return r is not None and r.round == out.round and r.top is None and r.sent == (out.node, out.epoch)
+
     # -- periodic duties --------------------------------------------------------------------------
     def _duty_loop(self) -> None:
+        """Run each periodic duty on its period; flush the outbox at once while it holds keys."""
         last = {name: 0.0 for name, _, _ in self._duties}
-        while not self._stopping.wait(0.01):
+        while True:
             now = time.monotonic()
+            wait = min(last[name] + every - now for name, every, _ in self._duties)
+            if self.outbox:
+                wait = min(wait, OUTBOX_RETRY)
+            self._wake.wait(max(wait, 0.0))
+            self._wake.clear()
+            if self._stopping.is_set():
+                return
+            now = time.monotonic()
+            if self.outbox:
+                self.flush_outbox()
             for name, every, duty in self._duties:
                 if now - last[name] < every:
                     continue
