@@ -18,7 +18,6 @@ import dataclasses
 import fcntl
 import ipaddress
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -35,7 +34,7 @@ import redis
 from lifl.control.controller import ControlConfig
 from lifl.node import netns
 from lifl.node.agent import agent_argv
-from lifl.node.supervisor import NodeConfig, default_data_dir, default_run_dir, default_shm_capacity
+from lifl.node.supervisor import NodeConfig, default_data_dir, default_run_dir, default_shm_capacity, embedded_redis_argv
 from lifl.procs import die_with_parent
 from lifl.store import remove_node_objects
 
@@ -288,18 +287,10 @@ class Cluster:
 
     def _start_redis(self) -> str:
         """A redis-server on the bridge address, reachable from every namespace and only there."""
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server is not installed (run `make install`, or pass --redis URL)")
         assert self.config.data_dir is not None
-        directory = self.config.data_dir / "redis"
-        directory.mkdir(parents=True, exist_ok=True)
         host = str(self.network.bridge_address)
         port = _free_port(host)
-        self._redis_argv = [
-            exe, "--bind", host, "--port", str(port), "--protected-mode", "no", "--dir", str(directory),
-            "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--logfile", str(directory / "redis.log"),
-        ]
+        self._redis_argv = embedded_redis_argv(self.config.data_dir, ["--bind", host, "--port", str(port), "--protected-mode", "no"])
         url = f"redis://{host}:{port}"
         self._start_redis_process(url)
         return url

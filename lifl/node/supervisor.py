@@ -83,6 +83,18 @@ class NodeConfig:
         self.pool_limit = self.pool_limit if self.pool_limit is not None else self.shm_capacity // 4
 
 
+def embedded_redis_argv(data_dir: Path, listen: list[str]) -> list[str]:
+    """The redis-server `lifl up` starts when none is given: ``listen`` says where; its data
+    lives in DATA_DIR/redis, logged to an append-only file synced every second."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit("lifl: redis-server is not installed (run `make install`, or pass --redis URL)")
+    directory = data_dir / "redis"
+    directory.mkdir(parents=True, exist_ok=True)
+    return [exe, *listen, "--dir", str(directory), "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+            "--logfile", str(directory / "redis.log")]
+
+
 @dataclass
 class Addresses:
     http: str
@@ -189,17 +201,10 @@ class Node:
             raise SystemExit(f"lifl: node {self.config.node} is already running (lock {self.run_dir / 'node.lock'})") from None
 
     def _start_redis(self) -> str:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise SystemExit("lifl: redis-server is not installed (run `make install`, or pass --redis URL)")
         assert self.config.data_dir is not None
-        directory = self.config.data_dir / "redis"
-        directory.mkdir(parents=True, exist_ok=True)
         sock = self.run_dir / "redis.sock"
-        self.children["redis"] = child = Child("redis", [
-            exe, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700", "--dir", str(directory),
-            "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--logfile", str(directory / "redis.log"),
-        ], ready=None, log=self.log, pdeathsig=True)
+        argv = embedded_redis_argv(self.config.data_dir, ["--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700"])
+        self.children["redis"] = child = Child("redis", argv, ready=None, log=self.log, pdeathsig=True)
         child.start()
         return f"unix://{sock}"
 
