@@ -23,7 +23,6 @@ from lifl.control.planner import (
     InstanceView,
     NodeHierarchy,
     NodeLoad,
-    RoundPlan,
     choose_top,
     estimate,
     expired,
@@ -35,32 +34,6 @@ from lifl.control.planner import (
     size_hierarchy,
     warm_instances,
 )
-
-
-@pytest.mark.parametrize("updates,fan_in,leaves,assignments", [
-    (1, 2, 1, [(0, 1)]),
-    (2, 2, 1, [(0, 2), (0, 2)]),
-    (5, 2, 3, [(0, 2), (0, 2), (1, 2), (1, 2), (2, 1)]),
-    (6, 3, 2, [(0, 3)] * 3 + [(1, 3)] * 3),
-    (7, 3, 3, [(0, 3)] * 3 + [(1, 3)] * 3 + [(2, 1)]),
-    (4, 1, 4, [(0, 1), (1, 1), (2, 1), (3, 1)]),
-    (3, 10, 1, [(0, 3)] * 3),
-])
-def test_round_plan(updates: int, fan_in: int, leaves: int, assignments: list[tuple[int, int]]) -> None:
-    plan = RoundPlan(updates, fan_in)
-    assert plan.leaves == plan.middle_fan_in == leaves
-    assert [plan.leaf_of(i) for i in range(updates)] == assignments
-
-
-@pytest.mark.parametrize("updates,fan_in", [(0, 2), (3, 0), (-1, 1)])
-def test_round_plan_rejects_empty_rounds(updates: int, fan_in: int) -> None:
-    with pytest.raises(ValueError):
-        RoundPlan(updates, fan_in)
-
-
-def test_leaf_of_is_bounded() -> None:
-    with pytest.raises(ValueError):
-        RoundPlan(3, 2).leaf_of(3)
 
 
 I = InstanceView

@@ -12,7 +12,8 @@ control plane's switches (paper §6.1):
 - +1234: and eager aggregation (§5.4).
 
 Clients ask any gateway for their node (the round's placement), then all send their updates at
-once. ACT is from that moment until the installing node recorded the new version; CPU is every
+once. ACT is from that moment until the top has the aggregated model (the installing node's
+record, less the time it then spent writing the checkpoint, the same for all); CPU is every
 node process's CPU time (agents, gateways, aggregators, including instances that exited) from
 just before the clients asked for their nodes (so planning and warming count) until the end;
 aggregators created counts cold starts and warmed instances; nodes used are the nodes that
@@ -248,7 +249,7 @@ class Round:
         for g in gateways:
             g.close()
         return {
-            "system": self.system, "updates": self.updates, "act_s": round(last["closed"] - t0, 3),
+            "system": self.system, "updates": self.updates, "act_s": round(last["closed"] - last["checkpoint_s"] - t0, 3),
             "cpu_s": round(cpu, 2), "aggregators_created": int(created),
             "nodes_used": sum(1 for c in last["nodes"].values() if c > 0),
             "per_node": last["nodes"], "top": last["top"],

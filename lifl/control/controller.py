@@ -15,9 +15,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from lifl.control.planner import (
-    BESTFIT, DEFAULT_ALPHA, POLICIES, Counters, Estimate, estimate, size_hierarchy, warm_instances,
-)
+from lifl.control.planner import BESTFIT, DEFAULT_ALPHA, POLICIES, Counters, Estimate, estimate, plan_warm
 from lifl.state import NO_MODEL, ClusterState
 
 DEFAULT_CAPACITY = 20.0  # MC_i of a node `lifl calibrate` has not measured (the paper's testbed value)
@@ -82,13 +80,11 @@ class Controller:
                 queues[(node, name)] = max(queues.get((node, name), 0.0), float(waiting))
         warm: dict[str, dict[str, int]] = {}
         loads: dict[str, float] = {}
-        for (node, name), q in queues.items():
-            spec = jobs.get(name)
-            if spec is None:
-                continue
-            loads[node] = loads.get(node, 0.0) + q
-            n = warm_instances(size_hierarchy(node, q, spec.leaf_fan_in), reuse=self.reuse)
-            if n:
+        for name, spec in jobs.items():
+            per_node = {node: q for (node, job), q in queues.items() if job == name}
+            for node, q in per_node.items():
+                loads[node] = loads.get(node, 0.0) + q
+            for node, n in plan_warm(per_node, fan_in=spec.leaf_fan_in, reuse=self.reuse).items():
                 per_tenant = warm.setdefault(node, {})
                 per_tenant[spec.tenant] = per_tenant.get(spec.tenant, 0) + n
         self.state.set_control(warm, loads, ttl=3 * self.config.period + 1)

@@ -33,33 +33,6 @@ POLICIES = (BESTFIT, FIRSTFIT, WORSTFIT, LEAST_CONNECTION)
 
 
 @dataclass(frozen=True)
-class RoundPlan:
-    """How a node aggregates ``updates`` client updates with leaves of fan-in ``leaf_fan_in``."""
-
-    updates: int
-    leaf_fan_in: int
-
-    def __post_init__(self) -> None:
-        if self.updates < 1 or self.leaf_fan_in < 1:
-            raise ValueError(f"a round needs updates >= 1 and leaf fan-in >= 1, got {self.updates}, {self.leaf_fan_in}")
-
-    @property
-    def leaves(self) -> int:
-        return -(-self.updates // self.leaf_fan_in)
-
-    @property
-    def middle_fan_in(self) -> int:
-        return self.leaves
-
-    def leaf_of(self, arrival: int) -> tuple[int, int]:
-        """(leaf index, that leaf's fan-in) for the arrival-th update of the round (0-based)."""
-        if not 0 <= arrival < self.updates:
-            raise ValueError(f"update {arrival} is outside a round of {self.updates}")
-        index = arrival // self.leaf_fan_in
-        return index, min(self.leaf_fan_in, self.updates - index * self.leaf_fan_in)
-
-
-@dataclass(frozen=True)
 class InstanceView:
     """What placement needs to know about a warm instance."""
 

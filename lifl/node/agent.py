@@ -887,9 +887,10 @@ class Agent:
             print(f"lifl agent: checkpoint of {job} version {version} failed: {error}", file=sys.stderr)
         j, shard = self.state.job(job), self.state.shard(job)
         now = self.state.now()
+        aggregated = now - seconds  # the checkpoint is written between aggregation and installation
         summary = self._summary(j, shard, version, "complete" if e.input.updates >= j.spec.goal else "partial",
                                 updates=e.input.updates, samples=e.input.samples, checkpoint_s=round(seconds, 6),
-                                seconds=round(now - shard.first_update, 6) if shard.first_update else None)
+                                seconds=round(aggregated - shard.first_update, 6) if shard.first_update else None)
         if error is not None:
             summary["checkpoint_error"] = str(error)
         opened = self.state.next_round(job, e.round, version, key=key.hex(), node=self.node, summary=summary)
