@@ -360,6 +360,12 @@ class CancelTask(Message):
     reason: str
 
 
+@message("ready", Ok)
+@dataclass(frozen=True)
+class Ready(Message):
+    """The instance has loaded its function and waits for invocations (it is warm)."""
+
+
 @message("alloc", Allocated)
 @dataclass(frozen=True)
 class Alloc(Message):

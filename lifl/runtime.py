@@ -30,7 +30,7 @@ from typing import Any
 
 from lifl import format as fmt
 from lifl.channel import KeyMessage, UnixKeyChannel, now_ns
-from lifl.protocol import Alloc, CancelTask, Done, Failed, Folded, Handoff, InstallResult, Invoke
+from lifl.protocol import Alloc, CancelTask, Done, Failed, Folded, Handoff, InstallResult, Invoke, Ready
 from lifl.rpc import Client, Connection
 from lifl.store import MappingCache, object_name
 
@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     client = Client(Connection(socket.socket(fileno=args.control_fd)))
     channel = UnixKeyChannel(socket.socket(fileno=args.channel_fd), args.chan_dir)
     ctx = Context(args.instance, args.tenant, args.node, client, channel)
+    client.call(Ready())
     serve(ctx, handler)
     sys.exit(0)
 

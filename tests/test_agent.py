@@ -251,7 +251,8 @@ def test_the_planned_hierarchy_is_warmed_before_its_updates_arrive(run_dir: Path
         put_model(client, "j", fmt.encode(random_model(rng)))
         for i in range(6):  # six clients are assigned to this node: ceil(6 / 2) leaves, the middle and top reuse them
             assert state.assign("j", 0, f"c{i}", [agent.node]) == agent.node
-        wait_for(lambda: client.call(GetStatus())[0].body["instances"]["total"] == 3, what="the planned instances warm")
+        wait_for(lambda: client.call(GetStatus())[0].body["instances"]["ready"] == 3, what="the planned instances warm")
+        assert client.call(GetStatus())[0].body["instances"]["total"] == 3
         assert metric(client, 'lifl_aggregator_instances_created_total{reason="prewarm"}') == 3
         for _ in range(6):
             push(client, "j", 0, fmt.encode(random_model(rng)), 1)

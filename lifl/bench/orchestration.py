@@ -256,12 +256,12 @@ class Round:
         }
 
     def _wait_warm(self, state: ClusterState, timeout: float = 300.0) -> None:
-        """Until every node runs the instances the planner asked it to keep warm."""
+        """Until every node has the instances the planner asked it to keep warm, loaded and waiting."""
         deadline = time.monotonic() + timeout
         while True:
             plan = state.warm_plan()
             nodes = state.nodes()
-            if plan and all(nodes.get(n, {}).get("instances", {}).get("total", 0) >= sum(want.values())
+            if plan and all(nodes.get(n, {}).get("instances", {}).get("ready", 0) >= sum(want.values())
                             for n, want in plan.items()):
                 return
             if time.monotonic() > deadline:

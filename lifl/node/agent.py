@@ -56,7 +56,7 @@ from lifl.procs import die_with_parent
 from lifl.protocol import (
     PROTOCOL, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Admitted, Alloc, Allocated, CancelTask, Document,
     Done, Failed, Folded, Forwarded, ForwardPartial, GetMetrics, GetRecent, GetStatus, Handoff, Hello, InstallModel,
-    InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, OpenModel, Release, Route, Submit,
+    InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, OpenModel, Ready, Release, Route, Submit,
     SubmitPartial, Submitted, Text, Welcome,
 )
 from lifl.rpc import Connection
@@ -137,6 +137,7 @@ class Instance:
     id: int
     tenant: Tenant
     task: int | None = None
+    ready: bool = False  # its runtime has loaded the function (a warm instance, not one still starting)
     last_used: float = field(default_factory=time.monotonic)
     specs_sent: set[str] = field(default_factory=set)
 
@@ -386,6 +387,7 @@ class Agent:
 
     def _serve_instance(self, iid: int, conn: Connection) -> None:
         handlers: dict[type[Message], Any] = {
+            Ready: lambda m, f: self.ready(iid),
             Alloc: lambda m, f: self.alloc(iid, m),
             Folded: lambda m, f: self.folded(iid, m),
             Handoff: lambda m, f: self.handoff(iid, m),
@@ -692,6 +694,13 @@ class Agent:
         if task is None or inst is None or inst.id != iid:
             raise NotFound(f"task {task_id} is not running on instance {iid}", code="no_such_task")
         return task
+
+    def ready(self, iid: int) -> tuple[Message | None, list[int]]:
+        with self.lock:
+            inst = self.instances.get(iid)
+            if inst is not None:
+                inst.ready = True
+        return None, []
 
     def alloc(self, iid: int, m: Alloc) -> tuple[Message, list[int]]:
         with self.lock:
@@ -1234,6 +1243,7 @@ class Agent:
                 "time": time.time(),
                 "started": self.started_at,
                 "instances": {"total": len(self.instances), "idle": sum(i.task is None for i in self.instances.values()),
+                              "ready": sum(i.ready for i in self.instances.values()),
                               "by_tenant": _count_by(i.tenant.name for i in self.instances.values())},
                 "jobs": jobs,
                 "counters": self.metrics.planner_counters(),
