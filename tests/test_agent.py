@@ -7,8 +7,9 @@ from __future__ import annotations
 import mmap
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,12 +31,25 @@ SHAPES = {"a": (64, 33), "b": (7,), "c": (3, 3, 5)}
 
 
 @pytest.fixture
-def agent(run_dir: Path, redis_url: str, shm_node: str) -> Iterator[Agent]:
-    config = AgentConfig(shm_node, run_dir, redis_url, 256 << 20, 64 << 20, max_instances=6, keep_warm=30, data_dir=run_dir.parent / "data")
-    a = Agent(config, ClusterState(redis_url))
-    a.start()
-    yield a
-    a.stop()
+def started(run_dir: Path, redis_url: str, shm_node: str) -> Iterator[Callable[..., Agent]]:
+    """Start an agent with these options (stopped after the test)."""
+    agents: list[Agent] = []
+
+    def start(**options: Any) -> Agent:
+        options = {"max_instances": 6, "keep_warm": 30, "data_dir": run_dir.parent / "data", **options}
+        a = Agent(AgentConfig(shm_node, run_dir, redis_url, 256 << 20, 64 << 20, **options), ClusterState(redis_url))
+        a.start()
+        agents.append(a)
+        return a
+
+    yield start
+    for a in agents:
+        a.stop()
+
+
+@pytest.fixture
+def agent(started: Callable[..., Agent]) -> Agent:
+    return started()
 
 
 def gateway(agent: Agent) -> Client:
@@ -184,79 +198,62 @@ def test_killed_aggregator_abandons_the_round_and_reopens_its_slots(agent: Agent
     np.testing.assert_allclose(model["a"], sum(u["a"].astype(np.float64) for u in updates) / 3, rtol=1e-5, atol=1e-8)
 
 
-def test_warm_instances_are_reused_across_roles_and_expire(run_dir: Path, redis_url: str, shm_node: str) -> None:
-    config = AgentConfig(shm_node, run_dir, redis_url, 64 << 20, 16 << 20, max_instances=4, keep_warm=1.0)
-    agent = Agent(config, ClusterState(redis_url))
-    agent.start()
-    try:
-        state = ClusterState(redis_url)
-        state.create_job(JobSpec("j", goal=2))
-        rng = np.random.default_rng(1)
-        client = gateway(agent)
-        put_model(client, "j", fmt.encode(random_model(rng)))
-        for version in range(3):
-            for _ in range(2):
-                push(client, "j", version, fmt.encode(random_model(rng)), 1)
-            wait_for(lambda: state.version("j") == version + 1, what="next version")
-        assert metric(client, 'lifl_aggregator_starts_total{kind="warm"}') > 0
-        tasks = client.call(GetRecent())[0].body["tasks"]
-        by_instance: dict[int, set[str]] = {}
-        for t in tasks:
-            by_instance.setdefault(t["instance"], set()).add(t["role"])
-        assert any(len(roles) > 1 for roles in by_instance.values())  # one instance served several roles
-        wait_for(lambda: not aggregator_pids(), timeout=15, what="idle instances to stop")
-        with pytest.raises(NotFound):
-            client.call(Release(b"\0" * 16))
-    finally:
-        agent.stop()
+def test_warm_instances_are_reused_across_roles_and_expire(started: Callable[..., Agent], redis_url: str) -> None:
+    agent = started(max_instances=4, keep_warm=1.0)
+    state = ClusterState(redis_url)
+    state.create_job(JobSpec("j", goal=2))
+    rng = np.random.default_rng(1)
+    client = gateway(agent)
+    put_model(client, "j", fmt.encode(random_model(rng)))
+    for version in range(3):
+        for _ in range(2):
+            push(client, "j", version, fmt.encode(random_model(rng)), 1)
+        wait_for(lambda: state.version("j") == version + 1, what="next version")
+    assert metric(client, 'lifl_aggregator_starts_total{kind="warm"}') > 0
+    tasks = client.call(GetRecent())[0].body["tasks"]
+    by_instance: dict[int, set[str]] = {}
+    for t in tasks:
+        by_instance.setdefault(t["instance"], set()).add(t["role"])
+    assert any(len(roles) > 1 for roles in by_instance.values())  # one instance served several roles
+    wait_for(lambda: not aggregator_pids(), timeout=15, what="idle instances to stop")
+    with pytest.raises(NotFound):
+        client.call(Release(b"\0" * 16))
 
 
-def test_lazy_baseline_without_reuse_folds_once_per_task_on_fresh_instances(run_dir: Path, redis_url: str, shm_node: str) -> None:
-    config = AgentConfig(shm_node, run_dir, redis_url, 64 << 20, 16 << 20, max_instances=8, keep_warm=30,
-                         reuse=False, lazy=True, data_dir=run_dir.parent / "data")
-    agent = Agent(config, ClusterState(redis_url))
-    agent.start()
-    try:
-        state = ClusterState(redis_url)
-        state.create_job(JobSpec("j", goal=5, leaf_fan_in=2))
-        rng = np.random.default_rng(2)
-        client = gateway(agent)
-        put_model(client, "j", fmt.encode(random_model(rng)))
-        updates = [(random_model(rng), int(rng.integers(1, 9))) for _ in range(5)]
-        for u, c in updates:
-            push(client, "j", 0, fmt.encode(u), c)
-        wait_for(lambda: state.version("j") == 1, what="version 1")
-        _, model = read_model(client, "j")
-        ref = sum(u["a"].astype(np.float64) * c for u, c in updates) / sum(c for _, c in updates)
-        np.testing.assert_allclose(model["a"], ref, rtol=1e-5, atol=1e-8)
-        tasks = client.call(GetRecent())[0].body["tasks"]
-        assert sorted(t["role"] for t in tasks) == ["leaf"] * 3 + ["middle", "top"]
-        assert len({t["instance"] for t in tasks}) == 5  # no instance served twice
-        assert all(t["folds"] == (1 if t["inputs"] > 1 else 0) for t in tasks)  # everything at once, at the end
-        assert metric(client, 'lifl_aggregator_instances_created_total{reason="cold_start"}') == 5
-    finally:
-        agent.stop()
+def test_lazy_baseline_without_reuse_folds_once_per_task_on_fresh_instances(started: Callable[..., Agent], redis_url: str) -> None:
+    agent = started(max_instances=8, reuse=False, lazy=True)
+    state = ClusterState(redis_url)
+    state.create_job(JobSpec("j", goal=5, leaf_fan_in=2))
+    rng = np.random.default_rng(2)
+    client = gateway(agent)
+    put_model(client, "j", fmt.encode(random_model(rng)))
+    updates = [(random_model(rng), int(rng.integers(1, 9))) for _ in range(5)]
+    for u, c in updates:
+        push(client, "j", 0, fmt.encode(u), c)
+    wait_for(lambda: state.version("j") == 1, what="version 1")
+    _, model = read_model(client, "j")
+    ref = sum(u["a"].astype(np.float64) * c for u, c in updates) / sum(c for _, c in updates)
+    np.testing.assert_allclose(model["a"], ref, rtol=1e-5, atol=1e-8)
+    tasks = client.call(GetRecent())[0].body["tasks"]
+    assert sorted(t["role"] for t in tasks) == ["leaf"] * 3 + ["middle", "top"]
+    assert len({t["instance"] for t in tasks}) == 5  # no instance served twice
+    assert all(t["folds"] == (1 if t["inputs"] > 1 else 0) for t in tasks)  # everything at once, at the end
+    assert metric(client, 'lifl_aggregator_instances_created_total{reason="cold_start"}') == 5
 
 
-def test_the_planned_hierarchy_is_warmed_before_its_updates_arrive(run_dir: Path, redis_url: str, shm_node: str) -> None:
-    config = AgentConfig(shm_node, run_dir, redis_url, 64 << 20, 16 << 20, max_instances=8, keep_warm=30,
-                         data_dir=run_dir.parent / "data", control=ControlConfig(period=0.2))
-    agent = Agent(config, ClusterState(redis_url))
-    agent.start()
-    try:
-        state = ClusterState(redis_url)
-        state.create_job(JobSpec("j", goal=6, leaf_fan_in=2))
-        rng = np.random.default_rng(3)
-        client = gateway(agent)
-        put_model(client, "j", fmt.encode(random_model(rng)))
-        for i in range(6):  # six clients are assigned to this node: ceil(6 / 2) leaves, the middle and top reuse them
-            assert state.assign("j", 0, f"c{i}", [agent.node]) == agent.node
-        wait_for(lambda: client.call(GetStatus())[0].body["instances"]["ready"] == 3, what="the planned instances warm")
-        assert client.call(GetStatus())[0].body["instances"]["total"] == 3
-        assert metric(client, 'lifl_aggregator_instances_created_total{reason="prewarm"}') == 3
-        for _ in range(6):
-            push(client, "j", 0, fmt.encode(random_model(rng)), 1)
-        wait_for(lambda: state.version("j") == 1, what="version 1")
-        assert metric(client, 'lifl_aggregator_starts_total{kind="cold"}') == 0  # every task found a warm instance
-    finally:
-        agent.stop()
+def test_the_planned_hierarchy_is_warmed_before_its_updates_arrive(started: Callable[..., Agent], redis_url: str) -> None:
+    agent = started(max_instances=8, control=ControlConfig(period=0.2))
+    state = ClusterState(redis_url)
+    state.create_job(JobSpec("j", goal=6, leaf_fan_in=2))
+    rng = np.random.default_rng(3)
+    client = gateway(agent)
+    put_model(client, "j", fmt.encode(random_model(rng)))
+    for i in range(6):  # six clients are assigned to this node: ceil(6 / 2) leaves, the middle and top reuse them
+        assert state.assign("j", 0, f"c{i}", [agent.node]) == agent.node
+    wait_for(lambda: client.call(GetStatus())[0].body["instances"]["ready"] == 3, what="the planned instances warm")
+    assert client.call(GetStatus())[0].body["instances"]["total"] == 3
+    assert metric(client, 'lifl_aggregator_instances_created_total{reason="prewarm"}') == 3
+    for _ in range(6):
+        push(client, "j", 0, fmt.encode(random_model(rng)), 1)
+    wait_for(lambda: state.version("j") == 1, what="version 1")
+    assert metric(client, 'lifl_aggregator_starts_total{kind="cold"}') == 0  # every task found a warm instance

@@ -722,26 +722,25 @@ class Agent:
     def handoff(self, iid: int, m: Handoff) -> tuple[Message, list[int]]:
         """A leaf's or middle's result: to its parent here (the instance sends the key itself when
         the parent runs), or to the top on another node."""
-        with self.lock:
-            task = self._task_of(iid, m.task)
-            if not self.store.get(m.key).sealed:
-                self.store.seal(m.key)
-            self.store.hand_over(m.key, ("round", task.job, task.round))
-            route: list[tuple[int, int]] = []
-            io = self._apply(self.trees.result(task.id, tree.Input(m.key, m.samples, m.updates, m.partial)), route)
-        self._run_io(io)
+        route: list[tuple[int, int]] = []
+        self._result(iid, m.task, tree.Input(m.key, m.samples, m.updates, m.partial), route)
         return (Route(*route[0]) if route else Route()), []
 
     def install(self, iid: int, m: InstallResult) -> tuple[Message, list[int]]:
         """The top has the round's model: checkpoint it in the background, then install it."""
-        with self.lock:
-            task = self._task_of(iid, m.task)
-            if not self.store.get(m.key).sealed:
-                self.store.seal(m.key)
-            self.store.hand_over(m.key, ("round", task.job, task.round))
-            io = self._apply(self.trees.result(task.id, tree.Input(m.key, m.samples, m.updates, False)))
-        self._run_io(io)
+        task = self._result(iid, m.task, tree.Input(m.key, m.samples, m.updates, False))
         return Installed(task.version + 1), []
+
+    def _result(self, iid: int, task_id: int, output: tree.Input, route: list[tuple[int, int]] | None = None) -> tree.Task:
+        """A task's result, sealed and kept by its round until the tree says where it goes."""
+        with self.lock:
+            task = self._task_of(iid, task_id)
+            if not self.store.get(output.key).sealed:
+                self.store.seal(output.key)
+            self.store.hand_over(output.key, ("round", task.job, task.round))
+            io = self._apply(self.trees.result(task.id, output), route)
+        self._run_io(io)
+        return task
 
     def done(self, iid: int, m: Done) -> tuple[Message, list[int]]:
         """The instance finished a task (or acknowledged its cancellation) and is free again."""
