@@ -9,7 +9,6 @@ decides exactly when a request is refused (before its body is read, when possibl
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import time
