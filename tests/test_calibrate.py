@@ -19,6 +19,8 @@ from lifl.control.calibrate import Capacity, Step, find_capacity
     ([Step(1, 1, 0.002), Step(4, 4, 0.002), Step(8, 5, 0.0021)], Capacity(5 * 0.0021, 5, 0.0021, True)),
     # E never rose: the largest k x E seen, a lower bound
     ([Step(1, 1, 0.002), Step(2, 2, 0.0021), Step(4, 4, 0.002)], Capacity(0.008, 4, 0.002, False)),
+    # E falls as caches warm: the knee is measured against the lowest E before it
+    ([Step(1, 1, 0.004), Step(4, 4, 0.001), Step(8, 8, 0.003)], Capacity(0.024, 8, 0.003, True)),
     # steps that aggregated nothing are skipped
     ([Step(1, 0, 0.0), Step(2, 2, 0.001), Step(4, 4, 0.003)], Capacity(0.012, 4, 0.003, True)),
 ])

@@ -26,6 +26,7 @@ from lifl.errors import LiflError
 from lifl.state import ClusterState
 
 DEFAULT_RISE = 1.5  # E this many times its low-load value counts as a significant increase
+PUBLISH_LAG = 1.2  # seconds for the agent's counters (published every second) to include a step
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class Capacity:
 
 def find_capacity(steps: list[Step], rise: float = DEFAULT_RISE) -> Capacity:
     """The knee of E over increasing rates: the first step whose E is ``rise`` times the lowest
-    rate's, or whose achieved rate fell short of the offered one (the node could not keep up)."""
+    E before it, or whose achieved rate fell short of the offered one (the node could not keep up)."""
     measured = [s for s in steps if s.e > 0]
     if not measured:
         raise ValueError("no step aggregated anything: nothing to calibrate from")
@@ -53,12 +54,14 @@ def find_capacity(steps: list[Step], rise: float = DEFAULT_RISE) -> Capacity:
     for s in measured[1:]:
         if s.e >= rise * base or s.rate < 0.8 * s.target_rate:
             return Capacity(s.rate * s.e, s.rate, s.e, True)
+        base = min(base, s.e)
     last = max(measured, key=lambda s: s.rate * s.e)
     return Capacity(last.rate * last.e, last.rate, last.e, False)
 
 
 def counters(state: ClusterState, node: str, job: str) -> tuple[float, int, int, float]:
-    """(time, arrivals, aggregated, agg_seconds) as the node's agent last published them."""
+    """(time, arrivals, aggregated, agg_seconds) as the node's agent last published them (the
+    step's aggregation time comes from here; its rate from what the node acknowledged)."""
     status = state.nodes().get(node)
     if status is None:
         raise SystemExit(f"lifl calibrate: node {node} is not up")
@@ -66,10 +69,12 @@ def counters(state: ClusterState, node: str, job: str) -> tuple[float, int, int,
     return float(status["time"]), int(c["arrivals"]), int(c["aggregated"]), float(c["agg_seconds"])
 
 
-def offer(gateway: str, job: str, blob: bytes, rate: float, seconds: float, clients: int) -> None:
-    """Send updates at ``rate`` per second for ``seconds``, spread over ``clients`` connections."""
+def offer(gateway: str, job: str, blob: bytes, rate: float, seconds: float, clients: int) -> int:
+    """Send updates at ``rate`` per second for ``seconds``, spread over ``clients`` connections;
+    returns how many the node acknowledged (refusals count as the node not keeping up)."""
     stop = time.monotonic() + seconds
     gap = clients / rate
+    acknowledged = [0] * clients
 
     def client(i: int) -> None:
         gw = Gateway(gateway)
@@ -80,8 +85,9 @@ def offer(gateway: str, job: str, blob: bytes, rate: float, seconds: float, clie
                 time.sleep(max(0.0, t - time.monotonic()))
                 try:
                     gw.push(job, blob, client=f"cal{i}-{n}", samples=1, base_version=0)
+                    acknowledged[i] += 1
                 except LiflError:
-                    pass  # back-pressure counts as the node not keeping up
+                    pass
                 n += 1
                 t += gap
         finally:
@@ -92,6 +98,7 @@ def offer(gateway: str, job: str, blob: bytes, rate: float, seconds: float, clie
         t.start()
     for t in threads:
         t.join()
+    return sum(acknowledged)
 
 
 def calibrate_node(state: ClusterState, node: str, *, update_mb: float, step_seconds: float, max_rate: float,
@@ -116,12 +123,13 @@ def calibrate_node(state: ClusterState, node: str, *, update_mb: float, step_sec
     blob = bytes(fmt.encode({"w": np.ones(n, np.float32)}))
     for rate in rates:
         before = counters(state, node, job)
-        offer(gateway["http"], job, blob, rate, step_seconds, clients=max(1, min(8, int(rate))))
-        time.sleep(1.2)  # the agent publishes its counters every second
+        t0 = time.monotonic()
+        acknowledged = offer(gateway["http"], job, blob, rate, step_seconds, clients=max(1, min(8, int(rate))))
+        elapsed = time.monotonic() - t0
+        time.sleep(PUBLISH_LAG)  # the agent publishes its counters every second
         after = counters(state, node, job)
-        dt = max(after[0] - before[0], 1e-9)
         done = after[2] - before[2]
-        step = Step(rate, (after[1] - before[1]) / dt, (after[3] - before[3]) / done if done else 0.0)
+        step = Step(rate, acknowledged / max(elapsed, step_seconds), (after[3] - before[3]) / done if done else 0.0)
         steps.append(step)
         if log:
             print(f"  {node}: offered {rate:g}/s, acknowledged {step.rate:.1f}/s, E = {step.e * 1e3:.2f} ms", file=sys.stderr)
