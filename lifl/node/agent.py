@@ -745,12 +745,7 @@ class Agent:
     def done(self, iid: int, m: Done) -> tuple[Message, list[int]]:
         """The instance finished a task (or acknowledged its cancellation) and is free again."""
         with self.lock:
-            inst = self.instances.get(iid)
-            task = self.trees.tasks.get(m.task)
-            if inst is not None and inst.task == m.task:
-                self._finish(m.task)
-                inst.task = None
-                inst.last_used = time.monotonic()
+            inst, task = self._through(iid, m.task)
             if task is not None and not m.stats.get("cancelled"):
                 self._record_task(task, iid, m.stats)
             if inst is not None:
@@ -769,11 +764,7 @@ class Agent:
 
     def failed(self, iid: int, m: Failed) -> tuple[Message, list[int]]:
         with self.lock:
-            inst = self.instances.get(iid)
-            task = self.trees.tasks.get(m.task)
-            if inst is not None and inst.task == m.task:
-                self._finish(m.task)
-                inst.task = None
+            inst, task = self._through(iid, m.task)
         if task is not None:
             print(f"lifl agent: task {task.id} ({task.role} of {task.job}) failed: {m.problem}", file=sys.stderr)
             self._abandon(task.job, task.round, f"{task.role} failed: {m.problem}")
@@ -781,6 +772,17 @@ class Agent:
             if inst is not None and inst.id in self.instances:
                 self._free(inst)
         return None, []
+
+    def _through(self, iid: int, task_id: int) -> tuple[Instance | None, tree.Task | None]:
+        """The instance is through with the task (done, cancelled or failed): let the task's
+        objects go; the instance is free again."""
+        inst = self.instances.get(iid)
+        task = self.trees.tasks.get(task_id)
+        if inst is not None and inst.task == task_id:
+            self._finish(task_id)
+            inst.task = None
+            inst.last_used = time.monotonic()
+        return inst, task
 
     def _finish(self, task_id: int) -> None:
         self.placed.pop(task_id, None)
