@@ -3,6 +3,7 @@ of a node (if both the agent and its supervisor die, the next start cleans up)."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -88,9 +89,11 @@ class Up:
     def kill_all(self) -> None:
         """kill -9 every process of the node at once (a crash of the whole node)."""
         pids = self.pids()
-        for role in ("supervisor", "agent", "gateway", "redis", "instance"):
-            if role in pids:
-                os.kill(pids[role], signal.SIGKILL)
+        for sig in (signal.SIGSTOP, signal.SIGKILL):  # all stopped first: none reacts to another's death
+            for role in ("supervisor", "agent", "gateway", "redis", "instance"):
+                if role in pids:
+                    with contextlib.suppress(ProcessLookupError):  # one that happened to exit just now
+                        os.kill(pids[role], sig)
         subprocess.run(["pkill", "-9", "-f", "--", f"--node {self.node}"], check=False)
         self.proc.wait()
 
