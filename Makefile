@@ -1,7 +1,7 @@
 # The two commands a newcomer runs (both install what they need first):
 #   make demo   - `lifl demo`: federated learning through a local node, to 90 % test accuracy
 #   make test   - the whole test suite, including the slow and root-only suites
-.PHONY: install demo test test-fast bench proto clean
+.PHONY: install demo test test-fast fuzz bench proto clean
 
 PY := .venv/bin/python
 
@@ -16,6 +16,10 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q
+
+# A longer fuzz run of every parser (the suite runs a bounded one).
+fuzz: install
+	LIFL_FUZZ_PROFILE=long $(PY) -m pytest -q -m fuzz -p no:timeout
 
 bench: install
 	$(PY) -m lifl bench dataplane

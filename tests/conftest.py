@@ -13,8 +13,16 @@ from pathlib import Path
 
 import pytest
 import redis
+from hypothesis import HealthCheck, settings
 
 from lifl.state import ClusterState
+
+
+# Fuzz suites (marked `fuzz`) run a bounded number of examples in `make test`; `make fuzz` runs
+# the same properties much longer. No per-example deadline: the machine may be loaded.
+settings.register_profile("bounded", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("long", max_examples=30000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("LIFL_FUZZ_PROFILE", "bounded"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
