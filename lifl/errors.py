@@ -82,6 +82,18 @@ class Overloaded(LiflError):
         super().__init__(message, code=code, retry_after=retry_after)
 
 
+class Unavailable(LiflError):
+    """A dependency (Redis, the node's agent, a peer node) cannot be reached right now; the
+    request did nothing and may be retried after ``retry_after`` seconds (HTTP 503)."""
+
+    status = 503
+    grpc_status = "UNAVAILABLE"
+    default_code = "unavailable"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
+        super().__init__(message, code=code, retry_after=retry_after)
+
+
 class Internal(LiflError):
     status = 500
     grpc_status = "INTERNAL"
