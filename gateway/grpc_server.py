@@ -1,557 +1,384 @@
-"""The gateway's gRPC API (lifl.proto) over a minimal HTTP/2 server of its own.
+"""The gateway's gRPC API (lifl.proto) over lifl's own HTTP/2 codec (lifl.net.h2).
 
 Why not grpcio's server: it assembles every message into a bytes object before the handler
-sees it, so an update would be copied twice more on its way to shared memory, which
-measured at 2.3-2.5x a raw socket's time here. This server parses HTTP/2 frames, gRPC
-message prefixes and the protobuf field tags itself, and receives the bytes of each
-``data`` field with ``recv_into`` straight into the update's shared-memory object.
-HPACK is the ``hpack`` package's. Models are streamed back with ``sendmsg`` from shared
-memory, within the client's flow-control windows.
+sees it, so an update would be copied twice more on its way to shared memory, which measured
+at 2.3-2.5x a raw socket's time here. This module is the codec's I/O shell: a connection's
+reader thread reads each 9-byte frame header and lets the codec validate it before a byte of
+the payload is read; a DATA payload then goes to the call's ``MessageReader``, which receives
+the bytes of each ``data`` field with ``recv_into`` straight into the update's shared-memory
+object. Models are streamed back with ``sendmsg`` from shared memory, within the client's
+flow-control windows.
+
+Threads: the reader runs unary calls and answers them. A reply that must wait for flow-control
+credit waits in its call's outbox and is sent by the reader when the credit arrives; a model
+download is sent by a thread of its own, at most ``max_downloads_per_connection`` per
+connection and ``max_downloads`` in all. Every limit is in ``GrpcLimits``, the codec's
+``h2.Limits`` and, for connections and their idle timeout, gateway.stream.ConnectionLimits.
+
+Errors: an HTTP/2 connection error ends the connection with GOAWAY; anything else that goes
+wrong in one call (a lifl error, or any other exception) fails that call alone, with its gRPC
+status. A peer that stalls (a read times out) or goes away ends the connection, and every
+upload it had open is aborted so that its round slot is released.
 
 Scope: gRPC over cleartext HTTP/2 with prior knowledge (what gRPC clients do for
-``insecure_channel``), identity encoding only, the RPCs of lifl.v1.Gateway.
+``insecure_channel``), identity encoding only, the RPCs of lifl.v1.Gateway; any other HTTP/2
+request is answered 415 (or 405) with a short text.
 """
 
 from __future__ import annotations
 
 import socket
-import struct
 import threading
+import time
 import traceback
-import urllib.parse
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
-import hpack
-
-from lifl.errors import BadRequest, Internal, LiflError
-from lifl.grpcwire import (
-    ACK, COMPRESSION_ERROR, CONTINUATION, DATA, END_HEADERS, END_STREAM, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, GOAWAY,
-    GRPC_STATUS, HEADERS, NO_ERROR, PADDED, PING, PREFACE, PRIORITY_FLAG, PROTOCOL_ERROR, PUSH_PROMISE, RST_STREAM,
-    S_HEADER_TABLE_SIZE, S_INITIAL_WINDOW_SIZE, S_MAX_CONCURRENT_STREAMS, S_MAX_FRAME_SIZE, S_MAX_HEADER_LIST_SIZE,
-    SETTINGS, WINDOW_UPDATE, frame_header, sendmsg_all, varint,
-)
+from lifl.errors import BadRequest, Internal, LiflError, Overloaded
 from lifl.gateway import lifl_pb2 as pb
-from lifl.gateway.ingest import BlobSink
 from lifl.gateway.service import GatewayService, Ingest, ModelView, UpdateMeta
-from lifl.gateway.stream import Stream, ThreadedServer
+from lifl.gateway.stream import ConnectionLimits, Stream, ThreadedServer
+from lifl.net import h2
+from lifl.net.grpc import CONTENT_TYPE, BlobTarget, MessageReader, chunk_messages, message_prefix, status_trailers
+from lifl.net.io import MAX_FRAMES_PER_WRITE, sendmsg_all, take_views
 
-MAX_FRAME = (1 << 24) - 1  # frames we accept: the largest HTTP/2 allows, fewer frames per update
-STREAM_WINDOW = 4 << 20  # per-stream receive window; replenished as the bytes are consumed
-CONN_WINDOW = 1 << 30
-MAX_STREAMS = 128
-MAX_HEADER_BLOCK = 64 << 10
-MAX_UNARY = 1 << 20
-MAX_META = 64 << 10
-MODEL_CHUNK = 1 << 20
-IDLE_TIMEOUT = 300.0
 SERVICE = "/lifl.v1.Gateway/"
 UNARY = ("CreateJob", "GetJob", "GetModel", "TakeLease", "Heartbeat", "ReleaseLease", "GetRounds", "GetAssignment")
+BLOB_UPLOADS = ("SetModel", "PushUpdate")
+MODEL_CHUNK = 1 << 20  # data bytes per ModelChunk message of a download
+DISCARD_CHUNK = 1 << 16  # dropped payload bytes (refused streams, padding) are read this many at a time
+
+# The limits' defaults (see GrpcLimits)
+MAX_UNARY_MESSAGE = 1 << 20
+MAX_META_MESSAGE = 64 << 10
+SEND_TIMEOUT = 60.0
+MAX_DOWNLOADS_PER_CONNECTION = 8
+MAX_DOWNLOADS = 256
+DOWNLOAD_PUSHBACK = 1.0  # seconds a client refused a download slot is asked to wait
+GOAWAY_TIMEOUT = 1.0  # seconds the last GOAWAY of a connection may take to write (best effort)
+
+RESPONSE_HEADERS = [(":status", "200"), ("content-type", CONTENT_TYPE), ("grpc-accept-encoding", "identity")]
+OK_TRAILERS = [("grpc-status", "0")]
+NOT_GRPC = b"This is lifl's gRPC endpoint (lifl.v1.Gateway): send gRPC requests (POST, content-type application/grpc).\n"
 
 
-class ConnectionError_(Exception):
-    """An HTTP/2 connection error: send GOAWAY and close."""
+@dataclass(frozen=True)
+class GrpcLimits:
+    http2: h2.Limits = field(default_factory=h2.Limits)  # frames, header lists, streams, windows, floods
+    max_unary_message: int = MAX_UNARY_MESSAGE  # bytes of a unary request
+    max_meta_message: int = MAX_META_MESSAGE  # bytes of an upload's meta
+    send_timeout: float = SEND_TIMEOUT  # seconds a download may wait for flow-control credit before it is reset
+    max_downloads_per_connection: int = MAX_DOWNLOADS_PER_CONNECTION  # download threads of one connection
+    max_downloads: int = MAX_DOWNLOADS  # download threads of the server
 
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+    def __post_init__(self) -> None:
+        if min(self.max_unary_message, self.max_meta_message, self.max_downloads_per_connection, self.max_downloads) < 1 \
+                or not self.send_timeout > 0:
+            raise ValueError("gRPC limits must be positive")
+
+
+class PeerGone(Exception):
+    """The connection's socket failed or the peer closed it. Socket errors are turned into this
+    where they happen, so that a call's handler tells them from failures of its own."""
+
+
+class PeerStalled(PeerGone):
+    """A read timed out (idle, or slower than the connection's limits allow)."""
 
 
 class FrameSource:
-    """The unread payload of the current DATA frame."""
+    """The unread payload of the current DATA frame (a lifl.net.grpc.PayloadSource)."""
 
     def __init__(self, stream: Stream, length: int) -> None:
         self._stream = stream
         self.left = length
 
     def take(self, limit: int) -> bytes:
-        b = self._stream.read_some(min(limit, self.left))
+        with _socket_errors():
+            b = self._stream.read_some(min(limit, self.left))
         self.left -= len(b)
         return b
 
     def readinto(self, view: memoryview) -> int:
-        n = self._stream.readinto(view[: self.left])
+        with _socket_errors():
+            n = self._stream.readinto(view[: self.left])
         if n == 0:
-            raise EOFError("connection closed inside a DATA frame")
+            raise PeerGone("connection closed inside a DATA frame")
         self.left -= n
         return n
 
     def skip(self) -> None:
         while self.left:
-            self.take(self.left)
+            self.take(min(self.left, DISCARD_CHUNK))
 
 
-class MessageReader:
-    """Incremental parser of one request stream's gRPC messages (5-byte prefix + protobuf).
-
-    In *unary* mode it collects the single message's bytes. In *upload* mode each message is
-    a chunk ``{1: meta, 2: data}``: the first meta opens the blob (``open_blob``), and the
-    bytes of every ``data`` field are received straight into that blob's sink. Unknown
-    fields are skipped, as protobuf requires.
-    """
-
-    PREFIX, TAG, LENGTH, SKIP_VARINT, BYTES = range(5)
-
-    def __init__(self, open_blob: Callable[[bytes], BlobSink] | None) -> None:
-        self._open_blob = open_blob
-        self._phase = self.PREFIX
-        self._prefix = bytearray()
-        self._msg_left = 0
-        self._varint = bytearray()
-        self._field = 0
-        self._wire = 0
-        self._field_left = 0
-        self._meta = bytearray()
-        self.sink: BlobSink | None = None
-        self.unary = bytearray()
-        self.messages = 0
-
-    def feed(self, src: FrameSource) -> None:
-        while src.left:
-            if self._phase == self.PREFIX:
-                self._prefix += src.take(5 - len(self._prefix))
-                if len(self._prefix) == 5:
-                    self._start_message()
-            elif self._open_blob is None:
-                b = src.take(self._msg_left)
-                self.unary += b
-                self._msg_left -= len(b)
-                self._end_message_if_done()
-            elif self._phase == self.BYTES:
-                self._feed_bytes(src)
-            else:
-                value = self._readvarint(src)
-                if value is not None:
-                    self._onvarint(value)
-
-    def _start_message(self) -> None:
-        if self._prefix[0] != 0:
-            raise LiflError("compressed gRPC messages are not supported; use identity encoding",
-                            code="unsupported_encoding", grpc_status="UNIMPLEMENTED")
-        self._msg_left = struct.unpack_from(">I", self._prefix, 1)[0]
-        self._prefix.clear()
-        self.messages += 1
-        if self._open_blob is None and (self.messages > 1 or self._msg_left > MAX_UNARY):
-            raise BadRequest("a unary request must be one message of at most 1 MiB")
-        self._phase = self.TAG
-        self._end_message_if_done()
-
-    def _end_message_if_done(self) -> None:
-        if self._msg_left:
-            return
-        if self._phase != self.TAG or self._varint:
-            raise BadRequest("a protobuf field runs past the end of its gRPC message")
-        self._phase = self.PREFIX
-
-    def _readvarint(self, src: FrameSource) -> int | None:
-        b = src.take(1)[0]
-        self._msg_left -= 1
-        self._varint.append(b)
-        if b >= 0x80:
-            if len(self._varint) >= 10 or not self._msg_left:
-                raise BadRequest("malformed protobuf varint")
-            return None
-        value = sum((x & 0x7F) << (7 * i) for i, x in enumerate(self._varint))
-        self._varint.clear()
-        return value
-
-    def _onvarint(self, value: int) -> None:
-        if self._phase == self.TAG:
-            self._field, self._wire = value >> 3, value & 7
-            if self._wire == 0:
-                self._phase = self.SKIP_VARINT
-            elif self._wire in (1, 5):
-                self._begin_bytes(8 if self._wire == 1 else 4)
-            elif self._wire == 2:
-                self._phase = self.LENGTH
-            else:
-                raise BadRequest(f"unsupported protobuf wire type {self._wire}")
-        elif self._phase == self.LENGTH:
-            self._begin_bytes(value)
-        else:  # SKIP_VARINT: a varint field's value, which we do not use
-            self._phase = self.TAG
-        self._end_message_if_done()
-
-    def _begin_bytes(self, n: int) -> None:
-        if n > self._msg_left:
-            raise BadRequest("a protobuf field is longer than its gRPC message")
-        self._field_left = n
-        self._phase = self.BYTES
-        if n == 0:
-            self._end_field()
-
-    def _feed_bytes(self, src: FrameSource) -> None:
-        want = min(self._field_left, src.left)
-        length_delimited = self._wire == 2
-        if self._field == 2 and length_delimited:
-            if self.sink is None:
-                raise BadRequest("the first message of the stream must carry meta", code="missing_meta")
-            if self.sink.done:
-                raise BadRequest("data continues after the end of the blob", code="trailing_bytes")
-            n = src.readinto(self.sink.buffer()[:want])
-            self.sink.advance(n)
-        else:
-            chunk = src.take(want)
-            n = len(chunk)
-            if self._field == 1 and length_delimited:
-                self._meta += chunk
-                if len(self._meta) > MAX_META:
-                    raise BadRequest("meta message is too large")
-        self._field_left -= n
-        self._msg_left -= n
-        if not self._field_left:
-            self._end_field()
-            self._end_message_if_done()
-
-    def _end_field(self) -> None:
-        if self._field == 1 and self._wire == 2:
-            if self.sink is not None:
-                raise BadRequest("meta may only be sent in the first message", code="duplicate_meta")
-            assert self._open_blob is not None
-            self.sink = self._open_blob(bytes(self._meta))
-        self._phase = self.TAG
+@contextmanager
+def _socket_errors() -> Iterator[None]:
+    """Turns a socket's failures into PeerStalled (timeouts) or PeerGone (the rest)."""
+    try:
+        yield
+    except TimeoutError as e:
+        raise PeerStalled(str(e)) from e
+    except (OSError, EOFError) as e:
+        raise PeerGone(str(e)) from e
 
 
-class H2Stream:
-    def __init__(self, sid: int, method: str, send_window: int) -> None:
-        self.sid = sid
+class Call:
+    """The server side of one stream."""
+
+    def __init__(self, stream_id: int, method: str) -> None:
+        self.stream_id = stream_id
         self.method = method
-        self.send_window = send_window
-        self.reader: MessageReader | None = None
-        self.ingest: Ingest | None = None
-        self.unacked = 0
-        self.failed = False  # answered with an error; its further DATA is dropped
-        self.reset = False  # the client reset it
-        self.sender: threading.Thread | None = None
+        self.reader: MessageReader | None = None  # None: not a gRPC call; its request body is dropped
+        self.plain_status = ""  # the HTTP status of a request that is not a gRPC call...
+        self.plain_body = b""  # ...and the text that says so
+        self.ingest: Ingest | None = None  # an upload in progress
+        self.headers_sent = False
+        self.outbox: deque[memoryview] = deque()  # response DATA waiting for flow-control credit
+        self.trailers: list[tuple[str, str]] | None = None  # sent after the outbox; None: END_STREAM on the last DATA
+        self.own_sender = False  # a download: its thread sends the outbox (others' wait for the reader)
+        self.answered = False  # the response went out in full
+        self.finished = False  # answered in full, or reset
 
 
-class H2Connection:
-    def __init__(self, sock: socket.socket, service: GatewayService) -> None:
+class GrpcConnection:
+    """One HTTP/2 connection: the reader loop, and the writes of every thread serving it.
+
+    Locks: ``_write`` orders whole frames on the socket (and HPACK blocks in the order they were
+    encoded); ``_state`` guards the codec and the calls. Always take ``_write`` first."""
+
+    def __init__(self, sock: socket.socket, stream: Stream, service: GatewayService, limits: GrpcLimits,
+                 download_slots: threading.BoundedSemaphore) -> None:
         self.sock = sock
+        self.stream = stream
         self.service = service
-        self.stream = Stream(sock)
-        self.streams: dict[int, H2Stream] = {}
-        self.last_sid = 0
-        self._write = threading.Lock()
-        self._window = threading.Condition()
-        self._encoder = hpack.Encoder()
-        self._decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_BLOCK)
-        self._peer_initial = 65535
-        self._peer_max_frame = 16384
-        self._conn_send_window = 65535
-        self._conn_unacked = 0
+        self.limits = limits
+        self.idle_timeout = stream.limits.idle_timeout
+        self.h2 = h2.Connection(h2.Side.SERVER, limits.http2)
+        self.calls: dict[int, Call] = {}
+        self._download_slots = download_slots
+        self._downloads = 0
+        self._write = threading.RLock()
+        self._state = threading.Condition()
         self._closed = False
 
-    # -- writing ---------------------------------------------------------------------------------
-    def _frame(self, ftype: int, flags: int, sid: int, *payload: bytes | memoryview) -> None:
-        with self._write:
-            sendmsg_all(self.sock, [frame_header(sum(len(p) for p in payload), ftype, flags, sid), *payload])
-
-    def _headers(self, sid: int, headers: list[tuple[str, str]], end_stream: bool) -> None:
-        with self._write:  # the encoder's table must see header blocks in the order they are sent
-            block = self._encoder.encode(headers)
-            sendmsg_all(self.sock, [frame_header(len(block), HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), sid), block])
-
-    def _reply(self, st: H2Stream, message: bytes) -> None:
-        """Answer a call with one message. Its DATA counts against the client's flow-control
-        windows like any other; if a model download has spent them, the reply waits for the
-        client's WINDOW_UPDATE on a thread of its own (this reader thread must go on reading)."""
-        self._headers(st.sid, [(":status", "200"), ("content-type", "application/grpc"), ("grpc-accept-encoding", "identity")], False)
-        data = b"\x00" + struct.pack(">I", len(message)) + message
-        if len(data) <= self._peer_max_frame and self._take_window(st, len(data)):
-            self._frame(DATA, 0, st.sid, data)
-            self._headers(st.sid, [("grpc-status", "0")], True)
-            return
-        st.sender = threading.Thread(target=self._reply_later, args=(st, data), daemon=True)
-        st.sender.start()
-
-    def _take_window(self, st: H2Stream, n: int) -> bool:
-        with self._window:
-            if min(self._conn_send_window, st.send_window) < n:
-                return False
-            self._conn_send_window -= n
-            st.send_window -= n
-            return True
-
-    def _reply_later(self, st: H2Stream, data: bytes) -> None:
-        try:
-            self._send_data(st, [memoryview(data)])
-            self._headers(st.sid, [("grpc-status", "0")], True)
-        except (OSError, EOFError):
-            pass
-
-    def _fail(self, st: H2Stream, e: LiflError, headers_sent: bool = False) -> None:
-        """Answer with an error status (trailers-only) and tell the client to stop sending."""
-        trailers = [("grpc-status", str(GRPC_STATUS.get(e.grpc_status, 2))),
-                    ("grpc-message", urllib.parse.quote(e.message, safe=" ")), ("lifl-error-code", e.code)]
-        if "version" in e.extra:
-            trailers.append(("lifl-version", str(e.extra["version"])))
-        if e.retry_after is not None:
-            trailers.append(("grpc-retry-pushback-ms", str(int(e.retry_after * 1000))))
-        head = [] if headers_sent else [(":status", "200"), ("content-type", "application/grpc")]
-        self._headers(st.sid, head + trailers, True)
-        if not st.reset:
-            self._frame(RST_STREAM, 0, st.sid, struct.pack(">I", NO_ERROR))
-        st.failed = True
-
-    # -- the connection ----------------------------------------------------------------------------
+    # -- the connection ------------------------------------------------------------------------------
     def run(self) -> None:
-        self.sock.settimeout(IDLE_TIMEOUT)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.settimeout(self.idle_timeout)
+        goaway: tuple[int, str] | None = None
         try:
-            if self.stream.read_exact(len(PREFACE)) != PREFACE:
-                return
-            settings = struct.pack(">HIHIHIHI", S_MAX_CONCURRENT_STREAMS, MAX_STREAMS, S_INITIAL_WINDOW_SIZE, STREAM_WINDOW,
-                                   S_MAX_FRAME_SIZE, MAX_FRAME, S_MAX_HEADER_LIST_SIZE, MAX_HEADER_BLOCK)
-            self._frame(SETTINGS, 0, 0, settings)
-            self._frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", CONN_WINDOW - 65535))
-            while True:
+            self.h2.receive_preface(self._read_exact(len(h2.PREFACE)))
+            self.h2.initiate()
+            self._flush()
+            while not (self.h2.goaway_received and not self.calls):  # the client said goodbye: finish its calls
                 self._read_frame()
-        except ConnectionError_ as e:
+                if self.h2.idle_for > self.idle_timeout:  # PINGs or other chatter keep a socket busy, not a connection
+                    goaway = (h2.NO_ERROR, f"idle for {self.idle_timeout:g} s")
+                    break
+        except h2.H2ConnectionError as e:
+            goaway = (e.code, str(e))
+        except PeerStalled as e:
+            goaway = (h2.NO_ERROR, f"closing a stalled connection: {e}")
+        except PeerGone:
+            pass
+        finally:
+            self._shutdown(goaway)
+
+    def _shutdown(self, goaway: tuple[int, str] | None) -> None:
+        with self._state:
+            self._closed = True
+            self._state.notify_all()
+        if goaway is not None and self._write.acquire(timeout=GOAWAY_TIMEOUT):
             try:
-                self._frame(GOAWAY, 0, 0, struct.pack(">II", self.last_sid, e.code), str(e).encode()[:256])
+                self.sock.settimeout(GOAWAY_TIMEOUT)
+                with self._state:
+                    last = self.h2.goaway(*goaway)
+                sendmsg_all(self.sock, [last])
             except OSError:
                 pass
-        except (EOFError, OSError):
+            finally:
+                self._write.release()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # a download blocked on the socket fails now
+        except OSError:
             pass
-        finally:
-            self._shutdown()
-
-    def _shutdown(self) -> None:
-        with self._window:
-            self._closed = True
-            self._window.notify_all()
-        for st in self.streams.values():
-            if st.ingest is not None and not st.failed:
-                st.ingest.abort(None)
-            if st.sender is not None:
-                st.sender.join()
+        with self._state:
+            while self._downloads:  # their threads see the end (and release their models) first
+                self._state.wait()
+            calls = list(self.calls.values())
+        for call in calls:
+            self._finish(call, None)  # aborts an upload in progress: its round slot is released
         self.service.close_thread()
-        self.sock.close()
 
     def _read_frame(self) -> None:
-        head = self.stream.read_exact(9)
-        length = int.from_bytes(head[:3], "big")
-        ftype, flags = head[3], head[4]
-        sid = int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
-        if length > MAX_FRAME:
-            raise ConnectionError_(FRAME_SIZE_ERROR, f"frame of {length} bytes exceeds our maximum")
-        if ftype == DATA:
-            self._on_data(sid, flags, length)
-            return
-        payload = self.stream.read_exact(length)
-        if ftype == HEADERS:
-            self._on_headers(sid, flags, payload)
-        elif ftype == SETTINGS:
-            self._on_settings(flags, payload)
-        elif ftype == WINDOW_UPDATE:
-            self._on_window_update(sid, payload)
-        elif ftype == PING:
-            if not flags & ACK:
-                self._frame(PING, ACK, 0, payload)
-        elif ftype == RST_STREAM:
-            self._on_reset(sid)
-        elif ftype == GOAWAY:
-            raise EOFError("client sent GOAWAY")
-        elif ftype == PUSH_PROMISE:
-            raise ConnectionError_(PROTOCOL_ERROR, "clients may not push")
-        elif ftype == CONTINUATION:
-            raise ConnectionError_(PROTOCOL_ERROR, "CONTINUATION without HEADERS")
-        # PRIORITY and unknown frame types are ignored, as HTTP/2 requires
+        raw = self._next_frame_header()
+        with self._state:
+            header = self.h2.receive_header(raw)
+        if header.type == h2.DATA:
+            self._on_data(header)
+        else:
+            payload = self._read_exact(header.keep) if header.keep else b""
+            self._discard(header.length - header.keep)
+            with self._state:
+                events = self.h2.receive_frame(header, payload)
+            self._handle(events)
+        self._flush()
 
-    def _on_settings(self, flags: int, payload: bytes) -> None:
-        if flags & ACK:
-            return
-        if len(payload) % 6:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS payload is not a multiple of 6")
-        with self._window:
-            for i in range(0, len(payload), 6):
-                ident, value = struct.unpack_from(">HI", payload, i)
-                if ident == S_INITIAL_WINDOW_SIZE:
-                    if value > 0x7FFFFFFF:
-                        raise ConnectionError_(FLOW_CONTROL_ERROR, "initial window too large")
-                    for st in self.streams.values():
-                        st.send_window += value - self._peer_initial
-                    self._peer_initial = value
-                elif ident == S_MAX_FRAME_SIZE:
-                    if not 16384 <= value <= MAX_FRAME:
-                        raise ConnectionError_(PROTOCOL_ERROR, "bad SETTINGS_MAX_FRAME_SIZE")
-                    self._peer_max_frame = value
-                elif ident == S_HEADER_TABLE_SIZE:
-                    with self._write:
-                        self._encoder.header_table_size = value
-            self._window.notify_all()
-        self._frame(SETTINGS, ACK, 0)
+    def _next_frame_header(self) -> bytearray:
+        """The next frame's header. Silence is fine while the connection is busy otherwise (a
+        download the client reads without answering); an idle one ends."""
+        header = bytearray(h2.FRAME_HEADER_SIZE)
+        view, got = memoryview(header), 0
+        while got < len(header):
+            try:
+                # exactly the header: a larger read would pull the DATA behind it through a buffer
+                n = FrameSource(self.stream, len(header) - got).readinto(view[got:])
+            except PeerStalled:
+                if got == 0 and self.h2.idle_for <= self.idle_timeout:
+                    continue  # silent, but not idle
+                raise
+            got += n
+        return header
 
-    def _on_window_update(self, sid: int, payload: bytes) -> None:
-        if len(payload) != 4:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "WINDOW_UPDATE must be 4 bytes")
-        increment = struct.unpack(">I", payload)[0] & 0x7FFFFFFF
-        with self._window:
-            if sid == 0:
-                self._conn_send_window += increment
-            elif sid in self.streams:
-                self.streams[sid].send_window += increment
-            self._window.notify_all()
+    def _read_exact(self, n: int) -> bytes:
+        with _socket_errors():
+            return self.stream.read_exact(n)
 
-    def _on_reset(self, sid: int) -> None:
-        st = self.streams.get(sid)
-        if st is None:
-            return
-        st.reset = True
-        if st.ingest is not None and not st.failed:
-            st.ingest.abort(None)
-            st.failed = True
-        with self._window:
-            self._window.notify_all()
+    def _discard(self, n: int) -> None:
+        FrameSource(self.stream, n).skip()
 
-    def _on_headers(self, sid: int, flags: int, payload: bytes) -> None:
-        block = self._strip(flags, payload, priority=True)
-        while not flags & END_HEADERS:
-            head = self.stream.read_exact(9)
-            length = int.from_bytes(head[:3], "big")
-            if head[3] != CONTINUATION or int.from_bytes(head[5:9], "big") & 0x7FFFFFFF != sid:
-                raise ConnectionError_(PROTOCOL_ERROR, "expected CONTINUATION")
-            flags = (flags & ~END_HEADERS) | (head[4] & END_HEADERS)
-            block += self.stream.read_exact(length)
-            if len(block) > MAX_HEADER_BLOCK:
-                raise ConnectionError_(PROTOCOL_ERROR, "header block too large")
+    def _on_data(self, header: h2.FrameHeader) -> None:
+        pad_length = self._read_exact(1) if header.flags & h2.PADDED else b""
+        with self._state:
+            frame = self.h2.receive_data(header, pad_length)
+        if frame.reset is not None:
+            self._on_reset(frame.reset)
+        call = self.calls.get(frame.stream_id) if frame.accepted else None
+        src = FrameSource(self.stream, frame.size)
+        if call is not None and call.reader is not None and not call.finished:
+            reader = call.reader
+            self._guarded(call, lambda: reader.feed(src))
+        src.skip()  # what a refused, failed or non-gRPC call leaves unread
+        self._discard(frame.padding)
+        if call is not None and frame.end_stream and not call.finished:
+            self._end_of_request(call)
+
+    def _handle(self, events: list[h2.Event]) -> None:
+        for ev in events:
+            if isinstance(ev, h2.HeadersReceived):
+                if not ev.trailers:
+                    self._on_request(ev)
+                elif ev.stream_id in self.calls:
+                    self._end_of_request(self.calls[ev.stream_id])  # trailers end the request; lifl uses none
+            elif isinstance(ev, h2.StreamReset):
+                self._on_reset(ev)
+            elif isinstance(ev, (h2.WindowUpdated, h2.SettingsReceived)):
+                with self._state:
+                    self._state.notify_all()  # downloads waiting for credit
+                    waiting = [c for c in self.calls.values() if c.outbox and not c.own_sender]
+                for call in waiting:
+                    self._drain(call)
+
+    def _on_reset(self, ev: h2.StreamReset) -> None:
+        call = self.calls.get(ev.stream_id)
+        if call is not None:
+            self._finish(call, None if ev.by_peer else BadRequest(ev.reason, code="protocol_error"))
+
+    # -- calls -----------------------------------------------------------------------------------------
+    def _on_request(self, ev: h2.HeadersReceived) -> None:
+        headers = dict(ev.headers)
+        path = headers.get(":path", "")
+        call = Call(ev.stream_id, path[len(SERVICE):] if path.startswith(SERVICE) else "")
+        with self._state:
+            self.calls[call.stream_id] = call
+        if not headers.get("content-type", "").startswith(CONTENT_TYPE) or headers.get(":method") != "POST":
+            call.plain_status = "405" if headers.get("content-type", "").startswith(CONTENT_TYPE) else "415"
+            call.plain_body = b"" if headers.get(":method") == "HEAD" else NOT_GRPC
+        else:
+            self._guarded(call, lambda: self._start_call(call, headers))
+        if ev.end_stream and not call.finished:
+            self._end_of_request(call)
+
+    def _start_call(self, call: Call, headers: dict[str, str]) -> None:
+        if headers.get("grpc-encoding", "identity") != "identity":
+            raise LiflError("only identity encoding is supported", code="unsupported_encoding", grpc_status="UNIMPLEMENTED")
+        limits = self.limits
+        if call.method in BLOB_UPLOADS:
+            call.reader = MessageReader(lambda meta: self._open_blob(call, meta), max_unary=limits.max_unary_message,
+                                        max_meta=limits.max_meta_message)
+        elif call.method in UNARY:
+            call.reader = MessageReader(None, max_unary=limits.max_unary_message, max_meta=limits.max_meta_message)
+        else:
+            raise LiflError(f"unknown method {headers.get(':path')}", code="unimplemented", grpc_status="UNIMPLEMENTED")
+
+    def _end_of_request(self, call: Call) -> None:
+        if call.plain_status:
+            self._respond_plain(call)
+        else:
+            self._guarded(call, lambda: self._complete(call))
+
+    def _guarded(self, call: Call, action: Callable[[], None]) -> None:
+        """Run one call's work; whatever goes wrong in it fails that call only."""
         try:
-            headers = dict(self._decoder.decode(block, raw=False))
-        except hpack.HPACKError as e:
-            raise ConnectionError_(COMPRESSION_ERROR, f"bad header block: {e}") from None
-        if sid in self.streams:
-            return  # trailers from the client; nothing we use
-        if sid % 2 == 0 or sid <= self.last_sid:
-            raise ConnectionError_(PROTOCOL_ERROR, f"bad stream id {sid}")
-        self.last_sid = sid
-        method = headers.get(":path", "")
-        st = H2Stream(sid, method[len(SERVICE):] if method.startswith(SERVICE) else "", self._peer_initial)
-        self.streams[sid] = st
-        self._forget_finished()
-        try:
-            if len(self.streams) > MAX_STREAMS:
-                raise LiflError("too many concurrent streams", code="too_many_streams", grpc_status="RESOURCE_EXHAUSTED")
-            if headers.get(":method") != "POST" or not headers.get("content-type", "").startswith("application/grpc"):
-                raise BadRequest("gRPC requests are POSTs with content-type application/grpc")
-            if headers.get("grpc-encoding", "identity") != "identity":
-                raise LiflError("only identity encoding is supported", code="unsupported_encoding", grpc_status="UNIMPLEMENTED")
-            if st.method in ("SetModel", "PushUpdate"):
-                st.reader = MessageReader(lambda meta, st=st: self._open_blob(st, meta))
-            elif st.method in UNARY:
-                st.reader = MessageReader(None)
-            else:
-                raise LiflError(f"unknown method {method}", code="unimplemented", grpc_status="UNIMPLEMENTED")
-            if flags & END_STREAM:
-                self._complete(st)
+            action()
+        except PeerGone:
+            raise
         except LiflError as e:
-            self._fail(st, e)
+            self._fail(call, e)
+        except Exception as e:
+            traceback.print_exc()
+            self._fail(call, Internal(f"{type(e).__name__}: {e}"))
 
-    @staticmethod
-    def _strip(flags: int, payload: bytes, *, priority: bool = False) -> bytes:
-        start, end = 0, len(payload)
-        if flags & PADDED:
-            if not payload:
-                raise ConnectionError_(PROTOCOL_ERROR, "padded frame without pad length")
-            start, end = 1, len(payload) - payload[0]
-        if priority and flags & PRIORITY_FLAG:
-            start += 5
-        if end < start:
-            raise ConnectionError_(PROTOCOL_ERROR, "padding exceeds the frame")
-        return payload[start:end]
-
-    def _forget_finished(self) -> None:
-        for sid in [s for s, st in self.streams.items() if st.failed and (st.sender is None or not st.sender.is_alive())]:
-            del self.streams[sid]
-
-    def _on_data(self, sid: int, flags: int, length: int) -> None:
-        pad = 0
-        if flags & PADDED:
-            if length < 1:
-                raise ConnectionError_(PROTOCOL_ERROR, "padded DATA without pad length")
-            pad = self.stream.read_exact(1)[0]
-            if pad >= length:
-                raise ConnectionError_(PROTOCOL_ERROR, "padding exceeds the frame")
-        src = FrameSource(self.stream, length - (1 if flags & PADDED else 0) - pad)
-        st = self.streams.get(sid)
+    def _open_blob(self, call: Call, meta_bytes: bytes) -> BlobTarget:
         try:
-            if st is None or st.failed or st.reader is None:
-                src.skip()
-            else:
-                try:
-                    st.reader.feed(src)
-                    if flags & END_STREAM:
-                        self._complete(st)
-                except LiflError as e:
-                    if st.ingest is not None:
-                        st.ingest.abort(e)
-                    self._fail(st, e)
-                    src.skip()
-        finally:
-            if pad:
-                self.stream.read_exact(pad)
-        self._ack_data(st, length)
-
-    def _ack_data(self, st: H2Stream | None, length: int) -> None:
-        """Replenish the receive windows as bytes are consumed (never for refused streams)."""
-        self._conn_unacked += length
-        if self._conn_unacked >= CONN_WINDOW // 2:
-            self._frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self._conn_unacked))
-            self._conn_unacked = 0
-        if st is not None and not st.failed:
-            st.unacked += length
-            if st.unacked >= STREAM_WINDOW // 4:
-                self._frame(WINDOW_UPDATE, 0, st.sid, struct.pack(">I", st.unacked))
-                st.unacked = 0
-
-    # -- RPCs ------------------------------------------------------------------------------------
-    def _open_blob(self, st: H2Stream, meta_bytes: bytes) -> BlobSink:
-        try:
-            if st.method == "PushUpdate":
+            if call.method == "PushUpdate":
                 m = pb.UpdateMeta.FromString(meta_bytes)
                 meta = UpdateMeta.parse(m.job, m.client, m.samples, m.base_version, m.lease)
-                st.ingest = self.service.begin_update(meta, "grpc", m.size or None)
+                call.ingest = self.service.begin_update(meta, "grpc", m.size or None)
             else:
                 mm = pb.ModelMeta.FromString(meta_bytes)
-                st.ingest = self.service.begin_model(mm.job, "grpc", mm.size or None)
+                call.ingest = self.service.begin_model(mm.job, "grpc", mm.size or None)
         except LiflError:
             raise
         except Exception as e:  # protobuf decode errors
             raise BadRequest(f"bad meta message: {e}") from None
-        return st.ingest.sink
+        return call.ingest.sink
 
-    def _complete(self, st: H2Stream) -> None:
+    def _complete(self, call: Call) -> None:
         """The client finished sending: run the call and answer."""
-        reader = st.reader
-        assert reader is not None
-        if st.method in ("SetModel", "PushUpdate"):
-            if reader.sink is None or st.ingest is None:
+        reader = call.reader
+        if reader is None:
+            return  # refused when it started
+        if not reader.at_message_boundary:
+            raise BadRequest("the stream ended inside a message", code="truncated")
+        if call.method in BLOB_UPLOADS:
+            if reader.sink is None or call.ingest is None:
                 raise BadRequest("the stream ended before any meta was sent", code="missing_meta")
-            result = st.ingest.finish()
-            if st.method == "PushUpdate":
-                self._reply(st, pb.PushUpdateReply(key=result["key"], version=result["version"]).SerializeToString())
+            result = call.ingest.finish()
+            call.ingest = None  # handed over: nothing to abort any more
+            if call.method == "PushUpdate":
+                self._reply(call, pb.PushUpdateReply(key=result["key"], version=result["version"]).SerializeToString())
             else:
-                self._reply(st, pb.SetModelReply(version=result["version"]).SerializeToString())
-            st.failed = True  # finished: forget it
+                self._reply(call, pb.SetModelReply(version=result["version"]).SerializeToString())
             return
         if reader.messages != 1:
             raise BadRequest("a unary request must be exactly one message")
+        request = bytes(reader.unary)
         try:
-            request = bytes(reader.unary)
-            if st.method == "GetModel":
-                req = pb.GetModelRequest.FromString(request)
-                view = self.service.open_model(req.job)
-                st.sender = threading.Thread(target=self._send_model, args=(st, req.job, view), daemon=True)
-                st.sender.start()
-                return
-            self._reply(st, self._unary(st.method, request).SerializeToString())
+            if call.method == "GetModel":
+                self._start_download(call, pb.GetModelRequest.FromString(request).job)
+            else:
+                self._reply(call, self._unary(call.method, request).SerializeToString())
         except LiflError:
             raise
         except Exception as e:
             if "DecodeError" in type(e).__name__:
                 raise BadRequest(f"bad request message: {e}") from None
             raise
-        st.failed = True
 
     def _unary(self, method: str, request: bytes) -> Any:
         service = self.service
@@ -581,61 +408,206 @@ class H2Connection:
         req = pb.GetRoundsRequest.FromString(request)
         return pb.Rounds(rounds=[_last_round(r) for r in service.rounds(req.job, req.limit or 100)])
 
-    def _send_model(self, st: H2Stream, job: str, view: ModelView) -> None:
-        headers_sent = False
+    # -- downloads ---------------------------------------------------------------------------------------
+    def _start_download(self, call: Call, job: str) -> None:
+        with self._state:
+            if self._downloads >= self.limits.max_downloads_per_connection or not self._download_slots.acquire(blocking=False):
+                raise Overloaded("too many model downloads in progress", code="too_many_downloads",
+                                 retry_after=DOWNLOAD_PUSHBACK)
+            self._downloads += 1
         try:
-            mm = self.service.mappings.map_fd(view.fd, writable=False)
-            data = memoryview(mm)[: view.size]
-            self._headers(st.sid, [(":status", "200"), ("content-type", "application/grpc")], False)
-            headers_sent = True
-            meta = pb.ModelMeta(job=job, version=view.version, size=view.size).SerializeToString()
-            offset = 0
-            while offset < view.size or offset == 0:
-                n = min(MODEL_CHUNK, view.size - offset)
-                fields = (b"\x0a" + varint(len(meta)) + meta if offset == 0 else b"") + b"\x12" + varint(n)
-                prefix = b"\x00" + struct.pack(">I", len(fields) + n) + fields
-                self._send_data(st, [memoryview(prefix), data[offset : offset + n]])
-                offset += n
-                if n == 0:
-                    break
-            del data
-            self._headers(st.sid, [("grpc-status", "0")], True)
-            self.service.metrics.bytes_out.labels("grpc").inc(view.size)
-        except LiflError as e:
-            self._fail(st, e, headers_sent)
-        except (OSError, EOFError):
-            pass
-        except Exception as e:
-            traceback.print_exc()
-            self._fail(st, Internal(str(e)), headers_sent)
-        finally:
-            view.release()
-            st.failed = True
+            view = self.service.open_model(job)
+            call.own_sender = True
+            threading.Thread(target=self._download, args=(call, job, view), name="grpc-download", daemon=True).start()
+        except BaseException:
+            self._release_download_slot()
+            raise
 
-    def _send_data(self, st: H2Stream, parts: list[memoryview]) -> None:
-        """Send bytes as DATA frames within the peer's frame size and flow-control windows."""
-        remaining = sum(len(p) for p in parts)
-        while remaining:
-            with self._window:
-                while not (self._closed or st.reset) and min(self._conn_send_window, st.send_window) <= 0:
-                    self._window.wait()
-                if self._closed or st.reset:
-                    raise EOFError("stream closed while sending")
-                n = min(remaining, self._peer_max_frame, self._conn_send_window, st.send_window)
-                self._conn_send_window -= n
-                st.send_window -= n
-            frame_parts, need = [], n
-            while need:
-                p = parts[0]
-                take = min(len(p), need)
-                frame_parts.append(p[:take])
-                need -= take
-                if take == len(p):
-                    parts.pop(0)
-                else:
-                    parts[0] = p[take:]
-            self._frame(DATA, 0, st.sid, *frame_parts)
-            remaining -= n
+    def _release_download_slot(self) -> None:
+        self._download_slots.release()
+        with self._state:
+            self._downloads -= 1
+            self._state.notify_all()
+
+    def _download(self, call: Call, job: str, view: ModelView) -> None:
+        """A download's thread: the model straight from shared memory, within flow control."""
+        try:
+            self._guarded(call, lambda: self._send_model(call, job, view))
+        except PeerGone:
+            pass
+        finally:
+            self._finish(call, None)
+            try:
+                view.release()
+            finally:
+                self._release_download_slot()
+
+    def _send_model(self, call: Call, job: str, view: ModelView) -> None:
+        mm = self.service.mappings.map_fd(view.fd, writable=False)
+        data = memoryview(mm)[: view.size]
+        meta = pb.ModelMeta(job=job, version=view.version, size=view.size).SerializeToString()
+        self._send_headers(call, RESPONSE_HEADERS)
+        with self._state:
+            call.outbox.extend(memoryview(p) for message in chunk_messages(meta, data, MODEL_CHUNK) for p in message)
+            call.trailers = OK_TRAILERS
+        self._send_outbox(call)
+        if call.answered:
+            self.service.metrics.bytes_out.labels("grpc").inc(view.size)
+
+    def _send_outbox(self, call: Call) -> None:
+        """Send a download's outbox as flow control allows; reset it with CANCEL if no credit
+        comes for ``send_timeout`` seconds."""
+        progress = time.monotonic()
+        while not call.finished:
+            if self._drain(call):
+                progress = time.monotonic()
+            with self._state:
+                if call.finished or self._closed:
+                    return
+                try:
+                    if self.h2.send_window(call.stream_id) > 0:
+                        continue
+                except h2.StreamClosedError:
+                    return
+                left = self.limits.send_timeout - (time.monotonic() - progress)
+                if left > 0:
+                    self._state.wait(left)
+                    continue
+            self._reset(call, h2.CANCEL)
+            return
+
+    # -- writing -------------------------------------------------------------------------------------------
+    def _reply(self, call: Call, message: bytes) -> None:
+        """Answer with one message and status OK; what the client's windows do not take now
+        waits in the outbox for its WINDOW_UPDATE."""
+        self._send_headers(call, RESPONSE_HEADERS)
+        with self._state:
+            call.outbox.append(memoryview(message_prefix(len(message)) + message))
+            call.trailers = OK_TRAILERS
+        self._drain(call)
+
+    def _respond_plain(self, call: Call) -> None:
+        """A request that is not a gRPC call: an HTTP status and a short text saying so."""
+        self._send_headers(call, [(":status", call.plain_status), ("content-type", "text/plain; charset=utf-8"),
+                                  ("content-length", str(len(NOT_GRPC)))], end_stream=not call.plain_body)
+        if not call.plain_body:
+            self._finish(call, None)
+            return
+        with self._state:
+            call.outbox.append(memoryview(call.plain_body))
+        self._drain(call)
+
+    def _fail(self, call: Call, error: LiflError) -> None:
+        """Answer with an error status (trailers only, if nothing was sent yet) and tell the
+        client to stop sending (RST_STREAM NO_ERROR, if it had not finished)."""
+        head = [] if call.headers_sent else [(":status", "200"), ("content-type", CONTENT_TYPE)]
+
+        def frames() -> list[bytes | memoryview]:
+            if call.finished:
+                return []
+            call.outbox.clear()
+            try:
+                self.h2.send_headers(call.stream_id, head + status_trailers(error), end_stream=True)
+                self.h2.reset_stream(call.stream_id, h2.NO_ERROR)
+            except h2.StreamClosedError:
+                pass  # reset meanwhile
+            return [self.h2.data_to_send()]
+
+        self._send(frames)
+        self._finish(call, error)
+
+    def _reset(self, call: Call, code: int) -> None:
+        def frames() -> list[bytes | memoryview]:
+            self.h2.reset_stream(call.stream_id, code)
+            return [self.h2.data_to_send()]
+
+        self._send(frames)
+        self._finish(call, None)
+
+    def _send_headers(self, call: Call, headers: list[tuple[str, str]], end_stream: bool = False) -> None:
+        def frames() -> list[bytes | memoryview]:
+            try:
+                self.h2.send_headers(call.stream_id, headers, end_stream)
+            except h2.StreamClosedError:
+                return []  # reset meanwhile: the call is finished by whoever saw the reset
+            call.headers_sent = True
+            return [self.h2.data_to_send()]
+
+        self._send(frames)
+
+    def _drain(self, call: Call) -> int:
+        """Send as much of the call's outbox as flow control allows now, and once it is empty the
+        trailers (or END_STREAM on the last DATA); DATA bytes sent."""
+        sent = 0
+        while True:
+            with self._write:
+                with self._state:
+                    step = self._next_frames(call)
+                if step is None:
+                    return sent
+                parts, size, complete = step
+                self._emit(parts)
+            sent += size
+            if complete:
+                call.answered = True
+                self._finish(call, None)
+                return sent
+
+    def _next_frames(self, call: Call) -> tuple[list[bytes | memoryview], int, bool] | None:
+        """(Both locks held.) The call's next frames that flow control lets through: the parts
+        to write, their DATA bytes, and whether they complete the response; None: wait."""
+        if call.finished:
+            return None
+        try:
+            if not call.outbox:
+                if call.trailers is not None:
+                    self.h2.send_headers(call.stream_id, call.trailers, end_stream=True)
+                return [self.h2.data_to_send()], 0, True
+            window = self.h2.send_window(call.stream_id)
+            if window <= 0:
+                return None
+            parts: list[bytes | memoryview] = []
+            size, frames, end = 0, 0, False
+            while call.outbox and size < window and frames < MAX_FRAMES_PER_WRITE and not end:
+                views = take_views(call.outbox, min(window - size, self.h2.peer_max_frame_size))
+                n = sum(len(v) for v in views)
+                end = not call.outbox and call.trailers is None
+                parts += [self.h2.send_data(call.stream_id, n, end_stream=end), *views]
+                size, frames = size + n, frames + 1
+            return parts, size, end
+        except h2.StreamClosedError:
+            return [], 0, True  # reset meanwhile
+
+    def _flush(self) -> None:
+        """Send the frames the codec queued by itself (ACKs, WINDOW_UPDATEs, RST_STREAMs)."""
+        if self.h2.has_data_to_send:
+            self._send(lambda: [self.h2.data_to_send()])
+
+    def _send(self, frames: Callable[[], list[bytes | memoryview]]) -> None:
+        """Write what ``frames`` queues in the codec: produced under both locks (HPACK order),
+        written under the write lock alone."""
+        with self._write:
+            with self._state:
+                parts = frames()
+            self._emit(parts)
+
+    def _emit(self, parts: list[bytes | memoryview]) -> None:
+        with _socket_errors():
+            sendmsg_all(self.sock, parts)
+
+    def _finish(self, call: Call, error: LiflError | None) -> None:
+        """The call is over (answered, reset, or its connection ends): forget it, and give back an
+        upload's object if it was not handed over."""
+        with self._state:
+            if call.finished and call.ingest is None:
+                return
+            call.finished = True
+            call.outbox.clear()
+            self.calls.pop(call.stream_id, None)
+            self._state.notify_all()
+            ingest, call.ingest = call.ingest, None
+        if ingest is not None:
+            ingest.abort(error)
 
 
 def _optional(value: Any) -> int:
@@ -669,9 +641,16 @@ def _job_status(status: dict[str, Any]) -> pb.JobStatus:
 
 
 class GrpcServer(ThreadedServer):
-    def __init__(self, service: GatewayService, host: str, port: int) -> None:
-        super().__init__(host, port)
+    def __init__(self, service: GatewayService, host: str, port: int, limits: ConnectionLimits | None = None,
+                 grpc_limits: GrpcLimits | None = None) -> None:
+        super().__init__(host, port, limits)
         self.service = service
+        self.grpc_limits = grpc_limits or GrpcLimits()
+        self._download_slots = threading.BoundedSemaphore(self.grpc_limits.max_downloads)
 
     def serve(self, sock: socket.socket) -> None:
-        H2Connection(sock, self.service).run()
+        GrpcConnection(sock, self.connection(sock).stream, self.service, self.grpc_limits, self._download_slots).run()
+
+    def refuse(self, sock: socket.socket) -> None:
+        """Over the connection limits: say so in HTTP/2 before closing, so gRPC clients report it."""
+        sock.send(h2.settings_frame() + h2.goaway_frame(0, h2.ENHANCE_YOUR_CALM, b"connection limit reached"))

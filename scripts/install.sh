@@ -9,6 +9,17 @@ missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# h2spec, the HTTP/2 conformance suite the tests run against the gRPC port, is built with Go 1.18+
+go_suffices() {
+  command -v go >/dev/null || return 1
+  local version
+  version="$(go env GOVERSION)"  # e.g. go1.22.2
+  version="${version#go}"
+  local major="${version%%.*}" rest="${version#*.}"
+  local minor="${rest%%[!0-9]*}"  # go1.22.2, go1.23rc1
+  [[ $major =~ ^[0-9]+$ && $minor =~ ^[0-9]+$ ]] && ((major > 1 || minor >= 18))
+}
+go_suffices || missing+=(golang-go)
 if ((${#missing[@]})); then
   echo "lifl: installing system packages: ${missing[*]}"
   sudo=""
@@ -33,4 +44,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
   fi
   touch "$stamp"
 fi
+go_suffices || { echo "lifl: building h2spec needs Go 1.18 or newer (found: $(go version 2>&1 || true))"; exit 1; }
+scripts/h2spec/build.sh
 echo "lifl: installed (.venv/bin/lifl)"

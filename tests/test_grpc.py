@@ -14,6 +14,7 @@ import pytest
 from conftest import RunningNode, wait_for
 from lifl import format as fmt
 from lifl.gateway import lifl_pb2 as pb
+from lifl.net import h2
 
 MODEL = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.zeros(4, np.float32)}
 UPDATE = bytes(fmt.encode({"w": np.ones((3, 4), np.float32), "b": np.ones(4, np.float32)}))
@@ -193,11 +194,7 @@ def chunks_model(job: str, blob: bytes):
         yield pb.ModelChunk(data=bytes(blob[i : i + (1 << 20)]))
 
 
-H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-
-
-def h2_frame(ftype: int, flags: int, sid: int, payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload))[1:] + bytes([ftype, flags]) + struct.pack(">I", sid) + payload
+OPENING = h2.PREFACE + h2.settings_frame()
 
 
 def goaway_code(node: RunningNode, data: bytes) -> int | None:
@@ -220,13 +217,31 @@ def goaway_code(node: RunningNode, data: bytes) -> int | None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("data,code", [
-    (H2_PREFACE + h2_frame(4, 0, 0, b"\x00" * 5), 6),  # SETTINGS not a multiple of 6: FRAME_SIZE_ERROR
-    (H2_PREFACE + h2_frame(9, 0, 1, b""), 1),  # CONTINUATION without HEADERS: PROTOCOL_ERROR
-    (H2_PREFACE + h2_frame(1, 4, 2, b"\x82"), 1),  # even (server) stream id: PROTOCOL_ERROR
-    (H2_PREFACE + h2_frame(1, 4, 1, b"\xff\xff\xff\xff"), 9),  # undecodable header block: COMPRESSION_ERROR
-], ids=["settings-size", "stray-continuation", "even-stream", "bad-hpack"])
+    (h2.PREFACE + h2.encode_frame(h2.SETTINGS, 0, 0, bytes(5)), h2.FRAME_SIZE_ERROR),
+    (h2.PREFACE + h2.ping_frame(bytes(8)), h2.PROTOCOL_ERROR),  # the first frame must be SETTINGS
+    (OPENING + h2.continuation_frame(1, b""), h2.PROTOCOL_ERROR),
+    (OPENING + h2.headers_frame(2, b"\x82"), h2.PROTOCOL_ERROR),  # an even (server) stream id
+    (OPENING + h2.headers_frame(1, b"\xff\xff\xff\xff"), h2.COMPRESSION_ERROR),  # an undecodable header block
+], ids=["settings-size", "first-not-settings", "stray-continuation", "even-stream", "bad-hpack"])
 def test_http2_protocol_errors_end_in_goaway(node: RunningNode, data: bytes, code: int) -> None:
     assert goaway_code(node, data) == code
+
+
+@pytest.mark.slow
+def test_a_request_that_is_not_grpc_is_answered_415(node: RunningNode) -> None:
+    client = h2.Connection(h2.Side.CLIENT)
+    client.initiate()
+    client.send_headers(1, [(":method", "GET"), (":scheme", "http"), (":path", "/"), (":authority", "x")], end_stream=True)
+    host, port = node.grpc.rsplit(":", 1)
+    events: list[h2.Event] = []
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(client.data_to_send())
+        while not any(isinstance(e, h2.DataReceived) and e.end_stream for e in events):
+            events += client.receive_bytes(s.recv(65536))
+            s.sendall(client.data_to_send())
+    response = next(e for e in events if isinstance(e, h2.HeadersReceived))
+    assert dict(response.headers)[":status"] == "415"
+    assert b"gRPC" in b"".join(e.data for e in events if isinstance(e, h2.DataReceived))
 
 
 @pytest.mark.slow

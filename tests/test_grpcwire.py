@@ -9,8 +9,10 @@ import grpc
 import numpy as np
 import pytest
 
+from lifl.errors import BadRequest, Conflict, Overloaded, Unavailable
 from lifl.gateway import lifl_pb2 as pb
 from lifl.grpcwire import GRPC_STATUS, GrpcStatusError, UploadConnection, chunk_messages
+from lifl.net.grpc import call_result, message_prefix, status_trailers
 
 
 @pytest.fixture
@@ -63,3 +65,46 @@ def test_unknown_method_is_reported(grpcio_server: str) -> None:
         conn.call("/lifl.v1.Gateway/Nope", chunk_messages(b"", b"", 16))
     assert info.value.status == GRPC_STATUS["UNIMPLEMENTED"]
     conn.close()
+
+
+# -- gRPC's framing as server and client share it (lifl.net.grpc) --------------------------------------------
+@pytest.mark.parametrize("error,expected", [
+    (Unavailable("redis is down", retry_after=2.5),
+     {"grpc-status": "14", "grpc-message": "redis is down", "lifl-error-code": "unavailable", "grpc-retry-pushback-ms": "2500"}),
+    (Overloaded("no memory", code="shm_full"), {"grpc-status": "8", "lifl-error-code": "shm_full", "grpc-retry-pushback-ms": "1000"}),
+    (Conflict("stale", code="version_conflict", extra={"version": 4}), {"grpc-status": "10", "lifl-version": "4"}),
+    (BadRequest("bad\nline ü%"), {"grpc-status": "3", "grpc-message": "bad%0Aline %C3%BC%25"}),
+], ids=["unavailable", "overloaded", "conflict", "message-escaped"])
+def test_lifl_errors_travel_in_trailers(error, expected: dict[str, str]) -> None:
+    trailers = dict(status_trailers(error))
+    assert trailers.items() >= expected.items()
+    assert ("grpc-retry-pushback-ms" in trailers) == (error.retry_after is not None)
+    with pytest.raises(GrpcStatusError) as info:
+        call_result(trailers, b"")
+    assert (info.value.status, info.value.message) == (int(expected["grpc-status"]), error.message)
+
+
+@pytest.mark.parametrize("trailers,body,status", [
+    ({"grpc-status": "0"}, message_prefix(3) + b"abc", None),
+    ({"grpc-status": "0"}, b"", GRPC_STATUS["INTERNAL"]),  # no message
+    ({"grpc-status": "0"}, message_prefix(4) + b"abc", GRPC_STATUS["INTERNAL"]),  # truncated
+    ({"grpc-status": "0"}, b"\x01" + message_prefix(3)[1:] + b"abc", GRPC_STATUS["INTERNAL"]),  # compressed
+    ({}, message_prefix(3) + b"abc", GRPC_STATUS["UNKNOWN"]),  # no status at all
+    ({"grpc-status": "x"}, b"", GRPC_STATUS["UNKNOWN"]),
+])
+def test_a_reply_is_one_message_and_an_ok_status(trailers: dict[str, str], body: bytes, status: int | None) -> None:
+    if status is None:
+        assert call_result(trailers, body) == b"abc"
+        return
+    with pytest.raises(GrpcStatusError) as info:
+        call_result(trailers, body)
+    assert info.value.status == status
+
+
+def test_blob_messages_carry_the_blob_in_views() -> None:
+    blob = bytes(range(256)) * 10
+    messages = list(chunk_messages(b"meta", blob, 1000))
+    assert [bytes(m[0]) for m in messages[:1]] == [message_prefix(6) + b"\x0a\x04meta"]
+    assert all(isinstance(m[1], memoryview) for m in messages[1:])  # no copy of the blob
+    data = [pb.UpdateChunk.FromString(b"".join(bytes(p) for p in m)[5:]).data for m in messages[1:]]
+    assert b"".join(data) == blob and [len(d) for d in data] == [1000, 1000, 560]
