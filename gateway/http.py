@@ -4,6 +4,12 @@ A small server of its own rather than a framework: request bodies are received w
 ``recv_into`` straight into the shared-memory object (frameworks read them into buffers of
 their own first), models are sent with ``sendfile`` from shared memory, and the server
 decides exactly when a request is refused (before its body is read, when possible).
+
+Parsing is strict (RFC 9110/9112) and never crashes: ``parse_head`` and ``parse_chunk_size``
+are pure functions of the bytes received, every malformed input is refused with a documented
+4xx (and its connection closed), and an unexpected exception answers 500 and is logged while
+the server goes on. Timeouts, rates and connection counts are the ``Stream``'s and the
+``ThreadedServer``'s (gateway/stream.py).
 """
 
 from __future__ import annotations
@@ -18,25 +24,147 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lifl.errors import BadRequest, LiflError, NotFound, Overloaded
+from lifl.errors import BadRequest, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge
 from lifl.gateway.service import GatewayService, Ingest, ModelView, PartialMeta, UpdateMeta
-from lifl.gateway.stream import Stream, ThreadedServer, sendfile_all
+from lifl.gateway.stream import ConnectionLimits, Stream, ThreadedServer, sendfile_all
 
-MAX_HEAD = 64 << 10
+MAX_HEAD = 64 << 10  # bytes of a request head: request line, fields, CRLFs and the empty line
+MAX_HEADER_FIELDS = 100  # fields in a head (and in a chunked body's trailer)
+MAX_HEADER_LINE = 8 << 10  # bytes of one line of a head, the request line included, without its CRLF
+MAX_CHUNK_LINE = 1024  # bytes of a chunk-size line with its extensions, without its CRLF
 MAX_JSON_BODY = 1 << 20
-IDLE_TIMEOUT = 120.0
 DRAIN_LIMIT = 1 << 20  # a refused body up to this size is read and dropped to keep the connection
 LINGER_SECONDS = 2.0
+HEALTH_CHECK = ("GET", "/healthz")  # the one request answered on a reserved connection
 
 REASONS = {
     100: "Continue", 200: "OK", 201: "Created", 202: "Accepted", 204: "No Content", 400: "Bad Request", 404: "Not Found",
-    405: "Method Not Allowed", 409: "Conflict", 411: "Length Required", 413: "Payload Too Large",
-    422: "Unprocessable Entity", 500: "Internal Server Error", 501: "Not Implemented", 503: "Service Unavailable",
+    405: "Method Not Allowed", 408: "Request Timeout", 409: "Conflict", 413: "Payload Too Large",
+    422: "Unprocessable Entity", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
+    503: "Service Unavailable",
 }
 
 
+class HeadTooLarge(LiflError):
+    """A request head (or trailer) over one of its limits (HTTP 431)."""
+
+    status = 431
+    default_code = "head_too_large"
+
+
+class RequestTimeout(LiflError):
+    """The client stalled: its head was late, or its body too slow (HTTP 408; the connection closes)."""
+
+    status = 408
+    grpc_status = "DEADLINE_EXCEEDED"
+    default_code = "request_timeout"
+
+
+# -- parsing: pure functions of the bytes received --------------------------------------------------
+_TCHAR = r"!#$%&'*+\-.^_`|~0-9A-Za-z"
+_TOKEN = re.compile(f"[{_TCHAR}]+")
+_FIELD_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")  # visible characters, spaces and obs-text; no controls
+_TARGET = re.compile(r"/[\x21-\x7e]*")  # origin-form
+_VERSION = re.compile(r"HTTP/1\.[01]")
+_CONTENT_LENGTH = re.compile(r"[0-9]{1,18}")  # ASCII digits: str.isdigit() also takes "²" and "٣"
+_OWS = " \t"
+_QUOTED = rb'"(?:[\t \x21\x23-\x5b\x5d-\x7e\x80-\xff]|\\[\t \x21-\x7e\x80-\xff])*"'
+_TOKEN_BYTES = _TCHAR.encode()
+_CHUNK_SIZE_LINE = re.compile(
+    rb"([0-9A-Fa-f]{1,16})(?:[ \t]*;[ \t]*[" + _TOKEN_BYTES + rb"]+(?:[ \t]*=[ \t]*(?:[" + _TOKEN_BYTES + rb"]+|" + _QUOTED + rb"))?)*"
+)
+_QUERY_LIMIT = re.compile(r"[0-9]{1,5}")
+_SINGLETONS = ("content-length", "transfer-encoding", "host")  # fields that must not repeat
+
+
+@dataclass(frozen=True)
+class RequestHead:
+    method: str
+    path: str
+    query: str
+    version: str
+    headers: dict[str, str]  # by lower-case name; a repeated field's values joined with ", "
+    length: int | None  # Content-Length
+    chunked: bool
+    keep_alive: bool
+
+
+def parse_head(head: bytes) -> RequestHead:
+    """Parse a request head ending in an empty line; BadRequest or HeadTooLarge if it is not
+    exactly what RFC 9112 allows (no obs-fold, no controls in values, tokens for names, one
+    framing: ASCII-digit Content-Length or ``Transfer-Encoding: chunked``)."""
+    if len(head) > MAX_HEAD:
+        raise HeadTooLarge(f"the request head exceeds {MAX_HEAD} bytes")
+    if not head.endswith(b"\r\n\r\n"):
+        raise BadRequest("a request head ends with an empty line", code="bad_request_line")
+    text = head.decode("latin-1")
+    start = 0
+    while text.startswith("\r\n", start):  # empty lines before a request line are ignored (RFC 9112, 2.2)
+        start += 2
+    lines = text[start:-4].split("\r\n")
+    if len(lines) - 1 > MAX_HEADER_FIELDS:
+        raise HeadTooLarge(f"the request has more than {MAX_HEADER_FIELDS} header fields", code="too_many_headers")
+    if any(len(line) > MAX_HEADER_LINE for line in lines):
+        raise HeadTooLarge(f"a line of the request head exceeds {MAX_HEADER_LINE} bytes", code="header_line_too_long")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not (_TOKEN.fullmatch(parts[0]) and _TARGET.fullmatch(parts[1]) and _VERSION.fullmatch(parts[2])):
+        raise BadRequest(f"bad request line {lines[0][:80]!r}", code="bad_request_line")
+    method, target, version = parts
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, value = parse_field_line(line)
+        key = name.lower()
+        if key not in headers:
+            headers[key] = value
+        elif key in _SINGLETONS:
+            raise BadRequest(f"header {name} appears twice", code="bad_header")
+        else:
+            headers[key] = f"{headers[key]}, {value}"
+    length: int | None = None
+    chunked = "transfer-encoding" in headers
+    if chunked:
+        encoding = headers["transfer-encoding"]
+        if not (encoding.isascii() and encoding.lower() == "chunked"):
+            raise BadRequest(f"unsupported Transfer-Encoding {encoding[:32]!r}: only chunked", code="bad_header")
+        if "content-length" in headers:
+            raise BadRequest("both Content-Length and Transfer-Encoding are set", code="bad_header")
+        if version == "HTTP/1.0":
+            raise BadRequest("HTTP/1.0 has no Transfer-Encoding", code="bad_header")
+    elif "content-length" in headers:
+        if not _CONTENT_LENGTH.fullmatch(headers["content-length"]):
+            raise BadRequest("Content-Length must be 1-18 ASCII digits", code="bad_header")
+        length = int(headers["content-length"])
+    options = {token.strip(_OWS).lower() for token in headers.get("connection", "").split(",")}
+    keep_alive = "close" not in options if version == "HTTP/1.1" else "keep-alive" in options
+    path, _, query = target.partition("?")
+    return RequestHead(method, path, query, version, headers, length, chunked, keep_alive)
+
+
+def parse_field_line(line: str) -> tuple[str, str]:
+    """``name: value`` of a head or trailer (latin-1 text); BadRequest unless the name is a
+    token right before the colon and the value, without surrounding spaces and tabs, has no
+    control characters (a line starting with whitespace, obs-fold, is refused too)."""
+    name, sep, value = line.partition(":")
+    if not sep or not _TOKEN.fullmatch(name):
+        raise BadRequest(f"bad header line {line[:80]!r}", code="bad_header")
+    value = value.strip(_OWS)  # only SP and HTAB: str.strip() would also drop \x0b, \x1c-\x1f, \x85...
+    if not _FIELD_VALUE.fullmatch(value):
+        raise BadRequest(f"header {name[:80]} has control characters in its value", code="bad_header")
+    return name, value
+
+
+def parse_chunk_size(line: bytes) -> int:
+    """The size of a chunk from its size line (without CRLF): hex digits and well-formed
+    extensions, which are ignored; BadRequest for anything else."""
+    match = _CHUNK_SIZE_LINE.fullmatch(line)
+    if match is None:
+        raise BadRequest(f"bad chunk size line {line[:32]!r}", code="bad_chunk")
+    return int(match.group(1), 16)
+
+
 class Body:
-    """A request body, by Content-Length or chunked; reads go straight into the caller's memory."""
+    """A request body, by Content-Length or chunked; reads go straight into the caller's memory.
+    A peer that stalls gets RequestTimeout, one that goes away BadRequest ``truncated``."""
 
     def __init__(self, stream: Stream, length: int | None, chunked: bool) -> None:
         self._stream = stream
@@ -55,6 +183,14 @@ class Body:
         return self._chunked or self.length is not None
 
     def readinto(self, view: memoryview) -> int:
+        try:
+            return self._readinto(view)
+        except TimeoutError as e:
+            raise RequestTimeout(str(e), code="body_timeout") from None
+        except (EOFError, ConnectionError):
+            raise BadRequest("connection closed in the middle of the request body", code="truncated") from None
+
+    def _readinto(self, view: memoryview) -> int:
         if self._ended or not len(view):
             return 0
         if self._chunked and self._left == 0:
@@ -63,7 +199,7 @@ class Body:
                 return 0
         n = self._stream.readinto(view[: min(len(view), self._left)])
         if n == 0:
-            raise BadRequest("connection closed in the middle of the request body", code="truncated")
+            raise EOFError("connection closed")
         self._left -= n
         if self._left == 0:
             if self._chunked:
@@ -74,24 +210,37 @@ class Body:
         return n
 
     def _next_chunk(self) -> None:
-        line = self._stream.read_until(b"\r\n", 1024)[:-2]
-        size = line.split(b";", 1)[0].strip()
-        if not size or not re.fullmatch(rb"[0-9a-fA-F]{1,15}", size):
-            raise BadRequest(f"bad chunk size line {line[:32]!r}", code="bad_chunk")
-        self._left = int(size, 16)
+        line = self._stream.read_until(b"\r\n", MAX_CHUNK_LINE + 2)
+        if line is None:
+            raise BadRequest(f"a chunk size line exceeds {MAX_CHUNK_LINE} bytes", code="bad_chunk")
+        self._left = parse_chunk_size(line[:-2])
         if self._left == 0:
-            while self._stream.read_until(b"\r\n", MAX_HEAD) != b"\r\n":  # trailers, ignored
-                pass
+            self._skip_trailer()
             self._ended = True
 
+    def _skip_trailer(self) -> None:
+        """Read the trailer's fields, within the limits of a head, and drop them."""
+        size = fields = 0
+        while (line := self._stream.read_until(b"\r\n", MAX_HEADER_LINE + 2)) != b"\r\n":
+            if line is None:
+                raise HeadTooLarge(f"a trailer line exceeds {MAX_HEADER_LINE} bytes", code="header_line_too_long")
+            size, fields = size + len(line), fields + 1
+            if fields > MAX_HEADER_FIELDS:
+                raise HeadTooLarge(f"the trailer has more than {MAX_HEADER_FIELDS} fields", code="too_many_headers")
+            if size > MAX_HEAD:
+                raise HeadTooLarge(f"the trailer exceeds {MAX_HEAD} bytes")
+            parse_field_line(line[:-2].decode("latin-1"))
+
     def read_all(self, limit: int) -> bytes:
+        if self.length is not None and self.length > limit:
+            raise PayloadTooLarge(f"request body of {self.length} bytes exceeds {limit} bytes", code="body_too_large")
         out = bytearray()
         chunk = bytearray(1 << 16)
         while not self._ended:
             n = self.readinto(memoryview(chunk))
             out += chunk[:n]
             if len(out) > limit:
-                raise BadRequest(f"request body exceeds {limit} bytes", code="body_too_large")
+                raise PayloadTooLarge(f"request body exceeds {limit} bytes", code="body_too_large")
         return bytes(out)
 
     def drain(self, limit: int) -> bool:
@@ -112,11 +261,11 @@ class Body:
 class Request:
     method: str
     path: str
+    query: str
     headers: dict[str, str]
     body: Body
     keep_alive: bool
-    sock: socket.socket
-    query: str = ""
+    stream: Stream
 
 
 @dataclass
@@ -137,12 +286,41 @@ def error_response(e: LiflError) -> Response:
     headers = {}
     if e.retry_after is not None:
         headers["Retry-After"] = str(max(1, round(e.retry_after)))
-    return json_response(e.status, e.body(), headers)
+    response = json_response(e.status, e.body(), headers)
+    response.close = isinstance(e, RequestTimeout)  # the client stalled mid-request: nothing more to read
+    return response
+
+
+def internal_error_response(e: Exception) -> Response:
+    """A bug: log it, answer 500 and close the connection (its state is unknown); the server goes on."""
+    traceback.print_exc()
+    response = error_response(Internal(f"internal error ({type(e).__name__}); the gateway's log has the details"))
+    response.close = True
+    return response
+
+
+def response_head(r: Response, *, close: bool) -> bytes:
+    headers = dict(r.headers or {})
+    if r.status != 204:  # a 204 has no body, and says nothing of its length
+        headers["Content-Length"] = str(r.sendfile[1] if r.sendfile else len(r.body))
+    if close:
+        headers["Connection"] = "close"
+    head = f"HTTP/1.1 {r.status} {REASONS.get(r.status, 'Unknown')}\r\n"
+    return (head + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode("latin-1")
+
+
+def _too_many_connections() -> Overloaded:
+    return Overloaded("too many connections; retry later", code="too_many_connections")
+
+
+_REFUSED = error_response(_too_many_connections())
+_REFUSAL = response_head(_REFUSED, close=True) + _REFUSED.body  # sent from the accept loop, built once
 
 
 class HttpServer(ThreadedServer):
-    def __init__(self, service: GatewayService, host: str, port: int) -> None:
-        super().__init__(host, port)
+    def __init__(self, service: GatewayService, host: str, port: int, limits: ConnectionLimits | None = None) -> None:
+        limits = limits or ConnectionLimits()
+        super().__init__(host, port, limits, reserve=limits.reserved)
         self.service = service
         self._routes: list[tuple[str, re.Pattern[str], Callable[..., Response]]] = [
             ("POST", re.compile(r"/v1/jobs"), self.create_job),
@@ -163,81 +341,64 @@ class HttpServer(ThreadedServer):
         ]
 
     def refuse(self, sock: socket.socket) -> None:
-        body = json.dumps(Overloaded("too many connections").body()).encode()
-        sock.sendall(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nConnection: close\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock.send(_REFUSAL)  # non-blocking: what does not fit in the socket's buffer is not sent
 
     # -- connection ----------------------------------------------------------------------------
     def serve(self, sock: socket.socket) -> None:
-        sock.settimeout(IDLE_TIMEOUT)
+        conn = self.connection(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        stream = Stream(sock)
         try:
-            while True:
-                try:
-                    head = stream.read_until(b"\r\n\r\n", MAX_HEAD)
-                except (EOFError, OSError):
-                    return
-                try:
-                    request = self._parse(head, stream)
-                except LiflError as e:
-                    self._send(sock, error_response(e), close=True)
-                    return
-                response = self._handle(request)
-                close = response.close or not request.keep_alive
-                if not request.body.ended:  # refused before reading it all
-                    close = close or not request.body.drain(DRAIN_LIMIT)
-                try:
-                    self._send(sock, response, close=close)
-                finally:
-                    if response.after_send:
-                        response.after_send()
-                if close:
-                    self._linger(sock)
-                    return
+            while self._exchange(conn.stream, reserved=conn.reserved):
+                pass
         except (OSError, EOFError):
-            return
+            pass  # the peer went away, stayed idle too long, or the connection was evicted
         finally:
             self.service.close_thread()
 
-    @staticmethod
-    def _parse(head: bytes, stream: Stream) -> Request:
+    def _exchange(self, stream: Stream, *, reserved: bool) -> bool:
+        """Read one request and answer it; whether the connection stays open for another."""
+        if not stream.expect_request():
+            return False
+        request: Request | None = None
         try:
-            text = head.decode("latin-1")
-        except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes every byte
-            raise BadRequest("request head is not text") from None
-        lines = text[:-4].split("\r\n")
-        parts = lines[0].split(" ")
-        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-            raise BadRequest(f"bad request line {lines[0][:80]!r}", code="bad_request_line")
-        method, target, version = parts
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep or not name or name != name.strip():
-                raise BadRequest(f"bad header line {line[:80]!r}", code="bad_header")
-            key = name.lower()
-            if key in headers and key in ("content-length", "transfer-encoding", "host"):
-                raise BadRequest(f"header {name} appears twice", code="bad_header")
-            headers[key] = f"{headers[key]}, {value.strip()}" if key in headers else value.strip()
-        chunked = False
-        length: int | None = None
-        if "transfer-encoding" in headers:
-            if headers["transfer-encoding"].lower() != "chunked":
-                raise BadRequest(f"unsupported Transfer-Encoding {headers['transfer-encoding']!r}", code="bad_header")
-            if "content-length" in headers:
-                raise BadRequest("both Content-Length and Transfer-Encoding are set", code="bad_header")
-            chunked = True
-        elif "content-length" in headers:
-            if not headers["content-length"].isdigit():
-                raise BadRequest("Content-Length must be a non-negative integer", code="bad_header")
-            length = int(headers["content-length"])
-        connection = headers.get("connection", "").lower()
-        keep_alive = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
-        path, _, query = target.partition("?")
-        return Request(method, path, headers, Body(stream, length, chunked), keep_alive, stream.sock, query)
+            request = self._read_request(stream)
+            response = self._handle(request, reserved=reserved)
+        except LiflError as e:  # the head is refused: what follows it cannot be framed
+            response = error_response(e)
+        except (OSError, EOFError):
+            raise
+        except Exception as e:
+            response = internal_error_response(e)
+        close = response.close or reserved or request is None or not request.keep_alive
+        if request is not None and not request.body.ended:  # refused before reading it all
+            close = close or not request.body.drain(DRAIN_LIMIT)
+        try:
+            self._send(stream, response, close=close)
+        finally:
+            if response.after_send:
+                response.after_send()
+        if close:
+            stream.closing()
+            self._linger(stream.sock)
+        return not close
 
-    def _handle(self, request: Request) -> Response:
+    @staticmethod
+    def _read_request(stream: Stream) -> Request:
+        try:
+            head = stream.read_until(b"\r\n\r\n", MAX_HEAD)
+        except TimeoutError as e:
+            raise RequestTimeout(str(e), code="head_timeout") from None
+        except EOFError:
+            raise BadRequest("connection closed in the middle of the request head", code="truncated") from None
+        if head is None:
+            raise HeadTooLarge(f"the request head exceeds {MAX_HEAD} bytes")
+        h = parse_head(head)
+        stream.expect_body()
+        return Request(h.method, h.path, h.query, h.headers, Body(stream, h.length, h.chunked), h.keep_alive, stream)
+
+    def _handle(self, request: Request, *, reserved: bool) -> Response:
+        if reserved and (request.method, request.path) != HEALTH_CHECK:
+            return error_response(_too_many_connections())
         allowed = []
         for method, pattern, handler in self._routes:
             match = pattern.fullmatch(request.path)
@@ -247,9 +408,8 @@ class HttpServer(ThreadedServer):
                         return handler(request, *match.groups()) if match.groups() else handler(request)
                     except LiflError as e:
                         return error_response(e)
-                    except Exception as e:  # a bug: report it, keep the server up
-                        traceback.print_exc()
-                        return error_response(LiflError(f"internal error: {type(e).__name__}: {e}", code="internal"))
+                    except Exception as e:
+                        return internal_error_response(e)
                 allowed.append(method)
         if allowed:
             r = json_response(405, BadRequest(f"{request.method} is not allowed on {request.path}", code="method_not_allowed").body())
@@ -257,20 +417,13 @@ class HttpServer(ThreadedServer):
             return r
         return error_response(NotFound(f"no such endpoint {request.method} {request.path}"))
 
-    @staticmethod
-    def _send(sock: socket.socket, r: Response, *, close: bool) -> None:
-        headers = dict(r.headers or {})
-        if r.status != 204:  # a 204 has no body, and says nothing of its length
-            headers["Content-Length"] = str(r.sendfile[1] if r.sendfile else len(r.body))
-        if close:
-            headers["Connection"] = "close"
-        head = f"HTTP/1.1 {r.status} {REASONS.get(r.status, 'Unknown')}\r\n"
-        head += "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+    def _send(self, stream: Stream, r: Response, *, close: bool) -> None:
+        head = response_head(r, close=close)
         if r.sendfile:
-            sock.sendall(head.encode("latin-1"))
-            sendfile_all(sock, *r.sendfile, IDLE_TIMEOUT)  # straight out of shared memory
+            stream.send_all(head)
+            sendfile_all(stream.sock, *r.sendfile, self.limits.idle_timeout)  # straight out of shared memory
         else:
-            sock.sendall(head.encode("latin-1") + r.body)
+            stream.send_all(head + r.body)
 
     @staticmethod
     def _linger(sock: socket.socket) -> None:
@@ -287,10 +440,13 @@ class HttpServer(ThreadedServer):
     # -- endpoints -----------------------------------------------------------------------------
     @staticmethod
     def _json_body(req: Request, what: str) -> Any:
+        data = req.body.read_all(MAX_JSON_BODY) or b"null"
         try:
-            return json.loads(req.body.read_all(MAX_JSON_BODY) or b"null")
+            return json.loads(data)
         except json.JSONDecodeError as e:
             raise BadRequest(f"{what} is not valid JSON: {e.msg} at position {e.pos}", code="bad_json") from None
+        except (ValueError, RecursionError):  # not UTF-8, a number of thousands of digits, nesting too deep
+            raise BadRequest(f"{what} is not acceptable JSON (encoding, number length or nesting)", code="bad_json") from None
 
     def create_job(self, req: Request) -> Response:
         return json_response(201, self.service.create_job(self._json_body(req, "job")))
@@ -300,7 +456,7 @@ class HttpServer(ThreadedServer):
         if req.query:
             params = urllib.parse.parse_qs(req.query)
             text = params.get("limit", ["100"])[0]
-            if not text.isdigit() or not 1 <= int(text) <= 10000:
+            if not _QUERY_LIMIT.fullmatch(text) or not 1 <= int(text) <= 10000:
                 raise BadRequest("limit must be an integer in [1, 10000]", code="bad_query")
             limit = int(text)
         return json_response(200, {"rounds": self.service.rounds(job, limit)})
@@ -358,7 +514,7 @@ class HttpServer(ThreadedServer):
 
     def _receive(self, req: Request, ingest: Ingest) -> dict[str, Any]:
         if req.headers.get("expect", "").lower() == "100-continue":
-            req.sock.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            req.stream.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
         sink = ingest.sink
         try:
             while not sink.done:

@@ -1,14 +1,15 @@
 """Receiving one blob as it streams in, straight into shared memory.
 
-The first 8 + N bytes (length and JSON header) go to a small buffer and are validated
-against the job's model before anything is admitted; only then does the agent hand out a
-shared-memory object (reserving a slot of the round, checking the budgets), and every later
-byte is received directly into it. Floats are checked for NaN/Inf chunk by chunk while the
+The first 8 + N bytes (length and JSON header) go to a buffer that grows as they arrive
+(never to the size the prefix claims) and are validated against the job's model before
+anything is admitted; only then does the agent hand out a shared-memory object (reserving a
+slot of the round, checking the budgets), and every later byte is received directly into it. Floats are checked for NaN/Inf chunk by chunk while the
 bytes are still in cache. Any failure aborts the object, so nothing of a bad blob survives.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from collections import OrderedDict
@@ -20,20 +21,36 @@ from lifl.kernels import FiniteChecker
 from lifl.store import MappingCache
 
 CHECK_EVERY = 256 << 10  # check finiteness every 256 KiB received, while it is hot in L2
+HEADER_STEP = 64 << 10  # a JSON header is received this much at a time: memory follows the bytes, not the claim
+LAYOUT_CACHE_BYTES = 32 << 20  # what the cached layouts may take (estimated as below)
+LAYOUT_ENTRY_BYTES = 400  # measured memory of one tensor's entry in a parsed layout, besides its header bytes
 
 
 class LayoutCache:
-    """Validated layouts by exact header bytes: clients of one job send the same header with
-    every update, and validating it (JSON, offsets, the model's tensors) is deterministic."""
+    """Validated layouts of admitted blobs, by a digest of their exact header bytes: clients of
+    one job send the same header with every update, and validating it (JSON, offsets, the
+    model's tensors) is deterministic. Bounded by bytes; a refused blob's layout is never kept
+    (so distinct headers cannot fill the gateway's memory)."""
 
-    def __init__(self, entries: int = 256) -> None:
-        self._entries: OrderedDict[tuple[bytes, int, bool], tuple[fmt.ModelSpec | None, fmt.Layout]] = OrderedDict()
-        self._max = entries
+    def __init__(self, max_bytes: int = LAYOUT_CACHE_BYTES) -> None:
+        self._entries: OrderedDict[tuple[bytes, int, bool], tuple[fmt.ModelSpec | None, fmt.Layout, int]] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self._lock = threading.Lock()
 
-    def validate(self, header: bytes, spec: fmt.ModelSpec | None, limit: int, partial: bool = False) -> fmt.Layout:
-        """``partial``: a partial sum of ``spec``'s model (accumulator dtypes), from another node."""
-        key = (header, id(spec), partial)
+    @staticmethod
+    def cost(header: bytes | bytearray, layout: fmt.Layout) -> int:
+        """Estimated memory of a cached layout."""
+        return len(header) + LAYOUT_ENTRY_BYTES * len(layout.entries)
+
+    @staticmethod
+    def _key(header: bytes | bytearray, spec: fmt.ModelSpec | None, partial: bool) -> tuple[bytes, int, bool]:
+        return hashlib.blake2b(header, digest_size=32).digest(), id(spec), partial
+
+    def validate(self, header: bytes | bytearray, spec: fmt.ModelSpec | None, limit: int, partial: bool = False) -> fmt.Layout:
+        """The layout of ``header``, checked against ``spec`` (``partial``: a partial sum of its
+        model, in accumulator dtypes, from another node); raises what the blob is refused for."""
+        key = self._key(header, spec, partial)
         with self._lock:
             hit = self._entries.get(key)
             if hit is not None and hit[0] is spec:
@@ -47,11 +64,25 @@ class LayoutCache:
             fmt.check_matches(layout, spec.partial() if partial else spec)
         elif not layout.entries:
             raise Unprocessable("a model needs at least one tensor", code="empty_model")
-        with self._lock:
-            self._entries[key] = (spec, layout)
-            while len(self._entries) > self._max:
-                self._entries.popitem(last=False)
         return layout
+
+    def remember(self, header: bytes | bytearray, spec: fmt.ModelSpec | None, partial: bool, layout: fmt.Layout) -> None:
+        """Keep the layout of an admitted blob, evicting the least recently used beyond the bound."""
+        cost = self.cost(header, layout)
+        if cost > self.max_bytes:
+            return
+        key = self._key(header, spec, partial)
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.bytes -= old[2]
+            self._entries[key] = (spec, layout, cost)
+            self.bytes += cost
+            while self.bytes > self.max_bytes:
+                self.bytes -= self._entries.popitem(last=False)[1][2]
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 class BlobSink:
@@ -74,7 +105,9 @@ class BlobSink:
         self._layouts = layouts
         self._expected = expected_size
         self._prefix = bytearray(fmt.PREFIX_BYTES)
-        self._header: bytearray | None = None
+        self._header_len: int | None = None  # once the prefix is in
+        self._header = bytearray()  # grows as the header's bytes arrive
+        self._step = bytearray()  # where the next header bytes are received
         self._mm = None
         self._checker: FiniteChecker | None = None
         self.layout: fmt.Layout | None = None
@@ -99,31 +132,39 @@ class BlobSink:
         """Bytes still expected (before the header is known: at least those of the header)."""
         if self.layout is not None:
             return self.layout.total_size - self.received
-        if self._header is None:
+        if self._header_len is None:
             return fmt.PREFIX_BYTES - self.received
-        return fmt.PREFIX_BYTES + len(self._header) - self.received
+        return fmt.PREFIX_BYTES + self._header_len - self.received
 
     def buffer(self) -> memoryview:
         """Where the next bytes of the blob go; receive into it, then call ``advance``."""
         if self._mm is not None:
             return memoryview(self._mm)[self.received : self.layout.total_size]
-        if self._header is None:
+        if self._header_len is None:
             return memoryview(self._prefix)[self.received :]
-        return memoryview(self._header)[self.received - fmt.PREFIX_BYTES :]
+        return memoryview(self._step)[: self._header_len - len(self._header)]
 
     def advance(self, n: int) -> None:
         if n <= 0:
             return
         self.received += n
         if self._mm is None:
-            if self._header is None and self.received == fmt.PREFIX_BYTES:
-                self._header = bytearray(fmt.header_length(self._prefix, self._limit))
-            elif self._header is not None and self.received == fmt.PREFIX_BYTES + len(self._header):
-                self._on_header()
+            if self._header_len is None:
+                if self.received == fmt.PREFIX_BYTES:
+                    self._header_len = fmt.header_length(self._prefix, self._limit, max_header=self._max_header())
+                    self._step = bytearray(min(HEADER_STEP, self._header_len))
+            else:
+                self._header += memoryview(self._step)[:n]
+                if len(self._header) == self._header_len:
+                    self._on_header()
             return
         assert self._checker is not None
         if self.received - self._checker.cursor >= CHECK_EVERY or self.done:
             self._checker.check(self._mm, self.received)
+
+    def _max_header(self) -> int:
+        """An update's header is refused unread if longer than any header of its model's tensors."""
+        return fmt.MAX_HEADER_BYTES if self._spec is None else self._spec.max_header_bytes
 
     def write(self, data: bytes | memoryview) -> None:
         """Take bytes that are already in memory (e.g. read ahead with a request's headers)."""
@@ -138,20 +179,21 @@ class BlobSink:
             self.advance(n)
 
     def _on_header(self) -> None:
-        assert self._header is not None
-        layout = self._layouts.validate(bytes(self._header), self._spec, self._limit, self._partial)
+        header, self._header, self._step = self._header, bytearray(), bytearray()
+        layout = self._layouts.validate(header, self._spec, self._limit, self._partial)
         if self._expected is not None and self._expected != layout.total_size:
             raise BadRequest(
                 f"body has {self._expected} bytes but the blob's header declares {layout.total_size}",
                 code="length_mismatch",
             )
         self.key, fd = self._admit(layout)
+        self._layouts.remember(header, self._spec, self._partial, layout)  # admitted: worth keeping
         try:
             self._mm = self._mappings.map_fd(fd, writable=True)
         finally:
             os.close(fd)
         self._mm[: fmt.PREFIX_BYTES] = self._prefix
-        self._mm[fmt.PREFIX_BYTES : layout.data_start] = self._header
+        self._mm[fmt.PREFIX_BYTES : layout.data_start] = header
         self.layout = layout
         self._checker = FiniteChecker(layout)
         if self.done:

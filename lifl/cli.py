@@ -21,6 +21,7 @@ def parse_size(text: str) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from lifl.gateway.flags import limits_from
     from lifl.node import cluster
     from lifl.node.agent import agent_options
 
@@ -34,7 +35,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                 nodes=args.nodes, node_stem=args.node or "n", prefix=args.cluster_prefix or cluster.ClusterConfig.prefix,
                 subnet=args.subnet or cluster.ClusterConfig.subnet,
                 redis=args.redis, run_dir=args.run_dir, data_dir=args.data_dir, checkpoints=args.checkpoints,
-                shm_capacity=args.shm_limit, pool_limit=args.pool_limit, netem=args.netem, **agent_options(args),
+                shm_capacity=args.shm_limit, pool_limit=args.pool_limit, netem=args.netem,
+                gateway_limits=limits_from(args), **agent_options(args),
             )
         except ValueError as e:
             raise SystemExit(f"lifl: {e}") from None
@@ -47,7 +49,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     config = NodeConfig(
         node=args.node or "n0", http=args.http or "127.0.0.1:8080", grpc=args.grpc or "127.0.0.1:50051", redis=args.redis,
         run_dir=args.run_dir, data_dir=args.data_dir,
-        shm_capacity=args.shm_limit, pool_limit=args.pool_limit, checkpoints=args.checkpoints, **agent_options(args),
+        shm_capacity=args.shm_limit, pool_limit=args.pool_limit, checkpoints=args.checkpoints,
+        gateway_limits=limits_from(args), **agent_options(args),
     )
     return run(config)
 
@@ -71,6 +74,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from lifl.gateway.flags import add_limit_arguments
     from lifl.node.agent import add_agent_arguments
 
     p = argparse.ArgumentParser(prog="lifl", description="Elastic serverless aggregation for federated learning.")
@@ -90,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--shm-limit", type=parse_size, help="shared memory for objects (default: half the RAM; with --nodes, shared among them)")
     up.add_argument("--pool-limit", type=parse_size, help="of which recycled buffers may keep (default: a quarter)")
     add_agent_arguments(up)
+    add_limit_arguments(up)
     up.add_argument("--nodes", type=int, default=1, metavar="N",
                     help="emulate a cluster: N nodes on this machine, each in a network namespace of its own, on one "
                          "bridge and one shared Redis (needs root; 1-200; default 1: one node in this namespace)")

@@ -14,9 +14,11 @@ dtypes (F64 for float tensors, I128 for integer ones), which never come from out
 from __future__ import annotations
 
 import json
+import reprlib
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -25,8 +27,11 @@ from lifl.errors import BadRequest, PayloadTooLarge, Unprocessable
 
 PREFIX_BYTES = 8
 MAX_HEADER_BYTES = 16 << 20
+HEADER_SPACING = 4  # how many times its compact form a header of a model's tensors may take...
+MAX_METADATA_BYTES = 64 << 10  # ...plus this much for __metadata__ (see ModelSpec.max_header_bytes)
 MAX_RANK = 32
 MAX_NAME_BYTES = 1024
+MAX_OFFSET = 1 << 62  # bound on dimensions, offsets and tensor sizes: no blob comes near, and sizes stay small integers
 DATA_ALIGN = 64  # headers are space-padded so tensor data starts on a cache line
 
 
@@ -98,6 +103,12 @@ class ModelSpec:
     def data_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
+    @cached_property
+    def max_header_bytes(self) -> int:
+        """The longest header a blob of these tensors may have: other writers' spacing and key
+        order, and metadata, fit easily; a receiver refuses a longer one before reading it."""
+        return min(MAX_HEADER_BYTES, HEADER_SPACING * len(spec_header(self)) + MAX_METADATA_BYTES)
+
     def partial(self) -> ModelSpec:
         return ModelSpec(tuple(TensorSpec(t.name, accumulator_dtype(t.dtype), t.shape) for t in self.tensors))
 
@@ -140,15 +151,16 @@ class Layout:
         return ModelSpec(tuple(e.spec for e in self.entries))
 
 
-def header_length(prefix: bytes | bytearray | memoryview, limit: int | None = None) -> int:
-    """Decode and bound-check the 8-byte header length."""
+def header_length(prefix: bytes | bytearray | memoryview, limit: int | None = None, *,
+                  max_header: int = MAX_HEADER_BYTES) -> int:
+    """Decode and bound-check the 8-byte header length (``max_header``: see ModelSpec.max_header_bytes)."""
     if len(prefix) < PREFIX_BYTES:
         raise BadRequest(f"blob is {len(prefix)} bytes, shorter than its 8-byte header length", code="truncated")
     (n,) = struct.unpack_from("<Q", prefix, 0)
     if n < 2:
         raise BadRequest(f"header length {n} is too small for a JSON object", code="bad_header")
-    if n > MAX_HEADER_BYTES:
-        raise PayloadTooLarge(f"header length {n} exceeds the maximum of {MAX_HEADER_BYTES} bytes", code="header_too_large")
+    if n > max_header:
+        raise PayloadTooLarge(f"header length {n} exceeds the maximum of {max_header} bytes", code="header_too_large")
     if limit is not None and PREFIX_BYTES + n > limit:
         raise PayloadTooLarge(f"header of {n} bytes alone exceeds the size limit of {limit} bytes")
     return n
@@ -163,12 +175,24 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _utf8_size(v: Any) -> int | None:
+    """Bytes of a string in UTF-8; None for anything else, or a string with a lone surrogate
+    (JSON can escape one, and it would fail wherever the name is written later)."""
+    if not isinstance(v, str):
+        return None
+    try:
+        return len(v.encode("utf-8"))
+    except UnicodeEncodeError:
+        return None
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def parse_header(header: bytes | bytearray | memoryview, *, allow_partial: bool = False, limit: int | None = None) -> Layout:
-    """Parse and structurally validate a JSON header (without the 8-byte prefix)."""
+    """Parse and structurally validate a JSON header (without the 8-byte prefix). Whatever the
+    bytes, it returns a Layout or raises BadRequest, Unprocessable or PayloadTooLarge."""
     n = len(header)
     try:
         text = bytes(header).decode("utf-8")
@@ -180,30 +204,34 @@ def parse_header(header: bytes | bytearray | memoryview, *, allow_partial: bool 
         obj = json.loads(text.rstrip(" "), object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as e:
         raise BadRequest(f"header is not valid JSON: {e.msg} at position {e.pos}", code="bad_header") from None
+    except (ValueError, RecursionError):  # a number of thousands of digits, nesting too deep
+        raise BadRequest("header is not acceptable JSON (a number too long or nesting too deep)", code="bad_header") from None
     if not isinstance(obj, dict):
         raise BadRequest("header must be a JSON object", code="bad_header")
     dtypes = _PARTIAL_DTYPES if allow_partial else WIRE_DTYPES
     metadata = obj.pop("__metadata__", {})
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+    if not isinstance(metadata, dict) or not all(_utf8_size(k) is not None and _utf8_size(v) is not None for k, v in metadata.items()):
         raise BadRequest("__metadata__ must map strings to strings", code="bad_header")
     entries = []
     for name, info in obj.items():
-        if not name or len(name.encode()) > MAX_NAME_BYTES:
-            raise BadRequest(f"tensor name {name[:64]!r} must be 1..{MAX_NAME_BYTES} bytes", code="bad_tensor")
+        if not 1 <= (_utf8_size(name) or 0) <= MAX_NAME_BYTES:
+            raise BadRequest(f"tensor name {reprlib.repr(name)} must be 1..{MAX_NAME_BYTES} bytes of UTF-8", code="bad_tensor")
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise BadRequest(f"tensor {name!r} must have exactly dtype, shape and data_offsets", code="bad_tensor")
         dname, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if not isinstance(dname, str) or dname not in dtypes:
             raise Unprocessable(
-                f"tensor {name!r} has unsupported dtype {dname!r}; supported: {', '.join(WIRE_DTYPES)}",
+                f"tensor {name!r} has unsupported dtype {reprlib.repr(dname)}; supported: {', '.join(WIRE_DTYPES)}",
                 code="unsupported_dtype",
             )
-        if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(_is_int(d) and d >= 0 for d in shape):
-            raise BadRequest(f"tensor {name!r} shape must be a list of at most {MAX_RANK} non-negative integers", code="bad_tensor")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
-            raise BadRequest(f"tensor {name!r} data_offsets must be [begin, end] integers", code="bad_offsets")
+        if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(_is_int(d) and 0 <= d <= MAX_OFFSET for d in shape):
+            raise BadRequest(f"tensor {name!r} shape must be a list of at most {MAX_RANK} integers in [0, 2^62]", code="bad_tensor")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and abs(o) <= MAX_OFFSET for o in offsets)):
+            raise BadRequest(f"tensor {name!r} data_offsets must be [begin, end] integers of at most 2^62", code="bad_offsets")
         begin, end = offsets
         spec = TensorSpec(name, dtypes[dname], tuple(shape))
+        if spec.nbytes > MAX_OFFSET:
+            raise BadRequest(f"tensor {name!r} of shape {list(shape)} would take more than 2^62 bytes", code="bad_tensor")
         if begin < 0 or end < begin:
             raise BadRequest(f"tensor {name!r} data_offsets [{begin}, {end}] are out of order or negative", code="bad_offsets")
         if end - begin != spec.nbytes:

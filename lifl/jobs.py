@@ -9,8 +9,10 @@ from typing import Any
 
 from lifl.errors import BadRequest
 
-JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
-TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,30}$")
+# Always fullmatch: "$" also matches before a final newline, and a name ending in one would become
+# a checkpoint directory and a shared-memory object with a newline in their names.
+JOB_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
+TENANT_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,30}")
 DEFAULT_MAX_UPDATE_BYTES = 4 << 30
 
 
@@ -43,9 +45,9 @@ class JobSpec:
             if required not in body:
                 raise BadRequest(f"job field {required!r} is required", code="bad_job")
         name, tenant = body["job"], body.get("tenant", "default")
-        if not isinstance(name, str) or not JOB_NAME.match(name):
+        if not isinstance(name, str) or not JOB_NAME.fullmatch(name):
             raise BadRequest("job name must be 1-63 characters of a-z, 0-9, '.', '_', '-', starting with a letter or digit", code="bad_job")
-        if not isinstance(tenant, str) or not TENANT_NAME.match(tenant):
+        if not isinstance(tenant, str) or not TENANT_NAME.fullmatch(tenant):
             raise BadRequest("tenant must be 1-31 characters of a-z, 0-9 and '-', starting with a letter or digit", code="bad_job")
         ints = {
             "goal": (1, 1_000_000),

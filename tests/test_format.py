@@ -159,3 +159,16 @@ def test_spec_json_round_trip_and_partial_spec() -> None:
     partial = SPEC.partial()
     assert [t.dtype.name for t in partial.tensors] == ["F64", "F64", "I128"]
     assert fmt.parse_layout(fmt.spec_header(partial) + bytes(partial.data_bytes), allow_partial=True).spec() == partial
+
+
+def test_an_update_header_is_bounded_by_its_model() -> None:
+    """A receiver refuses, before reading it, a header longer than any header of the model's
+    tensors can reasonably be: four times the compact one, plus room for metadata."""
+    bound = SPEC.max_header_bytes
+    assert bound == 4 * len(fmt.spec_header(SPEC)) + fmt.MAX_METADATA_BYTES
+    assert fmt.header_length(struct.pack("<Q", bound), max_header=bound) == bound
+    with pytest.raises(PayloadTooLarge) as info:
+        fmt.header_length(struct.pack("<Q", bound + 1), max_header=bound)
+    assert info.value.code == "header_too_large"
+    huge = fmt.ModelSpec(tuple(fmt.TensorSpec(f"{i:0300}", fmt.F32, (1,)) for i in range(16_000)))
+    assert huge.max_header_bytes == fmt.MAX_HEADER_BYTES  # never above the format's own limit

@@ -26,6 +26,10 @@ def test_defaults_and_round_trip() -> None:
     ({"job": "-a", "goal": 1}, "job name"),
     ({"job": "a" * 64, "goal": 1}, "job name"),
     ({"job": "a/b", "goal": 1}, "job name"),
+    ({"job": "a\n", "goal": 1}, "job name"),  # "$" would match before the newline
+    ({"job": "\na", "goal": 1}, "job name"),
+    ({"job": "a\u0663", "goal": 1}, "job name"),  # a non-ASCII digit
+    ({"job": "a", "goal": 1, "tenant": "t\n"}, "tenant"),
     ({"job": 5, "goal": 1}, "job name"),
     ({"job": "a", "goal": 0}, "'goal'"),
     ({"job": "a", "goal": True}, "'goal'"),

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 import redis
 
 from lifl.control.controller import ControlConfig
+from lifl.gateway.stream import ConnectionLimits
 from lifl.node import netns
 from lifl.node.agent import agent_argv
 from lifl.node.supervisor import NodeConfig, default_data_dir, default_run_dir, default_shm_capacity, embedded_redis_argv
@@ -77,6 +78,7 @@ class ClusterConfig:
     reuse: bool = True  # see lifl.node.agent.AgentConfig
     lazy: bool = False
     control: ControlConfig = field(default_factory=ControlConfig)
+    gateway_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     netem: str | None = None  # shaping of every node's link, netem syntax (see netns)
     internode_rate: str | None = None  # a tc rate for traffic between nodes only (clients' is not shaped)
     http_port: int = 8080
@@ -118,6 +120,7 @@ class ClusterConfig:
             run_dir=self.run_dir / node, data_dir=self.data_dir / node, checkpoints=self.checkpoints,
             shm_capacity=self.shm_capacity, pool_limit=self.pool_limit, max_instances=self.max_instances,
             keep_warm=self.keep_warm, reuse=self.reuse, lazy=self.lazy, control=self.control,
+            gateway_limits=self.gateway_limits,
         )
 
 

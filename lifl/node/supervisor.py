@@ -27,6 +27,8 @@ import redis
 
 from lifl import procstat
 from lifl.control.controller import ControlConfig
+from lifl.gateway.flags import limit_argv
+from lifl.gateway.stream import ConnectionLimits
 from lifl.node.agent import agent_argv
 from lifl.procs import die_with_parent
 from lifl.store import SHM_DIR, remove_node_objects
@@ -69,6 +71,7 @@ class NodeConfig:
     reuse: bool = True  # see lifl.node.agent.AgentConfig
     lazy: bool = False
     control: ControlConfig = field(default_factory=ControlConfig)
+    gateway_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
 
     def agent_options(self) -> dict[str, object]:
         return {"max_instances": self.max_instances, "keep_warm": self.keep_warm, "reuse": self.reuse, "lazy": self.lazy,
@@ -183,7 +186,7 @@ class Node:
         self.children["gateway"] = gateway = Child("gateway", [
             py, "-m", "lifl.gateway", "--node", c.node, "--redis", redis_url,
             "--agent-socket", str(self.run_dir / "agent.sock"), "--http", c.http, "--grpc", c.grpc,
-            "--placement", c.control.placement, "--capacity", str(c.control.capacity),
+            "--placement", c.control.placement, "--capacity", str(c.control.capacity), *limit_argv(c.gateway_limits),
         ], ready="{", log=self.log)
         gateway.start()
         addresses = json.loads(gateway.ready_line)
