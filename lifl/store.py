@@ -13,6 +13,10 @@ destroys them (``ObjectStore``); other processes map them (``MappingCache``).
   budget it is destroyed. A holder that dies (its process or connection) is released.
 - Nothing leaks: ``close`` unlinks everything, and ``remove_node_objects`` deletes what a
   killed agent left behind (the node supervisor calls it, and every start does).
+- Memory is accounted by ``lifl.node.admission.MemoryLedger``: an object belongs to a job's
+  round (working memory, drawn from what the round reserved when its inputs were admitted)
+  or is pinned (models and replicas); nothing is created beyond capacity or into memory
+  reserved for others.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from typing import Hashable
 
 import posix_ipc
 
-from lifl.errors import Internal, NotFound, Overloaded
+from lifl.errors import Internal, LiflError, NotFound, Overloaded
+from lifl.node.admission import JobSizes, MemoryLedger, RoundOf
 
 SHM_DIR = Path("/dev/shm")
 KEY_BYTES = 16
@@ -79,6 +84,8 @@ class Segment:
     holders: Counter = field(default_factory=Counter)
     freed_at: float = 0.0
     affinity: Hashable = None  # who mapped it last: recycling prefers them (warm page tables)
+    owner: RoundOf | None = None  # the round whose working memory it is; None: pinned (a model, a replica)
+    refund: int = 0  # reserved bytes it gives back to its round if freed while the round is open
 
 
 class ObjectStore:
@@ -88,29 +95,61 @@ class ObjectStore:
         self.node = node
         self.capacity = capacity
         self.pool_limit = pool_limit
+        self.ledger = MemoryLedger(capacity)
         self._objects: dict[bytes, Segment] = {}
         self._pool: OrderedDict[int, Segment] = OrderedDict()  # inode -> free segment, oldest first
         self._pool_seq = 0
         self._lock = threading.RLock()
-        self.used_bytes = 0
         self.pooled_bytes = 0
         self.recycled = 0
         self.created = 0
         self.on_free: Callable[[bytes], None] | None = None  # told of every object whose last holder let go
 
+    @property
+    def used_bytes(self) -> int:
+        return self.ledger.used
+
+    # -- admission ----------------------------------------------------------------------------
+    def admit(self, tenant: Tenant, size: int, holder: Hashable, owner: RoundOf, kind: str, sizes: JobSizes) -> Segment:
+        """The object of an admitted input of ``owner`` (a client update or another node's
+        partial), created only once what aggregating it needs is reserved; raises ``Overloaded``."""
+        with self._lock:
+            self.ledger.reserve(owner, kind, sizes, size, time.monotonic())
+            try:
+                return self.create(tenant, size, holder, affinity="gateway", owner=owner)
+            except LiflError:
+                self.ledger.withdraw(owner, kind, unused=size)
+                raise
+
+    def withdraw(self, owner: RoundOf, kind: str) -> None:
+        """An admitted input will not be aggregated: its round gives back what it reserved for it."""
+        with self._lock:
+            self.ledger.withdraw(owner, kind)
+
+    def release_round(self, owner: RoundOf) -> None:
+        """The round is over here: what it reserved and did not allocate is free again."""
+        with self._lock:
+            self.ledger.release_round(owner)
+
     # -- creation -------------------------------------------------------------------------
-    def create(self, tenant: Tenant, size: int, holder: Hashable, affinity: Hashable = None) -> Segment:
+    def create(self, tenant: Tenant, size: int, holder: Hashable, affinity: Hashable = None, *,
+               owner: RoundOf | None = None, scratch: bool = False) -> Segment:
         """A writable object of ``size`` bytes, held by ``holder``; reuses a pooled buffer if any,
-        preferably one that ``affinity`` (the process that will map it) has mapped before."""
+        preferably one that ``affinity`` (the process that will map it) has mapped before.
+        ``owner``: the round it is working memory of (None: pinned, a model or a replica).
+        ``scratch``: a task's accumulator, given back to the round's reservation if it is freed
+        before the round ends (a re-run of a crashed task allocates it again)."""
         if size <= 0:
             raise Internal(f"object size must be positive, got {size}")
         with self._lock:
+            self.ledger.check_object(owner, size)
             seg = self._take_pooled(tenant, size, affinity)
             if seg is None:
                 self._make_room(size)
                 seg = self._new_segment(tenant, size)
             seg.affinity = affinity
-            self.used_bytes += size
+            drawn = self.ledger.add_object(owner, size)
+            seg.owner, seg.refund = owner, drawn if scratch else 0
             seg.key = self._fresh_key(tenant, seg)
             seg.holders[holder] += 1
             self._objects[seg.key] = seg
@@ -156,15 +195,11 @@ class ObjectStore:
         return seg
 
     def _make_room(self, size: int) -> None:
+        """Destroy pooled buffers until ``size`` more fits (the ledger checked that it can)."""
         while self.used_bytes + self.pooled_bytes + size > self.capacity and self._pool:
             seg = self._pool.popitem(last=False)[1]
             self.pooled_bytes -= seg.size
             self._destroy(seg)
-        if self.used_bytes + self.pooled_bytes + size > self.capacity:
-            raise Overloaded(
-                f"shared memory is full: {self.used_bytes} of {self.capacity} bytes in use, {size} more requested",
-                code="shm_exhausted",
-            )
 
     # -- state and references -----------------------------------------------------------------
     def get(self, key: bytes) -> Segment:
@@ -191,6 +226,14 @@ class ObjectStore:
             seg = self.get(key)
             self._drop(seg, old)
             seg.holders[new] += 1
+
+    def pin(self, key: bytes) -> None:
+        """A round's result became its job's model: pinned, out of the job's working memory."""
+        with self._lock:
+            seg = self.get(key)
+            if seg.owner is not None:
+                self.ledger.pin(seg.owner, seg.size)
+                seg.owner, seg.refund = None, 0
 
     def hand_over(self, key: bytes, new: Hashable) -> None:
         """Move an object in flight, which has exactly one holder, to ``new``."""
@@ -242,7 +285,8 @@ class ObjectStore:
         if self.on_free is not None:
             self.on_free(seg.key)
         del self._objects[seg.key]
-        self.used_bytes -= seg.size
+        self.ledger.remove_object(seg.owner, seg.size, seg.refund)
+        seg.owner, seg.refund = None, 0
         if self.pooled_bytes + seg.size > self.pool_limit:
             self._destroy(seg)
             return
@@ -279,7 +323,8 @@ class ObjectStore:
                 self._destroy(seg)
             self._objects.clear()
             self._pool.clear()
-            self.used_bytes = self.pooled_bytes = 0
+            self.ledger = MemoryLedger(self.capacity)
+            self.pooled_bytes = 0
 
 
 class MappingCache:

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from lifl.errors import Internal, NotFound, Overloaded
+from lifl.node.admission import UPDATE, JobSizes, RoundOf
 from lifl.store import SHM_DIR, SEALED_MODE, WRITING_MODE, MappingCache, ObjectStore, Tenant, object_name, remove_node_objects
 
 T = Tenant("acme")
@@ -19,7 +20,7 @@ def names(node: str) -> set[str]:
 def test_lifecycle_refs_seal_and_recycle_keep_the_inode(shm_node: str) -> None:
     store = ObjectStore(shm_node, capacity=16 << 20, pool_limit=8 << 20)
     seg = store.create(T, 1 << 20, "upload")
-    key, inode = seg.key, seg.inode
+    key, inode, name = seg.key, seg.inode, seg.name
     assert len(key) == 16 and names(shm_node) == {object_name(shm_node, "acme", key)[1:]}
     assert os.stat(SHM_DIR / seg.name[1:]).st_mode & 0o777 == WRITING_MODE
     store.seal(key)
@@ -32,7 +33,10 @@ def test_lifecycle_refs_seal_and_recycle_keep_the_inode(shm_node: str) -> None:
         store.release(key, "task")
     store.release(key, "reader")
     assert store.object_count() == 0 and store.pooled_bytes == 1 << 20
-    assert not (SHM_DIR / seg.name[1:]).exists() or "pool" in seg.name  # its key no longer opens it
+    assert not (SHM_DIR / name[1:]).exists()  # its key no longer opens it...
+    pooled = names(shm_node)
+    assert len(pooled) == 1 and "-acme-pool" in next(iter(pooled))  # ...it waits in the pool, renamed
+    assert os.stat(SHM_DIR / next(iter(pooled))).st_ino == inode
     with pytest.raises(NotFound):
         store.get(key)
     again = store.create(T, 1 << 20, "upload")
@@ -123,3 +127,50 @@ def test_recycling_prefers_the_buffer_the_caller_mapped_before(shm_node: str) ->
     store.release(b.key, "h")
     assert store.create(T, 4096, "h", affinity="instance-1").inode == inode_a
     store.close()
+
+
+SIZES = JobSizes(accumulator=3 << 20, model=1 << 20, leaf_fan_in=2)
+ROUND = RoundOf("j", 0)
+
+
+def test_an_admitted_update_reserves_its_aggregation_and_tasks_draw_from_it(shm_node: str) -> None:
+    store = ObjectStore(shm_node, capacity=16 << 20, pool_limit=16 << 20)
+    first = store.admit(T, 1 << 20, "upload", ROUND, UPDATE, SIZES)  # itself and the next model
+    second = store.admit(T, 1 << 20, "upload", ROUND, UPDATE, SIZES)  # itself and the leaf's accumulator
+    assert (store.used_bytes, store.ledger.reserved) == (2 << 20, 4 << 20)
+    with pytest.raises(Overloaded) as info:  # 10 MiB are free, but not for a model outside the reservations
+        store.create(T, 11 << 20, "replica")
+    assert info.value.code == "shm_exhausted"
+    acc = store.create(T, 3 << 20, "task", owner=ROUND, scratch=True)
+    assert store.ledger.usage("j").__dict__ == {"working": 5 << 20, "reserved": 1 << 20}
+    store.release(acc.key, "task")  # its instance died: the re-run allocates it again from the reservation
+    assert store.ledger.usage("j").reserved == 4 << 20
+    model = store.create(T, 1 << 20, "pending", owner=ROUND, scratch=True)
+    store.pin(model.key)  # installed: a model, no longer the round's
+    assert (store.ledger.pinned, store.ledger.usage("j").working) == (1 << 20, 2 << 20)
+    store.release_round(ROUND)
+    for seg, holder in ((first, "upload"), (second, "upload"), (model, "pending")):
+        store.release(seg.key, holder)
+    assert store.used_bytes == 0 and store.ledger.reserved == 0 and store.ledger.jobs == {}
+    store.close()
+
+
+def test_admission_at_the_limit_and_one_past_it(shm_node: str) -> None:
+    store = ObjectStore(shm_node, capacity=(2 << 20) + 1, pool_limit=1 << 20)
+    pooled = store.create(T, 1, "h")
+    store.release(pooled.key, "h")  # a pooled buffer counts as free: it is evicted to make room
+    seg = store.admit(T, 1 << 20, "upload", ROUND, UPDATE, SIZES)  # 1 MiB and the next model: 1 byte to spare
+    store.create(T, 1, "model")  # exactly the last free byte
+    with pytest.raises(Overloaded) as info:
+        store.create(T, 1, "model")
+    assert info.value.code == "shm_exhausted"
+    store.withdraw(ROUND, UPDATE)  # the upload is aborted: the model's reservation goes back
+    store.release(seg.key, "upload")
+    assert store.ledger.free == 2 << 20
+    store.close()
+    small = ObjectStore(shm_node, capacity=(2 << 20) - 1, pool_limit=0)
+    with pytest.raises(Overloaded) as info:
+        small.admit(T, 1 << 20, "upload", ROUND, UPDATE, SIZES)
+    assert info.value.code == "shm_too_small" and small.object_count() == 0 and small.ledger.jobs == {}
+    small.close()
+    assert names(shm_node) == set()

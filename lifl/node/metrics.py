@@ -8,9 +8,12 @@ difference two snapshots however far apart they were taken.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from lifl.node.admission import MemoryLedger
 
 
 @dataclass
@@ -41,6 +44,8 @@ class Metrics:
         self.queue = Gauge("lifl_queue_length", "Updates received but not yet aggregated", ["job"], registry=r)
         self.instances = Gauge("lifl_aggregator_instances", "Aggregator instances by role (idle: warm, unassigned)", ["role"], registry=r)
         self.starts = Counter("lifl_aggregator_starts", "Task starts by instance temperature", ["kind"], registry=r)
+        self.reruns = Counter("lifl_task_reruns", "Tasks run again from their inputs after their instance died or failed, by role",
+                              ["role"], registry=r)
         self.spawned = Counter("lifl_aggregator_instances_created", "Aggregator instances started (cold starts and pre-warming)",
                                ["reason"], registry=r)
         self.rounds = Counter("lifl_rounds", "Rounds finished, by outcome (complete, partial, abandoned, interrupted)",
@@ -52,9 +57,16 @@ class Metrics:
         self.round_updates = Histogram("lifl_round_updates", "Client updates aggregated per round", ["job"], registry=r,
                                        buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))
         self.version = Gauge("lifl_job_version", "Current global model version", ["job"], registry=r)
+        self.checkpoint_failures = Counter("lifl_checkpoint_failures", "Checkpoint writes that failed (each is tried again)",
+                                           ["job"], registry=r)
         self.checkpoint_seconds = Histogram("lifl_checkpoint_seconds", "Time to write a checkpoint durably", registry=r,
                                             buckets=(1e-3, 0.01, 0.05, 0.1, 0.5, 1, 5, 30))
-        self.shm = Gauge("lifl_shm_bytes", "Shared memory held by objects (used) and by the recycling pool", ["state"], registry=r)
+        self.shm = Gauge("lifl_shm_bytes", "Shared memory held by objects (used; pinned: of which models and replicas), "
+                         "by the recycling pool, and reserved for aggregating admitted updates", ["state"], registry=r)
+        self.job_shm = Gauge("lifl_job_shm_bytes", "A job's shared memory: live objects of its rounds (working) and memory "
+                             "reserved for aggregating its admitted updates (reserved)", ["job", "state"], registry=r)
+        self.refusals = Counter("lifl_admission_refusals", "Uploads refused with 503 by the node, by reason (shm_exhausted, "
+                                "fair_share, shm_too_small, inflight_budget)", ["job", "reason"], registry=r)
         self.forwarded = Counter("lifl_partials_forwarded", "Partial results sent to the top on another node, by result",
                                  ["result"], registry=r)
         self.forwarded_bytes = Counter("lifl_partial_bytes_forwarded", "Bytes of partial results sent to other nodes", registry=r)
@@ -72,6 +84,19 @@ class Metrics:
             c = self.counters.setdefault(job, PlannerCounters())
             c.aggregated += updates
             c.agg_seconds += seconds
+
+    def refused(self, job: str, reason: str) -> None:
+        self.refusals.labels(job, reason).inc()
+
+    def publish_memory(self, ledger: MemoryLedger, pooled: int, jobs: Iterable[str]) -> None:
+        self.shm.labels("used").set(ledger.used)
+        self.shm.labels("pinned").set(ledger.pinned)
+        self.shm.labels("reserved").set(ledger.reserved)
+        self.shm.labels("pooled").set(pooled)
+        for job in jobs:
+            usage = ledger.usage(job)
+            self.job_shm.labels(job, "working").set(usage.working)
+            self.job_shm.labels(job, "reserved").set(usage.reserved)
 
     def planner_counters(self) -> dict[str, dict[str, float]]:
         with self.lock:
