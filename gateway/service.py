@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from lifl import format as fmt
 from lifl.control.controller import DEFAULT_CAPACITY
 from lifl.control.planner import BESTFIT, ROLES, NodeLoad, plan_round
-from lifl.errors import BadRequest, Conflict, LiflError, NotFound, Overloaded
+from lifl.errors import BadRequest, Conflict, LiflError, NotFound, Overloaded, Unavailable
 from lifl.gateway.ingest import BlobSink, LayoutCache
 from lifl.gateway.stream import sendfile_all
 from lifl.jobs import JobSpec
@@ -93,10 +93,13 @@ def lease_id(value: Any) -> str:
     return value
 
 
+ASCII_INTEGER = re.compile(r"[0-9]{1,19}")
+
+
 def _integer(name: str, value: Any, low: int, high: int) -> int:
     if isinstance(value, str):
         text = value.strip()
-        if not text.isdigit():
+        if not ASCII_INTEGER.fullmatch(text):  # str.isdigit() takes "²", which int() refuses
             raise BadRequest(f"{name} must be an integer in [{low}, {high}], got {value[:32]!r}", code="bad_header")
         value = int(text)
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
@@ -133,7 +136,7 @@ class Ingest:
             request = AdmitReplica(self.job, self.version, size)
         else:
             assert self.meta is not None
-            request = Admit(self.job, self.meta.base_version, size, self.meta.lease)
+            request = Admit(self.job, self.meta.base_version, size, self.meta.lease, self.meta.client)
         reply, fds = self.agent.call(request)
         self.version = reply.version
         return reply.key, fds[0]
@@ -225,7 +228,10 @@ class GatewayService:
     def agent(self) -> Client:
         client = getattr(self._local, "agent", None)
         if client is None:
-            client = self._local.agent = Client.connect(self.agent_socket, Hello("gateway"))
+            try:
+                client = self._local.agent = Client.connect(self.agent_socket, Hello("gateway"))
+            except (OSError, EOFError) as e:  # the agent is restarting, or its node is stopping
+                raise Unavailable(f"the node's agent is unreachable: {e}", code="agent_unavailable") from None
         return client
 
     def close_thread(self) -> None:
@@ -345,7 +351,8 @@ class GatewayService:
             "aggregators": aggregators,
             "nodes": nodes,
             "last_round": job.last_round,
-            "model": {"node": job.model_node, "key": job.model_key, "checkpoint": job.checkpoint} if has_model else None,
+            "model": {"node": job.model_node, "key": job.model_key, "checkpoint": job.checkpoint,
+                      "checkpoint_error": job.checkpoint_error or None} if has_model else None,
         }
 
     def rounds(self, name: str, limit: int) -> list[dict[str, Any]]:

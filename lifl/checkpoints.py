@@ -60,7 +60,7 @@ def _read_all(fd: int, size: int) -> bytes:
 
 
 class DirectoryStore:
-    NAME = re.compile(r"^v(\d+)\.safetensors$")
+    NAME = re.compile(r"v([0-9]+)\.safetensors")  # fullmatch: "$" would let a final newline through
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -101,7 +101,7 @@ class DirectoryStore:
         directory = self._dir(job)
         if not directory.is_dir():
             return []
-        return sorted(int(m.group(1)) for p in directory.iterdir() if (m := self.NAME.match(p.name)))
+        return sorted(int(m.group(1)) for p in directory.iterdir() if (m := self.NAME.fullmatch(p.name)))
 
     def delete(self, job: str, version: int) -> None:
         (self._dir(job) / f"v{version}.safetensors").unlink(missing_ok=True)
@@ -136,7 +136,7 @@ class RedisStore:
 
 
 class S3Store:
-    NAME = re.compile(r"/v(\d+)\.safetensors$")
+    NAME = re.compile(r".*/v([0-9]+)\.safetensors", re.DOTALL)  # fullmatch, as above
 
     def __init__(self, bucket: str, prefix: str, endpoint: str | None) -> None:
         import boto3  # only this store needs it
@@ -158,7 +158,7 @@ class S3Store:
         out = []
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
             for obj in page.get("Contents", []):
-                m = self.NAME.search("/" + obj["Key"])
+                m = self.NAME.fullmatch("/" + obj["Key"])
                 if m:
                     out.append(int(m.group(1)))
         return sorted(out)

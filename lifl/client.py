@@ -5,61 +5,212 @@ and from the update format, and take part in synchronous FL rounds.
   is written straight from the caller's buffer, and over gRPC the HTTP/2 frames point into it
   too (``lifl.grpcwire``; other calls use grpcio). Errors come
   back as the ``LiflError`` subclasses the gateway raised, with code, message and ``version``.
+  Calls survive faults: a broken connection is replaced, and what is safe to retry is retried
+  with bounded exponential back-off, never sooner than the gateway's Retry-After
+  (``RetryPolicy``; the rules are in docs/client.md, "Faults").
 - ``to_blob`` / ``from_blob`` convert torch ``state_dict``s and dicts of numpy arrays; tensors
   are read in place (CPU tensors are not copied before serialising) and come back as views
   of the received blob.
 - ``Participant`` is one client's side of a round: lease, pull, train (heartbeats keep the
-  lease meanwhile), push; it honours Retry-After and reports 409s as "retrain".
+  lease meanwhile), push; it reports 409s as "retrain" and gives its lease back when a round
+  fails.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
+import math
 import random
+import select
+import socket
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from email.utils import parsedate_to_datetime
+from typing import Any, TypeVar
 
 import numpy as np
 
 from lifl import errors
 from lifl import format as fmt
-from lifl.grpcwire import STATUS_NAMES, GrpcStatusError, UploadConnection, chunk_messages
+from lifl.grpcwire import GrpcStatusError, UploadConnection, chunk_messages
+
+T = TypeVar("T")
 
 GRPC_CHUNK = 1 << 20
+GRPC_MAX_RECEIVE = 64 << 20  # a model downloaded over grpcio arrives in messages of at most this
+DEFAULT_RETRY_AFTER_S = 1.0  # when a 503 / RESOURCE_EXHAUSTED / UNAVAILABLE names no (readable) delay
+RETRY_AFTER_SPREAD = 0.2  # clients told the same Retry-After come back spread over this fraction of it
+BACKOFF_JITTER = 0.5  # the share of each back-off delay that is random ("equal jitter")
+
 _BY_STATUS = {400: errors.BadRequest, 404: errors.NotFound, 409: errors.Conflict, 413: errors.PayloadTooLarge,
-              422: errors.Unprocessable, 503: errors.Overloaded}
+              422: errors.Unprocessable, 429: errors.Overloaded, 503: errors.Overloaded}
 _BY_GRPC = {"INVALID_ARGUMENT": errors.BadRequest, "NOT_FOUND": errors.NotFound, "ALREADY_EXISTS": errors.Conflict,
-            "ABORTED": errors.Conflict, "RESOURCE_EXHAUSTED": errors.Overloaded, "UNIMPLEMENTED": errors.BadRequest}
+            "ABORTED": errors.Conflict, "RESOURCE_EXHAUSTED": errors.Overloaded, "UNAVAILABLE": errors.Unavailable,
+            "UNIMPLEMENTED": errors.BadRequest}
+# HTTP 503 serves both Overloaded and Unavailable: these codes are Unavailable's (the gateway's
+# raisers of it), any other is back-pressure. Either way the call is retried alike.
+_UNAVAILABLE_CODES = frozenset({errors.Unavailable.default_code, "state_unavailable", "checkpoint_failed"})
+# The gateway answered and did nothing: any call may be sent again once its Retry-After has passed.
+_BACK_PRESSURE = (errors.Overloaded, errors.Unavailable)
+# What lifl.grpcwire raises when its connection fails (ConnectionError and TimeoutError are OSErrors).
+_UPLOAD_CONNECTION_FAILURES = (OSError, EOFError)
+# grpcio's own statuses (no trailers: no server answered) for a connection that failed or a call
+# that timed out: it cannot say whether the call reached the gateway.
+_GRPCIO_CONNECTION_FAILURES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
 
 
-def _error(status: int, body: bytes, retry_after: str | None) -> errors.LiflError:
+class ConnectionLost(ConnectionError):
+    """The connection to the gateway failed during a call, where the client cannot tell whether
+    the gateway got the request: it may or may not have acted on it. Reads and lease calls are
+    retried; a push or another call that changes state is not, since sending it again could
+    apply it twice."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a ``Gateway`` retries a call that failed for a reason that may pass: the gateway was
+    unreachable, answered 503 / 429 / RESOURCE_EXHAUSTED / UNAVAILABLE, or (reads and lease calls
+    only) the connection broke mid-call. Delays grow exponentially from ``base_delay_s`` up to
+    ``max_delay_s``, each with a random part, and are never shorter than the gateway's Retry-After."""
+
+    max_attempts: int = 8  # tries of one call, the first included
+    max_elapsed_s: float = 60.0  # no retry starts later than this after the first try
+    base_delay_s: float = 0.1  # the delay before the first retry (at most)
+    max_delay_s: float = 5.0  # the largest back-off delay
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
+        if not 0 < self.base_delay_s <= self.max_delay_s:
+            raise ValueError(f"need 0 < base_delay_s <= max_delay_s, got {self.base_delay_s} and {self.max_delay_s}")
+        if not self.max_elapsed_s >= 0:
+            raise ValueError(f"max_elapsed_s must be at least 0, got {self.max_elapsed_s}")
+
+    def delay(self, tries: int, draw: float, retry_after: float | None = None) -> float:
+        """Seconds to wait after ``tries`` failed tries. ``draw`` in [0, 1) picks the random part:
+        the back-off lies in (ceiling / 2, ceiling], and a Retry-After is stretched by up to
+        RETRY_AFTER_SPREAD so that clients refused together do not return together."""
+        doublings = min(tries - 1, math.ceil(math.log2(self.max_delay_s / self.base_delay_s)))  # past it, the cap rules
+        ceiling = min(self.max_delay_s, self.base_delay_s * 2**doublings)
+        backoff = ceiling * (1 - BACKOFF_JITTER * draw)
+        if retry_after is None:
+            return backoff
+        return max(backoff, retry_after * (1 + RETRY_AFTER_SPREAD * draw))
+
+    def next_delay(self, tries: int, elapsed: float, draw: float, retry_after: float | None = None) -> float | None:
+        """The wait before trying again after ``tries`` failed tries and ``elapsed`` seconds, or
+        None to give up: no tries left, or the wait would end past ``max_elapsed_s``."""
+        if tries >= self.max_attempts:
+            return None
+        wait = self.delay(tries, draw, retry_after)
+        return wait if elapsed + wait <= self.max_elapsed_s else None
+
+
+DEFAULT_RETRY = RetryPolicy()
+NO_RETRY = RetryPolicy(max_attempts=1)  # every failure at once, e.g. to measure how often a node refuses
+
+
+def _retry_after_seconds(value: str | None) -> float:
+    """An HTTP Retry-After: delta-seconds or an HTTP-date (RFC 9110, 10.2.3)."""
+    if value is None:
+        return DEFAULT_RETRY_AFTER_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())  # a date just past: now
+        except (TypeError, ValueError):
+            return DEFAULT_RETRY_AFTER_S
+    return seconds if 0 <= seconds < math.inf else DEFAULT_RETRY_AFTER_S
+
+
+def _pushback_seconds(value: str | None) -> float:
+    """A gRPC ``grpc-retry-pushback-ms`` trailer: whole milliseconds."""
+    return int(value) / 1000 if value is not None and value.isascii() and value.isdecimal() else DEFAULT_RETRY_AFTER_S
+
+
+def _lifl_error(cls: type[errors.LiflError], message: str, code: str, extra: dict[str, Any],
+                retry_after: float) -> errors.LiflError:
+    if issubclass(cls, _BACK_PRESSURE):
+        return cls(message, code=code, retry_after=retry_after)
+    return cls(message, code=code, extra=extra)
+
+
+def _http_error(status: int, body: bytes, retry_after: str | None) -> errors.LiflError:
     try:
         info = json.loads(body)["error"]
-    except (ValueError, KeyError, TypeError):
-        info = {"code": "http_error", "message": body[:200].decode("latin-1")}
+        code, message = str(info["code"]), str(info["message"])
+    except (ValueError, KeyError, TypeError):  # not the gateway's JSON (a proxy's page, say)
+        info, code, message = {}, "http_error", body[:200].decode("latin-1")
     extra = {k: v for k, v in info.items() if k not in ("code", "message")}
     cls = _BY_STATUS.get(status, errors.Internal)
-    if cls is errors.Overloaded:
-        return errors.Overloaded(info["message"], retry_after=float(retry_after or 1), code=info["code"])
-    return cls(info["message"], code=info["code"], extra=extra)
+    if cls is errors.Overloaded and code in _UNAVAILABLE_CODES:
+        cls = errors.Unavailable
+    return _lifl_error(cls, message, code, extra, _retry_after_seconds(retry_after))
+
+
+def _grpc_status_error(status: str, message: str, trailers: dict[str, str]) -> errors.LiflError:
+    extra = {"version": int(trailers["lifl-version"])} if "lifl-version" in trailers else {}
+    return _lifl_error(_BY_GRPC.get(status, errors.Internal), message, trailers.get("lifl-error-code", "grpc_error"),
+                       extra, _pushback_seconds(trailers.get("grpc-retry-pushback-ms")))
+
+
+def _grpc_status_name(status: int) -> str:
+    import grpc
+
+    return next((code.name for code in grpc.StatusCode if code.value[0] == status), "UNKNOWN")
+
+
+def _unreachable(address: str, cause: BaseException) -> errors.Unavailable:
+    """Nothing was sent: safe to send again. Retry-After 0: the client's own back-off paces it."""
+    return errors.Unavailable(f"cannot connect to the gateway at {address}: {cause}", code="unreachable", retry_after=0.0)
+
+
+def _connection_lost(address: str, what: str, reason: str) -> ConnectionLost:
+    return ConnectionLost(f"{what}: the connection to the gateway at {address} failed during the call ({reason}); "
+                          "the gateway may or may not have acted on it")
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the gateway closed a kept-alive connection: with no request outstanding, anything
+    readable is an end of file or an error."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _read_body(response: http.client.HTTPResponse) -> bytes | bytearray:
+    length = response.getheader("Content-Length")
+    if response.status >= 400 or not (length and length.isascii() and length.isdecimal()):
+        return response.read()
+    data = bytearray(int(length))  # into a writable buffer, in one go
+    view, got = memoryview(data), 0
+    while got < len(data) and (n := response.readinto(view[got:])):
+        got += n
+    if got != len(data):
+        raise http.client.IncompleteRead(bytes(data[:got]), len(data) - got)
+    response.read()
+    return data
 
 
 class Gateway:
     """One client connection to a gateway. ``address`` is ``host:port`` of its HTTP API, or of
-    its gRPC API with ``protocol="grpc"``."""
+    its gRPC API with ``protocol="grpc"``. ``retry`` says how calls are retried (docs/client.md,
+    "Faults"); ``timeout`` bounds each try."""
 
-    def __init__(self, address: str, protocol: str = "http", timeout: float = 300.0) -> None:
+    def __init__(self, address: str, protocol: str = "http", timeout: float = 300.0,
+                 retry: RetryPolicy = DEFAULT_RETRY) -> None:
         if protocol not in ("http", "grpc"):
             raise ValueError(f"protocol must be 'http' or 'grpc', got {protocol!r}")
-        self.protocol = protocol
-        address = address.removeprefix("http://")
+        self.protocol, self.timeout, self.retry = protocol, timeout, retry
+        self.address = address.removeprefix("http://")
         if protocol == "http":
-            host, _, port = address.rpartition(":")
+            host, _, port = self.address.rpartition(":")
             self._http = http.client.HTTPConnection(host, int(port), timeout=timeout)
         else:
             import grpc
@@ -67,171 +218,234 @@ class Gateway:
             from lifl.gateway import lifl_pb2
 
             self._pb = lifl_pb2
-            self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
-            self._address = address
-            self._uploads: UploadConnection | None = None  # blob streams go over lifl's own framing
+            # grpcio reconnects on a schedule of its own (attempts up to 2 minutes apart) and fails
+            # calls at once meanwhile: align it with the retries, so a restarted gateway is found soon
+            self._channel = grpc.insecure_channel(self.address, options=[
+                ("grpc.max_receive_message_length", GRPC_MAX_RECEIVE),
+                ("grpc.initial_reconnect_backoff_ms", int(retry.base_delay_s * 1000)),
+                ("grpc.max_reconnect_backoff_ms", int(retry.max_delay_s * 1000)),
+            ])
+            # Blob streams go over lifl's own framing. The connection replaces itself if the gateway
+            # closed it between calls, before anything is sent.
+            self._uploads: UploadConnection | None = None
 
     def close(self) -> None:
         if self.protocol == "http":
             self._http.close()
         else:
             self._channel.close()
-            if self._uploads is not None:
-                self._uploads.close()
+            self._drop_uploads()
+
+    def _retrying(self, call: Callable[[], T], *, idempotent: bool) -> T:
+        """``call()`` until it succeeds or the policy gives up, retrying only what is safe: any call
+        the gateway certainly did not act on (unreachable, or refused with back-pressure), and a
+        call whose connection broke mid-way only if it is ``idempotent``."""
+        started, tries = time.monotonic(), 0
+        while True:
+            tries += 1
+            try:
+                return call()
+            except _BACK_PRESSURE as e:
+                failure, retry_after = e, e.retry_after
+            except ConnectionLost as e:
+                if not idempotent:
+                    raise  # it may have been applied: only the caller can know whether to send it again
+                failure, retry_after = e, None
+            wait = self.retry.next_delay(tries, time.monotonic() - started, random.random(), retry_after)
+            if wait is None:
+                raise failure
+            time.sleep(wait)
 
     # -- HTTP -----------------------------------------------------------------------------------
-    def _request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-        for attempt in (0, 1):  # one retry if a kept-alive connection was closed by the server
-            try:
-                self._http.request(method, path, body=body, headers=headers or {})
-                r = self._http.getresponse()
-                length = r.getheader("Content-Length")
-                if r.status < 400 and length and length.isdigit():  # into a writable buffer, in one go
-                    data = bytearray(int(length))
-                    view, got = memoryview(data), 0
-                    while got < len(data) and (n := r.readinto(view[got:])):
-                        got += n
-                    if got != len(data):
-                        raise http.client.IncompleteRead(bytes(data[:got]), len(data) - got)
-                    r.read()
-                else:
-                    data = r.read()
-                if r.status >= 400:
-                    raise _error(r.status, data, r.getheader("Retry-After"))
-                return r.status, dict(r.getheaders()), data
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
-                self._http.close()
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
+    # Unless a call says it is idempotent, it is taken to change state: the safe assumption.
+    def _request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None, *,
+                 idempotent: bool = False) -> tuple[int, dict[str, str], bytes | bytearray]:
+        return self._retrying(lambda: self._exchange(method, path, body, headers or {}), idempotent=idempotent)
 
-    def _json(self, method: str, path: str, body: Any = None) -> Any:
+    def _exchange(self, method: str, path: str, body: Any, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes | bytearray]:
+        self._connect_http()
+        try:
+            self._http.request(method, path, body=body, headers=headers)
+            response = self._http.getresponse()
+            data = _read_body(response)
+        except (OSError, http.client.HTTPException) as e:
+            self._http.close()  # never reused: its state is unknown (http.client would refuse it: CannotSendRequest)
+            raise _connection_lost(self.address, f"{method} {path}", repr(e)) from e
+        if response.status >= 400:
+            raise _http_error(response.status, data, response.getheader("Retry-After"))
+        return response.status, dict(response.getheaders()), data
+
+    def _connect_http(self) -> None:
+        """A connection to send on: the kept one unless the gateway closed it, else a new one."""
+        if self._http.sock is not None and _closed_by_peer(self._http.sock):
+            self._http.close()  # found before sending, so the request can still go on a new one
+        if self._http.sock is None:
+            try:
+                self._http.connect()
+            except OSError as e:
+                raise _unreachable(self.address, e) from e
+
+    def _json(self, method: str, path: str, body: Any = None, *, idempotent: bool = False) -> Any:
         data = json.dumps(body).encode() if body is not None else None
-        return json.loads(self._request(method, path, data, {"Content-Type": "application/json"})[2])
+        return json.loads(self._request(method, path, data, {"Content-Type": "application/json"}, idempotent=idempotent)[2])
 
     # -- gRPC -----------------------------------------------------------------------------------
-    def _rpc(self, method: str, deserializer: Any, request: bytes) -> Any:
+    def _grpc(self, method: str, call: Callable[[], T], *, idempotent: bool) -> T:
+        """A grpcio call, its failures as lifl errors (grpcio reconnects the channel by itself)."""
         import grpc
 
-        try:
-            return self._channel.unary_unary(f"/lifl.v1.Gateway/{method}", response_deserializer=deserializer)(request)
-        except grpc.RpcError as e:
-            raise self._grpc_error(e) from None
+        def once() -> T:
+            try:
+                return call()
+            except grpc.RpcError as e:
+                raise self._grpc_error(method, e) from None
+
+        return self._retrying(once, idempotent=idempotent)
+
+    def _rpc(self, method: str, deserializer: Any, request: bytes, *, idempotent: bool) -> Any:
+        stub = self._channel.unary_unary(f"/lifl.v1.Gateway/{method}", response_deserializer=deserializer)
+        return self._grpc(method, lambda: stub(request, timeout=self.timeout), idempotent=idempotent)
+
+    def _grpc_error(self, method: str, e: Any) -> Exception:
+        trailers = dict(e.trailing_metadata() or ())
+        if e.code().name in _GRPCIO_CONNECTION_FAILURES and not trailers:
+            return _connection_lost(self.address, method, e.details())
+        return _grpc_status_error(e.code().name, urllib.parse.unquote(e.details() or ""), trailers)
 
     def _upload(self, method: str, meta: bytes, blob: bytes | bytearray | memoryview) -> bytes:
-        """A blob stream, its bytes sent straight from ``blob`` (lifl.grpcwire)."""
-        for attempt in (0, 1):  # one retry on a fresh connection if the kept one was closed
+        """A blob stream, its bytes sent straight from ``blob`` (lifl.grpcwire). An upload changes
+        state, so it is retried only when it certainly was not taken."""
+        return self._retrying(lambda: self._upload_once(method, meta, blob), idempotent=False)
+
+    def _upload_once(self, method: str, meta: bytes, blob: bytes | bytearray | memoryview) -> bytes:
+        uploads = self._upload_connection()
+        try:
+            return uploads.call(f"/lifl.v1.Gateway/{method}", chunk_messages(meta, blob, GRPC_CHUNK))
+        except GrpcStatusError as e:
+            raise _grpc_status_error(_grpc_status_name(e.status), e.message, e.trailers) from None
+        except _UPLOAD_CONNECTION_FAILURES as e:
+            self._drop_uploads()
+            raise _connection_lost(self.address, method, repr(e)) from e
+
+    def _upload_connection(self) -> UploadConnection:
+        if self._uploads is None:
             try:
-                if self._uploads is None:
-                    self._uploads = UploadConnection(self._address)
-                return self._uploads.call(f"/lifl.v1.Gateway/{method}", chunk_messages(meta, blob, GRPC_CHUNK))
-            except GrpcStatusError as e:
-                raise self._status_error(STATUS_NAMES.get(e.status, "UNKNOWN"), e.message, e.trailers) from None
-            except (ConnectionError, BrokenPipeError):
-                self._uploads.close()
-                self._uploads = None
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
+                self._uploads = UploadConnection(self.address, timeout=self.timeout)
+            except _UPLOAD_CONNECTION_FAILURES as e:  # before any call was sent
+                raise _unreachable(self.address, e) from e
+        return self._uploads
 
-    @classmethod
-    def _grpc_error(cls, e: Any) -> errors.LiflError:
-        return cls._status_error(e.code().name, urllib.parse.unquote(e.details() or ""), dict(e.trailing_metadata() or ()))
-
-    @staticmethod
-    def _status_error(status: str, message: str, trailers: dict[str, str]) -> errors.LiflError:
-        code = trailers.get("lifl-error-code", "grpc_error")
-        cls = _BY_GRPC.get(status, errors.Internal)
-        if cls is errors.Overloaded:
-            return errors.Overloaded(message, retry_after=int(trailers.get("grpc-retry-pushback-ms", 1000)) / 1000, code=code)
-        extra = {"version": int(trailers["lifl-version"])} if "lifl-version" in trailers else {}
-        return cls(message, code=code, extra=extra)
+    def _drop_uploads(self) -> None:
+        if self._uploads is not None:
+            self._uploads.close()
+            self._uploads = None
 
     # -- operations -----------------------------------------------------------------------------
     def create_job(self, job: str, goal: int, **options: Any) -> dict[str, Any]:
         if self.protocol == "http":
-            return self._json("POST", "/v1/jobs", {"job": job, "goal": goal, **options})
+            return self._json("POST", "/v1/jobs", {"job": job, "goal": goal, **options}, idempotent=False)
         req = self._pb.CreateJobRequest(job=job, goal=goal, **options)
-        self._rpc("CreateJob", self._pb.JobStatus.FromString, req.SerializeToString())
+        self._rpc("CreateJob", self._pb.JobStatus.FromString, req.SerializeToString(), idempotent=False)
         return self.job(job)
 
     def job(self, job: str) -> dict[str, Any]:
         if self.protocol == "http":
-            return self._json("GET", f"/v1/jobs/{job}")
-        status = self._rpc("GetJob", self._pb.JobStatus.FromString, self._pb.GetJobRequest(job=job).SerializeToString())
+            return self._json("GET", f"/v1/jobs/{job}", idempotent=True)
+        status = self._rpc("GetJob", self._pb.JobStatus.FromString, self._pb.GetJobRequest(job=job).SerializeToString(),
+                           idempotent=True)
         return _status_dict(status)
 
     def set_model(self, job: str, blob: bytes | memoryview) -> int:
         """Set the initial global model; returns its version (0)."""
         if self.protocol == "http":
-            return json.loads(self._request("PUT", f"/v1/jobs/{job}/model", memoryview(blob))[2])["version"]
+            return json.loads(self._request("PUT", f"/v1/jobs/{job}/model", memoryview(blob), idempotent=False)[2])["version"]
         meta = self._pb.ModelMeta(job=job, size=len(blob)).SerializeToString()
         return self._pb.SetModelReply.FromString(self._upload("SetModel", meta, blob)).version
 
     def model(self, job: str) -> tuple[int, bytes]:
         """(version, blob) of the current global model."""
         if self.protocol == "http":
-            _, headers, data = self._request("GET", f"/v1/jobs/{job}/model")
+            _, headers, data = self._request("GET", f"/v1/jobs/{job}/model", idempotent=True)
             return int(headers["X-Lifl-Version"]), data
-        import grpc
-
-        try:
-            parts = list(self._channel.unary_stream("/lifl.v1.Gateway/GetModel", response_deserializer=self._pb.ModelChunk.FromString)(
-                self._pb.GetModelRequest(job=job).SerializeToString()))
-        except grpc.RpcError as e:
-            raise self._grpc_error(e) from None
+        stream = self._channel.unary_stream("/lifl.v1.Gateway/GetModel", response_deserializer=self._pb.ModelChunk.FromString)
+        request = self._pb.GetModelRequest(job=job).SerializeToString()
+        parts = self._grpc("GetModel", lambda: list(stream(request, timeout=self.timeout)), idempotent=True)
         return parts[0].meta.version, b"".join(p.data for p in parts)
 
     def push(self, job: str, blob: bytes | memoryview, *, client: str, samples: int, base_version: int, lease: str = "") -> dict[str, Any]:
-        """Send one update; returns {"key", "version"}."""
+        """Send one update; returns {"key", "version"}. Unlike other calls that change state, a
+        push whose answer was lost is sent again: a round takes one update per client, so if the
+        first try was taken the retry is answered ``already_acknowledged``, and this returns
+        {"key": "", "version": base_version, "acknowledged_earlier": True}."""
+        sent = False
+
+        def once() -> dict[str, Any]:
+            nonlocal sent
+            try:
+                return self._push_once(job, blob, client, samples, base_version, lease)
+            except ConnectionLost:
+                sent = True
+                raise
+            except errors.Conflict as e:
+                if sent and e.code == "already_acknowledged":
+                    return {"key": "", "version": base_version, "acknowledged_earlier": True}
+                raise
+
+        return self._retrying(once, idempotent=True)
+
+    def _push_once(self, job: str, blob: bytes | memoryview, client: str, samples: int, base_version: int,
+                   lease: str) -> dict[str, Any]:
         if self.protocol == "http":
             headers = {"X-Lifl-Client": client, "X-Lifl-Samples": str(samples), "X-Lifl-Base-Version": str(base_version)}
             if lease:
                 headers["X-Lifl-Lease"] = lease
-            return json.loads(self._request("POST", f"/v1/jobs/{job}/updates", memoryview(blob), headers)[2])
+            return json.loads(self._exchange("POST", f"/v1/jobs/{job}/updates", memoryview(blob), headers)[2])
         meta = self._pb.UpdateMeta(job=job, client=client, samples=samples, base_version=base_version, size=len(blob), lease=lease)
-        reply = self._pb.PushUpdateReply.FromString(self._upload("PushUpdate", meta.SerializeToString(), blob))
+        reply = self._pb.PushUpdateReply.FromString(self._upload_once("PushUpdate", meta.SerializeToString(), blob))
         return {"key": reply.key, "version": reply.version}
 
     def metrics(self) -> str:
         """The gateway's Prometheus exposition (HTTP only)."""
-        return self._request("GET", "/metrics")[2].decode()
+        return self._request("GET", "/metrics", idempotent=True)[2].decode()
 
+    # Lease calls are retried like reads: taking a second lease costs a place until it lapses,
+    # renewing or releasing twice changes nothing.
     def take_lease(self, job: str, client: str) -> dict[str, Any]:
         """A place in the current round: {"lease", "version", "round", "ttl_s"}."""
         if self.protocol == "http":
-            return self._json("POST", f"/v1/jobs/{job}/leases", {"client": client})
+            return self._json("POST", f"/v1/jobs/{job}/leases", {"client": client}, idempotent=True)
         return self._lease_rpc("TakeLease", self._pb.TakeLeaseRequest(job=job, client=client))
 
     def heartbeat(self, job: str, lease: str) -> dict[str, Any]:
         if self.protocol == "http":
-            return self._json("PUT", f"/v1/jobs/{job}/leases/{lease}")
+            return self._json("PUT", f"/v1/jobs/{job}/leases/{lease}", idempotent=True)
         return self._lease_rpc("Heartbeat", self._pb.LeaseRequest(job=job, lease=lease))
 
     def release_lease(self, job: str, lease: str) -> None:
         if self.protocol == "http":
-            self._request("DELETE", f"/v1/jobs/{job}/leases/{lease}")
+            self._request("DELETE", f"/v1/jobs/{job}/leases/{lease}", idempotent=True)
         else:
             self._lease_rpc("ReleaseLease", self._pb.LeaseRequest(job=job, lease=lease))
 
     def _lease_rpc(self, method: str, request: Any) -> dict[str, Any]:
-        lease = self._rpc(method, self._pb.Lease.FromString, request.SerializeToString())
+        lease = self._rpc(method, self._pb.Lease.FromString, request.SerializeToString(), idempotent=True)
         return {"lease": lease.lease, "version": lease.version, "round": lease.round, "ttl_s": lease.ttl_s}
 
     def assignment(self, job: str, client: str) -> dict[str, Any]:
         """The node this client should send the current round's update to:
         {"node", "http", "grpc", "round", "version", ...}; any gateway answers."""
         if self.protocol == "http":
-            return self._json("GET", f"/v1/jobs/{job}/assignment?client={urllib.parse.quote(client, safe='')}")
+            return self._json("GET", f"/v1/jobs/{job}/assignment?client={urllib.parse.quote(client, safe='')}", idempotent=True)
         reply = self._rpc("GetAssignment", self._pb.Assignment.FromString,
-                          self._pb.AssignmentRequest(job=job, client=client).SerializeToString())
+                          self._pb.AssignmentRequest(job=job, client=client).SerializeToString(), idempotent=True)
         return {**_dict(reply), "round": reply.round, "version": reply.version}
 
     def rounds(self, job: str, limit: int = 100) -> list[dict[str, Any]]:
         """The last ``limit`` finished rounds, oldest first."""
         if self.protocol == "http":
-            return self._json("GET", f"/v1/jobs/{job}/rounds?limit={limit}")["rounds"]
-        reply = self._rpc("GetRounds", self._pb.Rounds.FromString, self._pb.GetRoundsRequest(job=job, limit=limit).SerializeToString())
+            return self._json("GET", f"/v1/jobs/{job}/rounds?limit={limit}", idempotent=True)["rounds"]
+        reply = self._rpc("GetRounds", self._pb.Rounds.FromString,
+                          self._pb.GetRoundsRequest(job=job, limit=limit).SerializeToString(), idempotent=True)
         return [_round_dict(r) for r in reply.rounds]
 
 
@@ -320,16 +534,18 @@ class Participant:
     ``run_round(train)`` asks any gateway which node to use this round (the cluster's placement)
     and talks to that node's gateway: it takes a lease, pulls the current model, calls
     ``train(state, version)`` (which returns the trained state and its sample count) while a
-    thread heartbeats the lease, and pushes the update; it retries on back-pressure, honouring
-    Retry-After. ``address`` is the gateway it starts from (and falls back to).
+    thread heartbeats the lease, and pushes the update. Calls are retried by ``retry``
+    (back-pressure, unreachable gateway: docs/client.md, "Faults"); a round that fails after
+    taking its lease gives the lease back before the error propagates. ``address`` is the
+    gateway it starts from (and falls back to).
     """
 
     def __init__(self, address: str, job: str, client: str, *, protocol: str = "http", as_torch: bool = False,
-                 max_wait: float = 60.0) -> None:
+                 retry: RetryPolicy = DEFAULT_RETRY) -> None:
         self.address, self.job, self.client, self.protocol = address, job, client, protocol
         self.as_torch = as_torch
-        self.max_wait = max_wait
-        self.bootstrap = Gateway(address, protocol)
+        self.retry = retry
+        self.bootstrap = Gateway(address, protocol, retry=retry)
         self.gateway = self.bootstrap
         self.gateway_address = address  # the assigned node's, once known
 
@@ -347,7 +563,7 @@ class Participant:
         if assigned != self.gateway_address:
             if self.gateway is not self.bootstrap:
                 self.gateway.close()
-            self.gateway = Gateway(assigned, self.protocol)
+            self.gateway = Gateway(assigned, self.protocol, retry=self.retry)
             self.gateway_address = assigned
 
     def run_round(self, train: Callable[[dict[str, Any], int], tuple[Mapping[str, Any], int]]) -> RoundResult:
@@ -359,23 +575,34 @@ class Participant:
         try:
             version, blob = self.gateway.model(self.job)
             state = from_blob(blob, as_torch=self.as_torch)
-            with _Heartbeats(self.gateway_address, self.protocol, self.job, lease):
+            with _Heartbeats(self.gateway_address, self.protocol, self.job, lease, self.retry):
                 trained, samples = train(state, version)
-            return self._push(to_blob(trained), samples, version, lease["lease"])
+            reply = self.gateway.push(self.job, to_blob(trained), client=self.client, samples=samples,
+                                      base_version=version, lease=lease["lease"])
+            return RoundResult("accepted", version, reply["key"])  # the update took the lease's place
         except errors.Conflict as e:
+            self._give_back(lease)
             return RoundResult("stale", e.extra.get("version", -1))
+        except Exception as e:
+            self._give_back(lease, e)
+            raise
 
-    def _push(self, blob: bytearray, samples: int, version: int, lease: str) -> RoundResult:
-        deadline = time.monotonic() + self.max_wait
-        while True:
-            try:
-                reply = self.gateway.push(self.job, blob, client=self.client, samples=samples, base_version=version, lease=lease)
-                return RoundResult("accepted", version, reply["key"])
-            except errors.Overloaded as e:
-                wait = (e.retry_after or 1.0) * (1 + random.random() * 0.2)
-                if time.monotonic() + wait > deadline:
-                    raise
-                time.sleep(wait)
+    def _give_back(self, lease: dict[str, Any], failure: Exception | None = None) -> None:
+        """Release a lease this round will not use, so that its place goes to another client now
+        rather than when it lapses: best-effort, retried for at most the lease's lifetime (later it
+        has lapsed anyway), on a connection of its own (the round's may be what failed). If it
+        cannot be released, ``failure`` (the round's error) says so."""
+        retry = dataclasses.replace(self.retry, max_elapsed_s=min(self.retry.max_elapsed_s, lease["ttl_s"]))
+        gateway = Gateway(self.gateway_address, self.protocol, retry=retry)
+        try:
+            gateway.release_lease(self.job, lease["lease"])
+        except errors.NotFound:
+            pass  # already gone: taken by the push, or lapsed
+        except (errors.LiflError, OSError) as e:
+            if failure is not None:
+                failure.add_note(f"lifl: lease {lease['lease']} could not be released ({e}); it lapses within {lease['ttl_s']} s")
+        finally:
+            gateway.close()
 
     def wait_for_version(self, after: int, timeout: float) -> int:
         """Poll (with backoff) until the job's version passes ``after``; returns the version seen."""
@@ -389,22 +616,28 @@ class Participant:
 
 
 class _Heartbeats:
-    """Renews a lease every third of its lifetime, on a connection of its own, while training."""
+    """Renews a lease every third of its lifetime, on a connection of its own, while training.
+    A renewal is retried until the next one is due; one that fails for good is left to the next
+    (if the lease lapses meanwhile, the push finds out whether a place is still free)."""
 
-    def __init__(self, address: str, protocol: str, job: str, lease: dict[str, Any]) -> None:
-        self._args = (address, protocol, job, lease["lease"], max(0.05, lease["ttl_s"] / 3))
+    def __init__(self, address: str, protocol: str, job: str, lease: dict[str, Any], retry: RetryPolicy) -> None:
+        every = max(0.05, lease["ttl_s"] / 3)
+        self._args = (address, protocol, job, lease["lease"], every)
+        self._retry = dataclasses.replace(retry, max_elapsed_s=min(retry.max_elapsed_s, every))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         address, protocol, job, lease, every = self._args
-        gateway = Gateway(address, protocol)
+        gateway = Gateway(address, protocol, retry=self._retry)
         try:
             while not self._stop.wait(every):
                 try:
                     gateway.heartbeat(job, lease)
                 except errors.NotFound:
                     return  # lapsed: the push will find out whether a slot is still free
+                except (errors.LiflError, OSError):
+                    continue  # the gateway is away: try again when the next renewal is due
         finally:
             gateway.close()
 

@@ -71,27 +71,28 @@ class Unprocessable(LiflError):
     default_code = "invalid_update"
 
 
-class Overloaded(LiflError):
-    """Back-pressure: shared memory or an in-flight budget is exhausted; retry later (HTTP 503)."""
+class RetryLater(LiflError):
+    """The request did nothing and may be sent again after ``retry_after`` seconds (HTTP 503)."""
 
     status = 503
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
+        super().__init__(message, code=code, retry_after=retry_after)
+
+
+class Overloaded(RetryLater):
+    """Back-pressure: shared memory or an in-flight budget is exhausted."""
+
     grpc_status = "RESOURCE_EXHAUSTED"
     default_code = "overloaded"
 
-    def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
-        super().__init__(message, code=code, retry_after=retry_after)
 
+class Unavailable(RetryLater):
+    """A dependency (Redis, the node's agent, a peer node, the checkpoint store) cannot be
+    reached or written right now."""
 
-class Unavailable(LiflError):
-    """A dependency (Redis, the node's agent, a peer node) cannot be reached right now; the
-    request did nothing and may be retried after ``retry_after`` seconds (HTTP 503)."""
-
-    status = 503
     grpc_status = "UNAVAILABLE"
     default_code = "unavailable"
-
-    def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
-        super().__init__(message, code=code, retry_after=retry_after)
 
 
 class Internal(LiflError):

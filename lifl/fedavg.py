@@ -8,7 +8,11 @@ Folding policy, chosen for memory traffic (every fold is one fused pass over mem
 - a lone first input is *held*, not copied: scaling one update into an accumulator is a
   copy, not aggregation. When a second input arrives both are combined in one pass into a
   fresh accumulator, which costs no more traffic per update than a memcpy.
-- every later batch is folded as soon as it is offered (eager), all queued inputs together.
+- every later batch is folded as soon as it is offered (eager), all queued inputs together,
+  into a *fresh* accumulator together with the previous one (the same traffic as folding in
+  place: the old sum is read once, the new one written once). So the latest accumulator is
+  always a complete, consistent sum of what it reports folded, even if its process is killed
+  mid-fold: a task that dies runs again from it and the inputs not folded yet.
 - an aggregator with one input forwards it untouched: a leaf that receives a single update
   passes its key on, and a top with a single client update installs it as the model.
 """
@@ -63,7 +67,8 @@ class StreamingFedAvg:
         self.fan_in = fan_in
 
     def offer(self, batch: Sequence[Contribution], new_accumulator: Callable[[], tuple[Tensors, Any]]) -> list[Contribution]:
-        """Fold a batch of arrived inputs; returns those now folded in, which the caller may release."""
+        """Fold a batch of arrived inputs; returns those now folded in (the previous accumulator
+        among them), which the caller may release."""
         if not batch:
             return []
         if self.fan_in is not None and self.received + len(batch) > self.fan_in:
@@ -75,16 +80,18 @@ class StreamingFedAvg:
                 self._held = pending[0]
                 return []
             self._held = None
-            tensors, token = new_accumulator()
-            fold(tensors, [(c.tensors, c.weight) for c in pending], init=True)
-            self._acc = Contribution(tensors, 0, 0, True, token)
             folded = pending
         else:
-            fold(self._acc.tensors, [(c.tensors, c.weight) for c in batch], init=False)
-            folded = list(batch)
-        self._acc.samples += sum(c.samples for c in folded)
-        self._acc.updates += sum(c.updates for c in folded)
+            folded = [self._acc, *batch]
+        tensors, token = new_accumulator()
+        fold(tensors, [(c.tensors, c.weight) for c in folded], init=True)
+        self._acc = Contribution(tensors, sum(c.samples for c in folded), sum(c.updates for c in folded), True, token)
         return folded
+
+    @property
+    def state(self) -> Contribution | None:
+        """The accumulator holding everything folded so far (None while nothing was)."""
+        return self._acc
 
     def result(self) -> Contribution:
         """The sum once complete: the accumulator, or the single input itself."""

@@ -216,6 +216,7 @@ class Admit(Message):
     version: int
     size: int
     lease: str = ""
+    client: str = ""  # one update per client and round
 
 
 @message("admit_model", Admitted)
@@ -376,10 +377,13 @@ class Alloc(Message):
 @message("folded", Ok)
 @dataclass(frozen=True)
 class Folded(Message):
+    """``keys`` (inputs, and the previous accumulator) are summed up in ``state``, a new object."""
+
     task: int
     keys: list[bytes]
     updates: int
     seconds: float
+    state: bytes
 
 
 @message("handoff", Route)

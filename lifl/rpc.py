@@ -112,8 +112,8 @@ def raise_error(reply: dict[str, Any]) -> None:
     cls = getattr(errors, info["type"], errors.Internal)
     if not (isinstance(cls, type) and issubclass(cls, errors.LiflError)):
         cls = errors.Internal
-    if cls is errors.Overloaded:
-        raise errors.Overloaded(info["message"], retry_after=info.get("retry_after") or 1.0, code=info["code"])
+    if issubclass(cls, errors.RetryLater):
+        raise cls(info["message"], retry_after=info.get("retry_after") or 1.0, code=info["code"])
     raise cls(info["message"], code=info["code"], extra=info.get("extra"))
 
 

@@ -124,9 +124,10 @@ class Context:
         return reply.key, mm
 
     # -- progress and results ------------------------------------------------------------------
-    def folded(self, inv: Invocation, keys: list[bytes], updates: int, seconds: float) -> None:
-        """These inputs are in the accumulator: their objects may go."""
-        self.client.call(Folded(task=inv.task, keys=keys, updates=updates, seconds=seconds))
+    def folded(self, inv: Invocation, keys: list[bytes], updates: int, seconds: float, state: bytes) -> None:
+        """These inputs (and the previous accumulator) are summed up in the accumulator ``state``:
+        their objects may go, and if this instance dies the task runs again from ``state``."""
+        self.client.call(Folded(task=inv.task, keys=keys, updates=updates, seconds=seconds, state=state))
 
     def forward(self, inv: Invocation, key: bytes, samples: int, updates: int, partial: bool) -> None:
         """Pass the task's result on to its parent, wherever that is."""

@@ -26,16 +26,19 @@ only delays).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
-from lifl.errors import Conflict, NotFound, Overloaded
+from lifl.errors import Conflict, NotFound, Overloaded, Unavailable
 from lifl.format import ModelSpec
 from lifl.jobs import JobSpec
 
@@ -55,7 +58,8 @@ local function field(h, f) return tonumber(redis.call('HGET', h, f)) end
 local function closed_status(h) if field(h, 'accepted') >= field(h, 'goal') then return -4 end return -5 end
 """
 
-# KEYS: job, leases, shard. ARGV: base version, lease ('' for none), node. -> {status, version, round}
+# KEYS: job, leases, shard. ARGV: base version, lease ('' for none), node, client ('' for any).
+# -> {status, version, round}. A client whose update of the round was counted gets -6.
 # The slot is also counted against the node whose gateway receives the update, so that the
 # slots of a node that dies with uploads in progress can be given back.
 _RESERVE = _NOW + """
@@ -65,6 +69,7 @@ local v, r = field(h, 'version'), field(h, 'round')
 if v < 0 then return {-2, v, r} end
 if v ~= tonumber(ARGV[1]) then return {-3, v, r} end
 if field(h, 'closed') == 1 then return {closed_status(h), v, r} end
+if ARGV[4] ~= '' and redis.call('HEXISTS', KEYS[3], 'client.' .. ARGV[4]) == 1 then return {-6, v, r} end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms())
 if ARGV[2] ~= '' then redis.call('ZREM', KEYS[2], ARGV[2]) end
 if field(h, 'reserved') >= field(h, 'goal') then return {-4, v, r} end
@@ -128,15 +133,21 @@ local function finalize(h, s)
 end
 """
 
-# KEYS: job, shard. ARGV: round, node, job name.
+# KEYS: job, shard. ARGV: round, node, job name, client ('' for any): one update per client and round.
 # An acknowledged update, counted once for the whole round, on the node that took it; the one
 # that meets the goal closes the round. -> {status, accepted}: 1 closed it, 0 counted,
-# -1 another round, -5 closed, -6 this node was declared dead for this round.
+# -1 another round, -5 closed, -6 this node was declared dead for this round, -7 the client's
+# update of this round was counted already (its slot is given back).
 _ACCEPT = _NOW + _FINALIZE + """
 local h, s = KEYS[1], KEYS[2]
 if field(h, 'round') ~= tonumber(ARGV[1]) then return {-1, 0} end
 if field(h, 'closed') == 1 then return {-5, 0} end
 if redis.call('HEXISTS', s, 'dead.' .. ARGV[2]) == 1 then return {-6, 0} end
+if ARGV[4] ~= '' and redis.call('HSETNX', s, 'client.' .. ARGV[4], ARGV[2]) == 0 then
+  redis.call('HINCRBY', h, 'reserved', -1)
+  redis.call('HINCRBY', s, 'inflight.' .. ARGV[2], -1)
+  return {-7, 0}
+end
 local accepted = redis.call('HINCRBY', h, 'accepted', 1)
 redis.call('HINCRBY', s, 'count.' .. ARGV[2], 1)
 redis.call('HINCRBY', s, 'inflight.' .. ARGV[2], -1)
@@ -308,7 +319,9 @@ return redis.call('HSETNX', KEYS[1], 'plan', ARGV[2])
 """
 
 RESERVE_OK, RESERVE_NO_JOB, RESERVE_NO_MODEL, RESERVE_STALE, RESERVE_FULL, RESERVE_CLOSED = 0, -1, -2, -3, -4, -5
+RESERVE_DUPLICATE = -6  # the client's update of this round was acknowledged already
 ACCEPT_CLOSED_ROUND, ACCEPT_COUNTED, ACCEPT_OTHER_ROUND, ACCEPT_ROUND_CLOSED, ACCEPT_FENCED = 1, 0, -1, -5, -6
+ACCEPT_DUPLICATE = -7  # another upload of the same client's update was counted first
 CLOSE_FINAL, CLOSE_ABANDON, CLOSE_NOT_OPEN = 1, 2, -1
 
 
@@ -324,8 +337,17 @@ def refusal(status: int, job: str, version: int, round_id: int, goal: int) -> Ex
     if status == RESERVE_FULL:
         return Conflict(f"round {round_id} (version {version}) already has its {goal} updates or clients; pull the next version",
                         code="round_full", extra={"version": version})
+    if status == RESERVE_DUPLICATE:
+        return duplicate(round_id, version)
     return Conflict(f"round {round_id} (version {version}) is closed: its deadline passed", code="round_closed",
                     extra={"version": version})
+
+
+def duplicate(round_id: int, version: int) -> Conflict:
+    """One update per client and round: a second one (a retry whose first try was taken) is refused
+    with a code that tells the client its update is in."""
+    return Conflict(f"this client's update of round {round_id} (version {version}) was acknowledged already",
+                    code="already_acknowledged", extra={"version": version, "round": round_id})
 
 
 def accept_refusal(status: int, job: str, round_id: int, version: int, node: str) -> Exception:
@@ -333,6 +355,8 @@ def accept_refusal(status: int, job: str, round_id: int, version: int, node: str
     if status == ACCEPT_FENCED:
         return Overloaded(f"node {node} was declared dead for round {round_id} of {job!r} and may not take part in it; "
                           f"retry (another node, or the next round)", code="node_fenced")
+    if status == ACCEPT_DUPLICATE:
+        return duplicate(round_id, version)
     return Conflict(f"round {round_id} closed while the update was arriving; pull version {version}",
                     code="round_closed", extra={"version": version})
 
@@ -353,6 +377,7 @@ class Job:
     rejected: dict[str, int]
     last_round: dict[str, Any] | None
     checkpoint: int  # latest version durably checkpointed, -1 if none
+    checkpoint_error: str = ""  # why the next version's checkpoint is not written yet ("" when none failed)
 
 
 @dataclass(frozen=True)
@@ -436,10 +461,45 @@ def _ms(t: list[int]) -> int:
     return t[0] * 1000 + t[1] // 1000
 
 
+# A Redis outage: each command tries a few quick reconnects, then the caller gets Unavailable
+# (503 / UNAVAILABLE with Retry-After) instead of hanging; the next call reconnects.
+REDIS_RETRIES = 2
+REDIS_BACKOFF = ExponentialBackoff(cap=0.5, base=0.05)  # seconds
+REDIS_CONNECT_TIMEOUT = 2.0  # seconds
+REDIS_COMMAND_TIMEOUT = 10.0  # seconds: a stopped (not dead) server must not hang a request forever
+REDIS_RETRY_AFTER = 2.0  # seconds a client is told to wait
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _unavailable_when_unreachable(method: F) -> F:
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError) as e:  # BusyLoadingError too: still loading its data
+            raise Unavailable(f"the cluster state (Redis) is unavailable: {e}", code="state_unavailable",
+                              retry_after=REDIS_RETRY_AFTER) from None
+    return call  # type: ignore[return-value]
+
+
+def _dependency_errors(cls: type) -> type:
+    """Every public call of ``cls`` reports Redis being unreachable as Unavailable (generators
+    excepted: their consumers handle a broken subscription)."""
+    for name, member in list(vars(cls).items()):
+        if callable(member) and not name.startswith("_") and name != "events":
+            setattr(cls, name, _unavailable_when_unreachable(member))
+    return cls
+
+
+@_dependency_errors
 class ClusterState:
     def __init__(self, url: str) -> None:
         self.url = url
-        self.redis = redis.Redis.from_url(url, decode_responses=True)
+        self.redis = redis.Redis.from_url(
+            url, decode_responses=True, retry=Retry(REDIS_BACKOFF, REDIS_RETRIES),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+            socket_connect_timeout=REDIS_CONNECT_TIMEOUT, socket_timeout=REDIS_COMMAND_TIMEOUT)
         r = self.redis
         self._reserve = r.register_script(_RESERVE)
         self._take_lease = r.register_script(_TAKE_LEASE)
@@ -494,6 +554,7 @@ class ClusterState:
             rejected={k[9:]: int(v) for k, v in h.items() if k.startswith("rejected.")},
             last_round=json.loads(h["last_round"]) if h.get("last_round") else None,
             checkpoint=int(h["checkpoint"]),
+            checkpoint_error=h.get("checkpoint_error", ""),
         )
 
     def _model_spec(self, text: str) -> ModelSpec | None:
@@ -523,10 +584,11 @@ class ClusterState:
         return [json.loads(r) for r in self.redis.lrange(history_key(name), -limit, -1)]
 
     # -- rounds ---------------------------------------------------------------------------------
-    def reserve(self, name: str, base_version: int, node: str, lease: str = "") -> tuple[int, int, int]:
-        """Take one of the round's ``goal`` slots for an update arriving at ``node``: (status, version, round)."""
+    def reserve(self, name: str, base_version: int, node: str, lease: str = "", client: str = "") -> tuple[int, int, int]:
+        """Take one of the round's ``goal`` slots for ``client``'s update arriving at ``node``:
+        (status, version, round)."""
         status, version, round_id = self._reserve(keys=[job_key(name), leases_key(name), shard_key(name)],
-                                                  args=[base_version, lease, node])
+                                                  args=[base_version, lease, node, client])
         return int(status), int(version), int(round_id)
 
     def unreserve(self, name: str, round_id: int, node: str) -> bool:
@@ -557,10 +619,10 @@ class ClusterState:
         """Add to a counter of round ``round_id`` (aggregated, rejected.<code>)."""
         return bool(self._count(keys=[job_key(name)], args=[round_id, field, delta]))
 
-    def accept(self, name: str, round_id: int, node: str) -> tuple[int, int]:
-        """Count an arrived update of round ``round_id`` on ``node``: (status, accepted so far);
-        ACCEPT_CLOSED_ROUND when it met the goal and closed the round."""
-        status, accepted = self._accept(keys=[job_key(name), shard_key(name)], args=[round_id, node, name])
+    def accept(self, name: str, round_id: int, node: str, client: str = "") -> tuple[int, int]:
+        """Count ``client``'s arrived update of round ``round_id`` on ``node``: (status, accepted so
+        far); ACCEPT_CLOSED_ROUND when it met the goal and closed the round."""
+        status, accepted = self._accept(keys=[job_key(name), shard_key(name)], args=[round_id, node, name, client])
         return int(status), int(accepted)
 
     def close_round(self, name: str, round_id: int, min_updates: int) -> int:
@@ -595,7 +657,14 @@ class ClusterState:
         return int(opened) / 1000 if int(opened) >= 0 else -1.0
 
     def set_checkpoint(self, name: str, version: int) -> None:
-        self.redis.hset(job_key(name), "checkpoint", version)
+        pipe = self.redis.pipeline()
+        pipe.hset(job_key(name), "checkpoint", version)
+        pipe.hdel(job_key(name), "checkpoint_error")
+        pipe.execute()
+
+    def set_checkpoint_error(self, name: str, version: int, error: str) -> None:
+        """The checkpoint of ``version`` failed (it stays unseen until a retry succeeds)."""
+        self.redis.hset(job_key(name), "checkpoint_error", f"version {version}: {error}")
 
     # -- placement --------------------------------------------------------------------------------
     def set_plan(self, name: str, round_id: int, plan: dict[str, Any]) -> bool:

@@ -8,13 +8,15 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 from hypothesis import HealthCheck, settings
 
+from lifl.node.agent import Agent, AgentConfig
 from lifl.state import ClusterState
 
 
@@ -53,7 +55,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         stdout=subprocess.DEVNULL,
     )
     url = f"unix://{sock}"
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # bounds a failure only: a loaded machine may start it slowly
     while True:
         try:
             redis.Redis.from_url(url).ping()
@@ -84,15 +86,33 @@ def state(redis_url: str) -> ClusterState:
     return ClusterState(redis_url)
 
 
-def wait_for(predicate, timeout: float = 20.0, interval: float = 0.02, what: str = "condition"):
+def wait_for(predicate, timeout: float = 60.0, interval: float = 0.02, what: str = "condition"):
+    """Poll ``predicate`` until it returns something true, and return that; fail after ``timeout`` s.
+
+    The way tests wait for something to happen (never a bare ``time.sleep``). The timeout only
+    bounds a failing test, so it is generous: a loaded 2-core machine must not make a correct
+    run time out."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what} (last value: {value!r})")
         time.sleep(interval)
+
+
+def read_response(sock) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers with lower-case names, body) of the whole HTTP/1.1 response arriving on a
+    raw socket: one ``recv`` may return only part of it."""
+    import http.client
+
+    response = http.client.HTTPResponse(sock, method="POST")
+    response.begin()
+    try:
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        response.close()
 
 
 @pytest.fixture
@@ -165,3 +185,20 @@ class RunningNode:
         from lifl.gateway import lifl_pb2_grpc
 
         return lifl_pb2_grpc.GatewayStub(grpc.insecure_channel(self.grpc))
+
+
+@pytest.fixture
+def started(run_dir: Path, redis_url: str, shm_node: str) -> Iterator[Callable[..., Agent]]:
+    """Start a node agent in this process with these options (stopped after the test)."""
+    agents: list[Agent] = []
+
+    def start(**options: Any) -> Agent:
+        options = {"max_instances": 6, "keep_warm": 30, "data_dir": run_dir.parent / "data", **options}
+        a = Agent(AgentConfig(shm_node, run_dir, redis_url, 256 << 20, 64 << 20, **options), ClusterState(redis_url))
+        a.start()
+        agents.append(a)
+        return a
+
+    yield start
+    for a in agents:
+        a.stop()

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import mmap
 import os
-import signal
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from lifl import procstat
 from lifl.control.controller import ControlConfig
 from lifl.errors import Conflict, NotFound, Overloaded
 from lifl.jobs import JobSpec
-from lifl.node.agent import Agent, AgentConfig
+from lifl.node.agent import Agent
 from lifl.protocol import (
     Abort, Admit, AdmitModel, GetMetrics, GetRecent, GetStatus, Hello, InstallModel, OpenModel, Release, Submit,
 )
@@ -28,23 +28,6 @@ from lifl.rpc import Client
 from lifl.state import ClusterState
 
 SHAPES = {"a": (64, 33), "b": (7,), "c": (3, 3, 5)}
-
-
-@pytest.fixture
-def started(run_dir: Path, redis_url: str, shm_node: str) -> Iterator[Callable[..., Agent]]:
-    """Start an agent with these options (stopped after the test)."""
-    agents: list[Agent] = []
-
-    def start(**options: Any) -> Agent:
-        options = {"max_instances": 6, "keep_warm": 30, "data_dir": run_dir.parent / "data", **options}
-        a = Agent(AgentConfig(shm_node, run_dir, redis_url, 256 << 20, 64 << 20, **options), ClusterState(redis_url))
-        a.start()
-        agents.append(a)
-        return a
-
-    yield start
-    for a in agents:
-        a.stop()
 
 
 @pytest.fixture
@@ -97,10 +80,32 @@ def metric(client: Client, line_start: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
 
 
+def finished_tasks(client: Client, expected: Counter[tuple[int, str]]) -> list[dict[str, Any]]:
+    """The statistics of the agent's finished tasks, once those of ``expected`` (round, role) are
+    among them: an instance reports a task finished after handing its result on, so the round
+    may be over (its model installed) before the report arrives (it is kept all the same)."""
+    seen: list[dict[str, Any]] = []
+
+    def finished() -> list[dict[str, Any]] | None:
+        seen[:] = client.call(GetRecent())[0].body["tasks"]
+        return list(seen) if not expected - Counter((t["round"], t["role"]) for t in seen) else None
+
+    try:
+        return wait_for(finished, what=f"the reports of {dict(expected)}")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; reported: {[(t['round'], t['role'], t['instance']) for t in seen]}") from None
+
+
 def aggregator_pids() -> list[int]:
     """The aggregator processes of agents running in this (test) process."""
-    return [p for p in procstat.children(os.getpid())
-            if b"lifl.runtime" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    pids = []
+    for p in procstat.children(os.getpid()):
+        try:
+            if b"lifl.runtime" in Path(f"/proc/{p}/cmdline").read_bytes():
+                pids.append(p)
+        except OSError:  # it exited since it was listed (an instance stopping)
+            pass
+    return pids
 
 
 @pytest.mark.parametrize("goal,fan_in", [(1, 2), (5, 2), (6, 3)])
@@ -140,13 +145,14 @@ def test_admission_checks_version_round_and_budget(agent: Agent, state: ClusterS
         client.call(Admit("j", 3, len(blob)))
     assert info.value.code == "version_conflict" and info.value.extra["version"] == 0
     reply, fds = client.call(Admit("j", 0, len(blob)))
+    assert state.job("j").reserved == 1 and state.shard("j").inflight == {agent.node: 1}  # admitted: counted
     with pytest.raises(Overloaded):  # budget of one update in flight
         client.call(Admit("j", 0, len(blob)))
     os.close(fds[0])
     client.call(Abort(reply.key, "test"))
     job = state.job("j")
     assert job.reserved == 0 and job.rejected == {"test": 1}
-    assert state.shard("j").inflight.get(agent.node, 0) == 0
+    assert state.shard("j").inflight == {agent.node: 0}  # aborted: the node's count is back to nothing
 
 
 def test_malformed_messages_are_refused_with_the_field_named(agent: Agent) -> None:
@@ -173,29 +179,7 @@ def test_gateway_disconnect_releases_its_uploads(agent: Agent, state: ClusterSta
     assert state.job("j").reserved == 1 and shm_objects(client) == 2
     other.close()
     wait_for(lambda: state.job("j").reserved == 0, what="reservation released")
-    assert shm_objects(client) == 1
-
-
-def test_killed_aggregator_abandons_the_round_and_reopens_its_slots(agent: Agent, state: ClusterState) -> None:
-    state.create_job(JobSpec("j", goal=3))
-    rng = np.random.default_rng(5)
-    client = gateway(agent)
-    put_model(client, "j", fmt.encode(random_model(rng)))
-    push(client, "j", 0, fmt.encode(random_model(rng)), 1)
-    busy = wait_for(aggregator_pids, what="the leaf's instance")
-    os.kill(busy[0], signal.SIGKILL)
-    wait_for(lambda: state.job("j").round == 1, what="round abandoned")
-    job = state.job("j")
-    assert (job.reserved, job.accepted, job.version) == (0, 0, 0)
-    assert job.last_round["outcome"] == "abandoned" and "died" in job.last_round["reason"]
-    wait_for(lambda: shm_objects(client) == 1, what="the update held by the round released")
-    # the round can still complete with fresh updates
-    updates = [random_model(rng) for _ in range(3)]
-    for u in updates:
-        push(client, "j", 0, fmt.encode(u), 2)
-    wait_for(lambda: state.version("j") == 1, what="version 1")
-    _, model = read_model(client, "j")
-    np.testing.assert_allclose(model["a"], sum(u["a"].astype(np.float64) for u in updates) / 3, rtol=1e-5, atol=1e-8)
+    assert shm_objects(client) == 1 and state.job("j").rejected == {"connection_lost": 1}
 
 
 def test_warm_instances_are_reused_across_roles_and_expire(started: Callable[..., Agent], redis_url: str) -> None:
@@ -210,12 +194,12 @@ def test_warm_instances_are_reused_across_roles_and_expire(started: Callable[...
             push(client, "j", version, fmt.encode(random_model(rng)), 1)
         wait_for(lambda: state.version("j") == version + 1, what="next version")
     assert metric(client, 'lifl_aggregator_starts_total{kind="warm"}') > 0
-    tasks = client.call(GetRecent())[0].body["tasks"]
+    tasks = finished_tasks(client, Counter({(r, role): 1 for r in range(3) for role in ("leaf", "middle", "top")}))
     by_instance: dict[int, set[str]] = {}
     for t in tasks:
         by_instance.setdefault(t["instance"], set()).add(t["role"])
     assert any(len(roles) > 1 for roles in by_instance.values())  # one instance served several roles
-    wait_for(lambda: not aggregator_pids(), timeout=15, what="idle instances to stop")
+    wait_for(lambda: not aggregator_pids(), what="idle instances to stop")
     with pytest.raises(NotFound):
         client.call(Release(b"\0" * 16))
 
@@ -234,10 +218,12 @@ def test_lazy_baseline_without_reuse_folds_once_per_task_on_fresh_instances(star
     _, model = read_model(client, "j")
     ref = sum(u["a"].astype(np.float64) * c for u, c in updates) / sum(c for _, c in updates)
     np.testing.assert_allclose(model["a"], ref, rtol=1e-5, atol=1e-8)
-    tasks = client.call(GetRecent())[0].body["tasks"]
-    assert sorted(t["role"] for t in tasks) == ["leaf"] * 3 + ["middle", "top"]
-    assert len({t["instance"] for t in tasks}) == 5  # no instance served twice
+    tasks = finished_tasks(client, Counter({(0, "leaf"): 3, (0, "middle"): 1, (0, "top"): 1}))
+    assert len({t["instance"] for t in tasks}) == len(tasks)  # no instance served twice
     assert all(t["folds"] == (1 if t["inputs"] > 1 else 0) for t in tasks)  # everything at once, at the end
+    # the five tasks (the top too) each started on an instance created for it
+    assert metric(client, 'lifl_aggregator_starts_total{kind="cold"}') == 5
+    assert metric(client, 'lifl_aggregator_starts_total{kind="warm"}') == 0
     assert metric(client, 'lifl_aggregator_instances_created_total{reason="cold_start"}') == 5
 
 
@@ -253,7 +239,19 @@ def test_the_planned_hierarchy_is_warmed_before_its_updates_arrive(started: Call
     wait_for(lambda: client.call(GetStatus())[0].body["instances"]["ready"] == 3, what="the planned instances warm")
     assert client.call(GetStatus())[0].body["instances"]["total"] == 3
     assert metric(client, 'lifl_aggregator_instances_created_total{reason="prewarm"}') == 3
-    for _ in range(6):
-        push(client, "j", 0, fmt.encode(random_model(rng)), 1)
+    # A leaf's worth of updates at a time, each leaf done before the next one's arrive: whatever
+    # the machine's speed, an instance of the plan is idle whenever a task needs one. (With all six
+    # at once, a middle dispatched while its producer's instance is still busy takes an idle
+    # planned instance, and a later leaf may find none: a cold start that depends on timing.)
+    for leaves in range(3):
+        for _ in range(2):
+            push(client, "j", 0, fmt.encode(random_model(rng)), 1)
+        if leaves < 2:  # (the last leaf's report may come after the round is over)
+            finished_tasks(client, Counter({(0, "leaf"): leaves + 1}))
     wait_for(lambda: state.version("j") == 1, what="version 1")
-    assert metric(client, 'lifl_aggregator_starts_total{kind="cold"}') == 0  # every task found a warm instance
+    # every task (three leaves, the middle and the top) found a warm instance, and no instance
+    # was created beyond the three planned
+    assert metric(client, 'lifl_aggregator_starts_total{kind="warm"}') == 5
+    assert metric(client, 'lifl_aggregator_starts_total{kind="cold"}') == 0
+    assert metric(client, 'lifl_aggregator_instances_created_total') == 3
+    assert client.call(GetStatus())[0].body["instances"]["total"] == 3

@@ -41,16 +41,21 @@ def s3_endpoint() -> Iterator[str]:
         port = s.getsockname()[1]
     proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while True:
+
+    def listening() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"moto_server exited with status {proc.returncode}")
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            return True
         except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail("moto_server did not start")
-            time.sleep(0.1)
+            return False
+
+    try:
+        wait_for(listening, what="moto_server to listen")
+    except AssertionError:
+        proc.kill()
+        raise
     yield url
     proc.terminate()
     proc.wait(10)

@@ -10,7 +10,7 @@ import torch
 
 from conftest import RunningNode, wait_for
 from lifl import format as fmt
-from lifl.client import Gateway, Participant, from_blob, to_blob
+from lifl.client import Gateway, Participant, RetryPolicy, from_blob, to_blob
 from lifl.errors import Overloaded
 
 
@@ -76,14 +76,17 @@ def test_participant_round_and_stale_retrain(node: RunningNode) -> None:
 
 
 @pytest.mark.slow
-def test_participant_honours_retry_after_then_gives_up(node: RunningNode) -> None:
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_participant_honours_retry_after_then_gives_up(node: RunningNode, protocol: str) -> None:
     gw = Gateway(node.http)
     gw.create_job("r", 3, max_inflight=1)
     gw.set_model("r", to_blob({"w": np.zeros(4, np.float32)}))
     gw.push("r", to_blob({"w": np.ones(4, np.float32)}), client="first", samples=1, base_version=0)  # held: budget used
-    p = Participant(node.http, "r", "second", max_wait=2.5)
+    p = Participant(node.http if protocol == "http" else node.grpc, "r", "second", protocol=protocol,
+                    retry=RetryPolicy(max_elapsed_s=2.5))
     t0 = time.monotonic()
     with pytest.raises(Overloaded) as info:
         p.run_round(lambda state, version: (state, 1))
     assert info.value.retry_after >= 1 and time.monotonic() - t0 >= 1.0  # it waited Retry-After before trying again
+    assert gw.job("r")["round"]["leases"] == 0  # and gave its lease back
     p.close()

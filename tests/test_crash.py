@@ -1,54 +1,72 @@
-"""Nothing of lifl stays in /dev/shm: after a clean stop, and within 5 s of kill -9 of any process
-of a node (if both the agent and its supervisor die, the next start cleans up)."""
+"""Nothing of lifl stays in /dev/shm: after a clean stop, and after kill -9 of any process of a
+node (if both the agent and its supervisor die, the next start cleans up); a killed aggregator
+loses nothing (its task runs again), nor does a Redis outage."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
 from conftest import wait_for
 from lifl import format as fmt
+from lifl import procstat
+from lifl.gateway import lifl_pb2, lifl_pb2_grpc
 
 pytestmark = pytest.mark.slow
 MODEL = fmt.encode({"w": np.ones((256, 256), np.float32)})
 
 
+CLIENTS = itertools.count()
+
+
+def update_headers() -> dict[str, str]:
+    """The headers of an update of version 0 from a client not seen before (one update per client and round)."""
+    return {"X-Lifl-Client": f"c{next(CLIENTS)}", "X-Lifl-Samples": "1", "X-Lifl-Base-Version": "0"}
+
+
 class Up:
     """`lifl up` as a subprocess with its own embedded redis."""
 
-    def __init__(self, node: str, base: Path) -> None:
+    def __init__(self, node: str, base: Path, *options: str) -> None:
         self.node, self.base = node, base
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lifl", "up", "--node", node, "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0",
-             "--run-dir", str(base / "run"), "--data-dir", str(base / "data"), "--shm-limit", "256m"],
+             "--run-dir", str(base / "run"), "--data-dir", str(base / "data"), "--shm-limit", "256m", *options],
             stdout=subprocess.PIPE, text=True, start_new_session=True,
         )
         lines = []
-        while not any(l.startswith("  http:") for l in lines):
+        while not any(l.startswith("  grpc:") for l in lines):
             line = self.proc.stdout.readline()
             assert line, f"lifl up failed: {''.join(lines)}"
             lines.append(line)
         self.http = next(l for l in lines if l.startswith("  http:")).split()[1]
+        self.grpc = next(l for l in lines if l.startswith("  grpc:")).split()[1]
 
     def call(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, dict]:
+        status, _, answer = self.exchange(method, path, body, headers)
+        return status, answer
+
+    def exchange(self, method: str, path: str, body: bytes | None = None,
+                 headers: dict | None = None) -> tuple[int, dict[str, str], dict]:
         req = urllib.request.Request(self.http + path, data=body, method=method, headers=headers or {})
         try:
             with urllib.request.urlopen(req, timeout=30) as r:
-                return r.status, json.loads(r.read())
+                return r.status, dict(r.headers), json.loads(r.read())
         except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+            return e.code, dict(e.headers), json.loads(e.read())
 
     def pids(self) -> dict[str, int]:
         """Processes of the node by role, from /proc."""
@@ -61,8 +79,6 @@ class Up:
             except OSError:
                 continue
             args = [a.decode() for a in cmd if a]
-            if args and args[0].endswith("redis-server") and any(str(self.base) in a for a in args):
-                out["redis"] = int(p.name)
             if "--node" in args and args[args.index("--node") + 1] == self.node:
                 if "lifl.node.agent" in args:
                     out["agent"] = int(p.name)
@@ -71,6 +87,10 @@ class Up:
                 elif "lifl.runtime" in args:
                     out.setdefault("instance", int(p.name))
         out["supervisor"] = self.proc.pid
+        for pid in procstat.children(self.proc.pid):  # redis rewrites its command line: known by name
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{pid}/comm").read_text().strip() == "redis-server":
+                    out["redis"] = pid
         return out
 
     def shm(self) -> list[str]:
@@ -100,9 +120,16 @@ class Up:
     def start_round(self) -> None:
         assert self.call("POST", "/v1/jobs", json.dumps({"job": "j", "goal": 3}).encode())[0] == 201
         assert self.call("PUT", "/v1/jobs/j/model", MODEL)[0] == 201
-        headers = {"X-Lifl-Client": "c", "X-Lifl-Samples": "1", "X-Lifl-Base-Version": "0"}
-        assert self.call("POST", "/v1/jobs/j/updates", MODEL, headers)[0] == 202  # held by a leaf
+        assert self.call("POST", "/v1/jobs/j/updates", MODEL, update_headers())[0] == 202  # held by a leaf
         assert len(self.objects()) == 2
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie waiting for its parent."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
 
 
 @pytest.fixture
@@ -123,48 +150,71 @@ def test_clean_stop_leaves_nothing(up: Up, sig: int) -> None:
     assert up.shm() == [] and set(up.pids()) == {"supervisor"}
 
 
-def test_kill_agent_node_stops_and_cleans_within_5s(up: Up) -> None:
+def test_kill_agent_node_stops_and_cleans(up: Up) -> None:
     up.start_round()
     os.kill(up.pids()["agent"], signal.SIGKILL)
-    t0 = time.monotonic()
-    wait_for(lambda: not up.shm(), timeout=5, what="shared memory cleaned")
-    assert time.monotonic() - t0 < 5
+    wait_for(lambda: not up.shm(), what="shared memory cleaned")
     assert up.proc.wait(30) == 1  # the node cannot go on without its agent
 
 
-def test_kill_supervisor_children_stop_and_clean_within_5s(up: Up) -> None:
+def test_kill_supervisor_children_stop_and_clean(up: Up) -> None:
     up.start_round()
     pids = up.pids()
     os.kill(pids["supervisor"], signal.SIGKILL)
-    wait_for(lambda: not up.shm(), timeout=5, what="shared memory cleaned")
-    wait_for(lambda: all(not Path(f"/proc/{p}").exists() or b"Z" in Path(f"/proc/{p}/stat").read_bytes().split(b")")[1][:3]
-                         for p in (pids["agent"], pids["gateway"])), timeout=5, what="children gone")
+    wait_for(lambda: not up.shm(), what="shared memory cleaned")
+    wait_for(lambda: not running(pids["agent"]) and not running(pids["gateway"]), what="children gone")
 
 
 def test_kill_gateway_is_restarted_and_its_upload_released(up: Up) -> None:
     up.start_round()
     old = up.pids()["gateway"]
     os.kill(old, signal.SIGKILL)
-    wait_for(lambda: up.pids().get("gateway") not in (None, old), timeout=10, what="gateway restarted")
-    wait_for(up.answers, timeout=10, what="gateway answering on the same port")
+    wait_for(lambda: up.pids().get("gateway") not in (None, old), what="gateway restarted")
+    wait_for(up.answers, what="gateway answering on the same port")
     assert len(up.objects()) == 2  # the model and the held update: nothing orphaned
 
 
-def test_kill_aggregator_releases_its_objects_within_5s(up: Up) -> None:
+def test_kill_aggregator_its_task_runs_again_and_the_round_completes(up: Up) -> None:
     up.start_round()
-    os.kill(up.pids()["instance"], signal.SIGKILL)
-    wait_for(lambda: len(up.objects()) == 1, timeout=5, what="the round's objects released")
-    status = up.call("GET", "/v1/jobs/j")[1]
-    assert status["round"]["received"] == 0 and status["version"] == 0  # the slot reopened
+    killed = up.pids()["instance"]
+    os.kill(killed, signal.SIGKILL)
+    wait_for(lambda: up.pids().get("instance") not in (None, killed), what="the leaf running again on a new instance")
+    assert len(up.objects()) == 2  # the model and the acknowledged update, kept for the re-run
+    for _ in range(2):
+        assert up.call("POST", "/v1/jobs/j/updates", MODEL, update_headers())[0] == 202
+    wait_for(lambda: up.call("GET", "/v1/jobs/j")[1]["version"] == 1, what="version 1")
+    assert up.call("GET", "/v1/jobs/j")[1]["last_round"]["updates"] == 3  # the one acknowledged before the kill too
+    wait_for(lambda: len(up.objects()) == 1, what="only the new model left")
+
+
+def test_a_redis_outage_is_503_with_retry_after_and_the_node_carries_on_when_it_returns(up: Up) -> None:
+    up.start_round()
+    pids = up.pids()
+    os.kill(pids["supervisor"], signal.SIGSTOP)  # so that redis stays down until the test lets it restart
+    try:
+        os.kill(pids["redis"], signal.SIGKILL)
+        wait_for(lambda: not running(pids["redis"]), what="redis gone")
+        status, headers, body = up.exchange("GET", "/v1/jobs/j")
+        assert status == 503 and int(headers["Retry-After"]) >= 1 and body["error"]["code"] == "state_unavailable"
+        status, _, body = up.exchange("POST", "/v1/jobs/j/updates", MODEL, update_headers())
+        assert status == 503 and body["error"]["code"] == "state_unavailable"  # not acknowledged, so not lost
+        stub = lifl_pb2_grpc.GatewayStub(grpc.insecure_channel(up.grpc))
+        for _ in range(2):  # the HTTP/2 connection survives the error
+            with pytest.raises(grpc.RpcError) as info:
+                stub.GetJob(lifl_pb2.GetJobRequest(job="j"), timeout=30)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        os.kill(pids["supervisor"], signal.SIGCONT)
+    wait_for(lambda: up.call("GET", "/v1/jobs/j")[0] == 200, what="the node answering again")
+    for _ in range(2):
+        assert up.call("POST", "/v1/jobs/j/updates", MODEL, update_headers())[0] == 202
+    wait_for(lambda: up.call("GET", "/v1/jobs/j")[1]["version"] == 1, what="version 1")
+    assert up.call("GET", "/v1/jobs/j")[1]["last_round"]["updates"] == 3  # the update acknowledged before the outage
 
 
 def test_kill_everything_next_start_cleans_up(up: Up, shm_node: str, run_dir: Path) -> None:
     up.start_round()
-    os.killpg(os.getpgid(up.pids()["agent"]), signal.SIGKILL)  # the agent's own session
-    os.kill(up.proc.pid, signal.SIGKILL)
-    up.proc.wait()
-    time.sleep(0.5)
-    subprocess.run(["pkill", "-9", "-f", "--", f"--node {shm_node}"], check=False)
+    up.kill_all()
     stale = set(up.shm())
     assert stale  # left behind: nobody was alive to clean
     again = Up(shm_node, run_dir.parent)

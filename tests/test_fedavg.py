@@ -75,8 +75,12 @@ def aggregate(memory: Memory, contributions: list[Contribution], rng: np.random.
         i += k
     assert agg.complete
     result = agg.result()
-    if len(contributions) > 1:
-        assert sorted(map(id, released)) == sorted(map(id, contributions))  # everything folded is released
+    if len(contributions) > 1:  # every input is released once folded, and every accumulator but the last
+        given = set(map(id, contributions))
+        inputs = [c for c in released if id(c) in given]
+        accumulators = [c for c in released if id(c) not in given]
+        assert sorted(map(id, inputs)) == sorted(given)
+        assert result.partial and result not in accumulators and len(set(map(id, accumulators))) == len(accumulators)
     return result
 
 

@@ -105,7 +105,7 @@ def test_any_gateway_assigns_clients_and_the_sdk_follows(cluster) -> None:
     clients = Clients(addresses, "assign", goal=4)
     node_of = {}
     for i, node in enumerate(clients.gw):  # every gateway answers, with the same plan
-        a = clients.gw[node]._json("GET", f"/v1/jobs/assign/assignment?client=p{i}")
+        a = clients.gw[node].assignment("assign", f"p{i}")
         node_of[f"p{i}"] = a["node"]
         assert a["http"] == addresses.nodes[a["node"]].http and a["round"] == 0
     assert len(set(node_of.values())) == 1  # BestFit: capacity 20 holds the whole round on one node

@@ -27,7 +27,7 @@ def test_restart_after_kill_resumes_from_the_last_version(shm_node: str, run_dir
         gw.set_model("j", fmt.encode({"w": np.zeros(1000, np.float32)}))
         for version in range(3):
             push_round(gw, version, [version + 1.0, version + 3.0])
-            wait_for(lambda: gw.job("j")["version"] == version + 1, timeout=15, what=f"version {version + 1}")
+            wait_for(lambda: gw.job("j")["version"] == version + 1, what=f"version {version + 1}")
         _, before = gw.model("j")
         push_round(gw, 3, [100.0])  # half of round 3 has arrived when the node dies
         gw.close()
@@ -41,7 +41,7 @@ def test_restart_after_kill_resumes_from_the_last_version(shm_node: str, run_dir
         version, after = gw.model("j")
         assert version == 3 and bytes(after) == bytes(before)  # the same version 3, bit for bit
         push_round(gw, 3, [5.0, 7.0])  # clients carry on from version 3
-        wait_for(lambda: gw.job("j")["version"] == 4, timeout=15, what="version 4")
+        wait_for(lambda: gw.job("j")["version"] == 4, what="version 4")
         version, blob = gw.model("j")
         assert version == 4 and fmt.views(blob, fmt.validate(blob))["w"][0] == pytest.approx(6.0)
         history = gw.rounds("j")

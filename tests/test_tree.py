@@ -44,6 +44,8 @@ def kinds(effects: list) -> list[str]:
             out.append("X")
         elif isinstance(e, Release):
             out.append(f"Rel:{e.round}")
+        else:  # an effect these tests do not know must not pass for none at all
+            raise AssertionError(f"unexpected effect {e!r}")
     return out
 
 

@@ -92,7 +92,9 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
                 for c in folded:
                     c.tensors.release()
                     live.remove(c.tensors)
-                ctx.folded(inv, [c.token for c in folded], sum(c.updates for c in folded if not c.partial), t2 - t1)
+                assert agg.state is not None
+                ctx.folded(inv, [c.token for c in folded], sum(c.updates for c in folded if not c.partial), t2 - t1,
+                           agg.state.token)
         result = agg.result()
 
         # Send

@@ -276,10 +276,11 @@ class Bench:
         raise RuntimeError(f"{job} did not reach version {version}")
 
     def aggregator_figures(self, job: str) -> dict[str, Any]:
+        from lifl.protocol import GetRecent, Hello
         from lifl.rpc import Client
 
-        agent = Client.connect(str(self.node.run_dir / "agent.sock"), {"role": "bench"})
-        tasks = [t for t in agent.call("recent")[0]["tasks"] if t["job"] == job]
+        agent = Client.connect(str(self.node.run_dir / "agent.sock"), Hello("gateway"))
+        tasks = [t for t in agent.call(GetRecent())[0].body["tasks"] if t["job"] == job]
         agent.close()
         pairs = [t for t in tasks if t["role"] == "leaf" and t["inputs"] == 2]
         folds = [(t["agg_s"] - t["alloc_s"]) * 1e3 / 2 for t in pairs]

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from lifl import format as fmt
-from lifl.client import Gateway
+from lifl.client import NO_RETRY, Gateway
 from lifl.errors import LiflError
 from lifl.state import ClusterState
 
@@ -77,7 +77,7 @@ def offer(gateway: str, job: str, blob: bytes, rate: float, seconds: float, clie
     acknowledged = [0] * clients
 
     def client(i: int) -> None:
-        gw = Gateway(gateway)
+        gw = Gateway(gateway, retry=NO_RETRY)  # a refusal is the measurement, not something to wait out
         try:
             t = time.monotonic() + i * gap / clients
             n = 0

@@ -6,8 +6,9 @@ round duties are ``lifl.control.rounds`` and the planner is ``lifl.control.plann
 shell applies effects, talks to Redis (never under its lock), and runs named periodic duties.
 
 - The gateway asks it for objects to receive blobs into (``Admit`` reserves a slot of the
-  job's global round in Redis, converting the client's lease if it holds one, and enforces
-  the job's in-flight budget), then hands the sealed update over (``Submit``), which counts
+  job's global round in Redis, converting the client's lease if it holds one, enforces the
+  job's in-flight budget, and reserves the shared memory that aggregating the update needs,
+  within the job's fair share: ``lifl.node.admission``), then hands the sealed update over (``Submit``), which counts
   it once for the whole round in Redis and feeds it to this node's tree.
 - Tasks run on instances of the job's tenant: idle warm ones first (reuse, §5.3: an idle leaf
   becomes the middle, the middle's instance the top), new ones otherwise (a cold start), or
@@ -18,6 +19,11 @@ shell applies effects, talks to Redis (never under its lock), and runs named per
   installed as the next version once durable.
 - Every object reference belongs to a holder (an upload, a task, a round, a job's model or
   replica, a gateway's read). A holder that disappears is released.
+- A task's inputs are immutable and stay in shared memory until the task reports them folded
+  into a new accumulator (``Folded``: every fold writes a fresh one, so the latest is always a
+  complete sum). An instance that dies or fails mid-task loses only its scratch objects: the
+  task runs again on another instance from its latest accumulator and the inputs it had not
+  folded (up to ``MAX_TASK_ATTEMPTS`` runs), so an acknowledged update is never lost to a crash.
 - A node that dies mid-round is declared lost by whoever notices (its registration in Redis
   lapses): what it acknowledged and had not delivered is recorded as lost, and the round
   completes on the others. A restarted node does this for itself before it serves.
@@ -37,6 +43,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +53,11 @@ from lifl.channel import KIND_CLOSE, KeyMessage, UnixKeyChannel, now_ns
 from lifl.control import rounds as cluster_rounds
 from lifl.control.controller import Controller, ControlConfig
 from lifl.control.planner import LEAF, ROLES, InstanceView, expired, pick_warm
-from lifl.errors import BadRequest, Conflict, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge
+from lifl.errors import BadRequest, Conflict, LiflError, NotFound, Overloaded, PayloadTooLarge, Unavailable
 from lifl.jobs import JobSpec
 from lifl.node import tree
 from lifl.node.actuator import LocalProcesses
+from lifl.node.admission import PARTIAL, UPDATE, JobSizes, RoundOf
 from lifl.node.dispatch import serve
 from lifl.node.metrics import Metrics
 from lifl.procs import die_with_parent
@@ -63,12 +71,14 @@ from lifl.rpc import Connection
 from lifl.state import (
     ACCEPT_CLOSED_ROUND, NO_MODEL, RESERVE_OK, ClusterState, Job, Shard, accept_refusal, refusal,
 )
-from lifl.store import SHM_DIR, ObjectStore, Tenant, remove_node_objects
+from lifl.store import SHM_DIR, ObjectStore, Segment, Tenant, remove_node_objects
 
 DEFAULT_HANDLER = "lifl.functions.aggregator.handler:handle"
 SETTLE_PASSES = 4  # duties that enable further duties (close, then place the top) within one settle
 FORWARD_RETRY = (0.2, 0.5, 1.0, 2.0)  # seconds before resending a partial that did not arrive
 OUTBOX_RETRY = 0.005  # seconds between attempts to deliver keys to an instance whose queue was full
+CHECKPOINT_RETRY = (0.5, 1.0, 2.0, 5.0, 10.0)  # seconds before writing a failed checkpoint again; the last repeats
+MAX_TASK_ATTEMPTS = 3  # runs of one task (the first and two re-runs) before its round is abandoned
 
 
 def check_traversable(directory: Path) -> None:
@@ -120,6 +130,12 @@ class JobRun:
     inflight: int = 0  # updates admitted here and not yet aggregated
     model_upload: bool = False
 
+    @cached_property
+    def sizes(self) -> JobSizes:
+        """What aggregating its updates allocates (computed once: it encodes the model's header)."""
+        assert self.model_spec is not None
+        return JobSizes.of(self.model_spec, self.spec.leaf_fan_in)
+
 
 @dataclass(eq=False)
 class Upload:
@@ -137,9 +153,50 @@ class Instance:
     id: int
     tenant: Tenant
     task: int | None = None
+    running: tree.Task | None = None  # the task itself: its round may end before the instance reports
     ready: bool = False  # its runtime has loaded the function (a warm instance, not one still starting)
     last_used: float = field(default_factory=time.monotonic)
     specs_sent: set[str] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class TaskProgress:
+    """What a task was given and what it folded so far: enough to run it again from there."""
+
+    unfolded: list[KeyMessage] = field(default_factory=list)  # inputs delivered, not reported folded
+    state: KeyMessage | None = None  # the accumulator summing up the inputs folded so far
+    folded: int = 0  # task inputs summed up in ``state``
+    attempts: int = 0  # runs started
+    offset: int = 0  # inputs the current run does not see one by one (``state`` stands for them)
+
+    def start(self) -> None:
+        self.attempts += 1
+        self.offset = self.folded - 1 if self.state is not None else 0
+
+    def fan_in(self, fan_in: int) -> int:
+        """The task's fan-in as the current run counts its inputs."""
+        return fan_in if fan_in == tree.OPEN else fan_in - self.offset
+
+    def inputs(self) -> list[KeyMessage]:
+        """What a new run is given: the latest accumulator, then the inputs not folded into it."""
+        return ([self.state] if self.state is not None else []) + self.unfolded
+
+    def fold(self, key: bytes) -> KeyMessage | None:
+        """``key`` was folded: the input it was (None if it is no input, e.g. the previous state)."""
+        for i, msg in enumerate(self.unfolded):
+            if msg.key == key:
+                self.folded += 1
+                return self.unfolded.pop(i)
+        return None
+
+
+@dataclass(eq=False)
+class FailedCheckpoint:
+    """A round's model whose checkpoint could not be written: it waits, unseen, to be written again."""
+
+    install: tree.Install
+    attempts: int
+    next_try: float  # time.monotonic()
 
 
 @dataclass(eq=False)
@@ -218,8 +275,10 @@ class Agent:
         self.waiting: deque[int] = deque()  # tasks with inputs, waiting for an instance
         self.pending: dict[int, list[KeyMessage]] = {}  # inputs of tasks not running yet
         self.placed: dict[int, Instance] = {}  # running tasks
+        self.progress: dict[int, TaskProgress] = {}  # tasks without a result yet (to run them again)
         self.outbox: deque[tuple[str, KeyMessage]] = deque()  # (tenant, message) for full queues
         self.outgoing: dict[int, OutgoingPartial] = {}
+        self.failed_checkpoints: dict[str, FailedCheckpoint] = {}  # by job
         self.local_updates: dict[bytes, str] = {}  # client updates admitted here and not yet aggregated, by key
         self.store.on_free = self._update_done
         self.forwarder: Connection | None = None  # the gateway's connection taking ForwardPartial
@@ -235,6 +294,7 @@ class Agent:
             ("expire_idle_instances", 0.2, self.expire_idle_instances),
             ("round_duties", 0.2, self.round_duties),
             ("retry_forwards", 0.1, self.retry_forwards),
+            ("retry_checkpoints", 0.2, self.retry_checkpoints),
             ("publish_status", 1.0, self.publish_status),
             ("trim_pool", 5.0, self.trim_pool),
             ("drop_stale_replicas", 1.0, self.drop_stale_replicas),
@@ -438,7 +498,7 @@ class Agent:
 
     def admit(self, holder: Hashable, m: Admit) -> tuple[Message, list[int]]:
         run = self._cached_run(m.job)
-        status, current, round_id = self.state.reserve(m.job, m.version, self.node, m.lease)
+        status, current, round_id = self.state.reserve(m.job, m.version, self.node, m.lease, m.client)
         if status != RESERVE_OK:
             raise refusal(status, m.job, current, round_id, run.spec.goal)
         try:
@@ -446,15 +506,22 @@ class Agent:
                 if run.inflight >= run.spec.inflight_budget:
                     raise Overloaded(f"job {m.job!r} has {run.inflight} updates in flight on node {self.node}, its budget",
                                      code="inflight_budget")
-                seg = self.store.create(run.tenant, m.size, holder, affinity="gateway")
+                seg = self._admit_input(run, holder, RoundOf(m.job, round_id), UPDATE, m.size)
                 run.inflight += 1
                 self.local_updates[seg.key] = m.job
                 self.uploads[seg.key] = Upload(m.job, "update", holder, m.version, round_id)
                 self._publish_gauges(m.job, run)
                 return Admitted(seg.key, m.version, round_id), [os.dup(seg.fd)]
-        except LiflError:
+        except LiflError as e:
+            if isinstance(e, Overloaded):
+                self.metrics.refused(m.job, e.code)
             self.state.unreserve(m.job, round_id, self.node)
             raise
+
+    def _admit_input(self, run: JobRun, holder: Hashable, owner: RoundOf, kind: str, size: int) -> Segment:
+        """The object of a client update or a partial result, created once the memory to
+        aggregate it is reserved (``lifl.node.admission``); call with the lock held."""
+        return self.store.admit(run.tenant, size, holder, owner, kind, run.sizes)
 
     def admit_model(self, holder: Hashable, m: AdmitModel) -> tuple[Message, list[int]]:
         j, run = self._job(m.job)
@@ -478,7 +545,11 @@ class Agent:
                 raise Conflict(f"node {self.node} does not host the top of round {m.round} (epoch {m.epoch}) of {m.job!r}",
                                code="not_the_top")
         with self.lock:
-            seg = self.store.create(run.tenant, m.size, holder, affinity="gateway")
+            try:
+                seg = self._admit_input(run, holder, RoundOf(m.job, m.round), PARTIAL, m.size)
+            except Overloaded as e:  # the sending node tries again later
+                self.metrics.refused(m.job, e.code)
+                raise
             self.uploads[seg.key] = Upload(m.job, "partial", holder, round=m.round, epoch=m.epoch, from_node=m.from_node)
             return Admitted(seg.key, round=m.round), [os.dup(seg.fd)]
 
@@ -516,6 +587,8 @@ class Agent:
     def _drop_upload(self, key: bytes, upload: Upload) -> None:
         del self.uploads[key]
         self.store.release(key, upload.holder)  # an update's in-flight count goes with its object
+        if upload.kind in (UPDATE, PARTIAL):  # its round will not aggregate it: what it reserved goes back
+            self.store.withdraw(RoundOf(upload.job, upload.round), upload.kind)
         if upload.kind == "model":
             self.jobs[upload.job].model_upload = False
 
@@ -552,7 +625,7 @@ class Agent:
             run = self.jobs[upload.job]
             self.store.seal(m.key)
             del self.uploads[m.key]
-        status, _ = self.state.accept(upload.job, upload.round, self.node)
+        status, _ = self.state.accept(upload.job, upload.round, self.node, m.client)
         if status < 0:
             with self.lock:
                 self.store.release(m.key, holder)
@@ -607,7 +680,9 @@ class Agent:
             with self.lock:
                 run.model_upload = False
                 self.store.release(m.key, ("pending", upload.job))
-            raise Internal(f"cannot checkpoint the model of {upload.job!r}: {e}") from None
+            self.metrics.checkpoint_failures.labels(upload.job).inc()
+            raise Unavailable(f"cannot checkpoint the model of {upload.job!r}: {e}", code="checkpoint_failed",
+                              retry_after=CHECKPOINT_RETRY[-1]) from None
         opened = self.state.next_round(upload.job, -1, 0, key=m.key.hex(), node=self.node, spec=spec)
         with self.lock:
             run.model_upload = False
@@ -704,16 +779,32 @@ class Agent:
 
     def alloc(self, iid: int, m: Alloc) -> tuple[Message, list[int]]:
         with self.lock:
-            self._task_of(iid, m.task)
-            seg = self.store.create(self.instances[iid].tenant, m.size, ("task", m.task), affinity=iid)
+            task = self._task_of(iid, m.task)  # its round reserved this when it admitted the inputs
+            seg = self.store.create(self.instances[iid].tenant, m.size, _scratch_holder(m.task), affinity=iid,
+                                    owner=RoundOf(task.job, task.round), scratch=True)
             return Allocated(seg.key), [os.dup(seg.fd)]
 
     def folded(self, iid: int, m: Folded) -> tuple[Message, list[int]]:
+        """Inputs (and the previous accumulator) are summed up in a new accumulator, ``m.state``:
+        it is what the task runs again from if its instance dies; what it sums up may go."""
         with self.lock:
             task = self._task_of(iid, m.task)
+            progress = self.progress[task.id]
+            previous = progress.state
+            samples, updates_in = (previous.samples, previous.count) if previous is not None else (0, 0)
+            self.store.move_ref(m.state, _scratch_holder(task.id), _state_holder(task.id))
+            self.store.seal(m.state)
             updates = sum(self._update_done(key) for key in m.keys)
             for key in m.keys:
-                self.store.release(key, ("task", m.task))
+                if (msg := progress.fold(key)) is not None:
+                    samples, updates_in = samples + msg.samples, updates_in + msg.count
+                    self.store.release(key, _input_holder(task.id))
+                elif previous is not None and key == previous.key:
+                    self.store.release(key, _state_holder(task.id))
+                else:
+                    raise BadRequest(f"task {task.id} folded {key.hex()}, which is none of its inputs")
+            progress.state = KeyMessage(dest=0, task=task.id, key=m.state, samples=samples, count=updates_in,
+                                        partial=True, sent_ns=now_ns())
         self.metrics.aggregated(task.job, updates, m.seconds)
         if updates:
             self.state.count(task.job, task.round, "aggregated", updates)
@@ -738,6 +829,7 @@ class Agent:
             if not self.store.get(output.key).sealed:
                 self.store.seal(output.key)
             self.store.hand_over(output.key, ("round", task.job, task.round))
+            self._result_exists(task.id)
             io = self._apply(self.trees.result(task.id, output), route)
         self._run_io(io)
         return task
@@ -764,10 +856,12 @@ class Agent:
 
     def failed(self, iid: int, m: Failed) -> tuple[Message, list[int]]:
         with self.lock:
-            inst, task = self._through(iid, m.task)
+            inst = self.instances.get(iid)
+            task = self.trees.tasks.get(m.task) if inst is not None and inst.task == m.task else None
+            if task is not None:
+                inst.task, inst.running, inst.last_used = None, None, time.monotonic()
         if task is not None:
-            print(f"lifl agent: task {task.id} ({task.role} of {task.job}) failed: {m.problem}", file=sys.stderr)
-            self._abandon(task.job, task.round, f"{task.role} failed: {m.problem}")
+            self._run_again(task, f"{task.role} failed on instance {iid}: {m.problem}")
         with self.lock:
             if inst is not None and inst.id in self.instances:
                 self._free(inst)
@@ -779,28 +873,66 @@ class Agent:
         inst = self.instances.get(iid)
         task = self.trees.tasks.get(task_id)
         if inst is not None and inst.task == task_id:
+            task = task or inst.running  # the top's round ends as it installs, before its Done
             self._finish(task_id)
-            inst.task = None
+            inst.task, inst.running = None, None
             inst.last_used = time.monotonic()
         return inst, task
 
     def _finish(self, task_id: int) -> None:
         self.placed.pop(task_id, None)
         self.pending.pop(task_id, None)
-        self.store.release_holder(("task", task_id))
+        self._release_task_objects(task_id)
         self.trees.finished(task_id)
+
+    def _release_task_objects(self, task_id: int) -> None:
+        self.store.release_holder(_scratch_holder(task_id))
+        self._result_exists(task_id)
+
+    def _result_exists(self, task_id: int) -> None:
+        """The task's result is sealed and kept by its round (or the task is called off): what it
+        would run again from is no longer needed."""
+        self.progress.pop(task_id, None)
+        self.store.release_holder(_input_holder(task_id))
+        self.store.release_holder(_state_holder(task_id))
 
     def _instance_gone(self, iid: int, why: str) -> None:
         with self.lock:
             inst = self.instances.pop(iid, None)
             task = self.trees.tasks.get(inst.task) if inst and inst.task is not None else None
-            if inst is not None and inst.task is not None:
+            if inst is not None and inst.task is not None and task is None:
                 self._finish(inst.task)
             self._refresh_instance_gauges()
         if task is not None and not self._stopping.is_set():
-            self._abandon(task.job, task.round, f"aggregator instance {iid} died ({why})")
+            self._run_again(task, f"aggregator instance {iid} died ({why})")
         with self.lock:
             self._dispatch()
+
+    def _run_again(self, task: tree.Task, why: str) -> None:
+        """A task's run ended without Done: if its result exists there is nothing to redo;
+        otherwise it runs again from its inputs (its scratch objects go), and after
+        ``MAX_TASK_ATTEMPTS`` runs the round is abandoned (the inputs may be what fails)."""
+        with self.lock:
+            self.placed.pop(task.id, None)
+            self.store.release_holder(_scratch_holder(task.id))
+            progress = self.progress.get(task.id)
+            if progress is None:  # it handed off its result before it went
+                self.pending.pop(task.id, None)
+                self.trees.finished(task.id)
+                return
+            if progress.attempts < MAX_TASK_ATTEMPTS:
+                print(f"lifl agent: task {task.id} ({task.role} of {task.job} round {task.round}) runs again "
+                      f"from {'its accumulator of ' + str(progress.folded) + ' inputs and ' if progress.state else ''}"
+                      f"{len(progress.unfolded)} inputs: {why}", file=sys.stderr)
+                self.metrics.reruns.labels(task.role).inc()
+                self.pending[task.id] = progress.inputs()
+                if task.id not in self.waiting:
+                    self.waiting.append(task.id)
+                self._dispatch()
+                return
+            self._finish(task.id)
+        print(f"lifl agent: task {task.id} failed {progress.attempts} times", file=sys.stderr)
+        self._abandon(task.job, task.round, f"{task.role} failed {progress.attempts} times, last: {why}")
 
     def _abandon(self, job: str, round_id: int, reason: str) -> None:
         """The node's tree for a round failed: the round starts over on the same version."""
@@ -819,9 +951,10 @@ class Agent:
         io: list[IO] = []
         for e in effects:
             if isinstance(e, tree.Deliver):
-                self.store.hand_over(e.input.key, ("task", e.task))
+                self.store.hand_over(e.input.key, _input_holder(e.task))
                 msg = KeyMessage(dest=0, task=e.task, key=e.input.key, samples=e.input.samples, count=e.input.updates,
                                  partial=e.input.partial, sent_ns=now_ns())
+                self.progress.setdefault(e.task, TaskProgress()).unfolded.append(msg)
                 inst = self.placed.get(e.task)
                 if inst is not None and route is not None and not route:
                     route.append((inst.id, e.task))
@@ -834,7 +967,8 @@ class Agent:
             elif isinstance(e, tree.Resize):
                 inst = self.placed.get(e.task)
                 if inst is not None:  # a task not started yet is invoked with its new fan-in
-                    self._send_key(inst, KeyMessage(dest=inst.id, task=e.task, kind=KIND_CLOSE, count=e.fan_in,
+                    count = self.progress[e.task].fan_in(e.fan_in)
+                    self._send_key(inst, KeyMessage(dest=inst.id, task=e.task, kind=KIND_CLOSE, count=count,
                                                     sent_ns=now_ns()))
             elif isinstance(e, tree.Forward):
                 io.append(self._outgoing(e))
@@ -846,6 +980,7 @@ class Agent:
                 self.store.discard(e.key)
             elif isinstance(e, tree.Release):
                 self.store.release_holder(("round", e.job, e.round))
+                self.store.release_round(RoundOf(e.job, e.round))  # what it reserved and did not use
                 for ref in [o.ref for o in self.outgoing.values() if (o.job, o.round) == (e.job, e.round)]:
                     del self.outgoing[ref]
             # tree.Start: a task runs once it has an input (Deliver queues it)
@@ -877,11 +1012,14 @@ class Agent:
         if task_id in self.waiting:
             self.waiting.remove(task_id)
         self.pending.pop(task_id, None)
-        self.store.release_holder(("task", task_id))
+        self._release_task_objects(task_id)
 
     def _install_io(self, e: tree.Install) -> IO:
         self._update_done(e.input.key)  # a lone client update is itself the model
         self.store.hand_over(e.input.key, ("pending", e.job, e.round))
+        return self._checkpoint_io(e)
+
+    def _checkpoint_io(self, e: tree.Install) -> IO:
         seg = self.store.get(e.input.key)
         fd, size = os.dup(seg.fd), seg.size
 
@@ -891,18 +1029,18 @@ class Agent:
         return write
 
     def _installed(self, e: tree.Install, seconds: float, error: Exception | None) -> None:
-        """The checkpoint of a round's model is durable (or failed): make it the next version."""
+        """The checkpoint of a round's model is durable: make it the next version. A version
+        clients can see always has a durable checkpoint, so a failed write is tried again."""
         job, key, version = e.job, e.input.key, e.version + 1
         if error is not None:
-            print(f"lifl agent: checkpoint of {job} version {version} failed: {error}", file=sys.stderr)
+            self._checkpoint_failed(e, error)
+            return
         j, shard = self.state.job(job), self.state.shard(job)
         now = self.state.now()
         aggregated = now - seconds  # the checkpoint is written between aggregation and installation
         summary = self._summary(j, shard, version, "complete" if e.input.updates >= j.spec.goal else "partial",
                                 updates=e.input.updates, samples=e.input.samples, checkpoint_s=round(seconds, 6),
                                 seconds=round(aggregated - shard.first_update, 6) if shard.first_update else None)
-        if error is not None:
-            summary["checkpoint_error"] = str(error)
         opened = self.state.next_round(job, e.round, version, key=key.hex(), node=self.node, summary=summary)
         with self.lock:
             run = self.jobs[job]
@@ -910,15 +1048,49 @@ class Agent:
                 self.store.release(key, ("pending", job, e.round))
                 return
             self.store.move_ref(key, ("pending", job, e.round), ("model", job))
+            self.store.pin(key)  # from the round's working memory to the node's models
             if run.model_key is not None:
                 self.store.release(run.model_key, ("model", job))
             run.model_key, run.model_version = key, version
             self._count_round(job, summary)
             self.metrics.checkpoint_seconds.observe(seconds)
             self.metrics.version.labels(job).set(version)
-        if error is None:
-            self.state.set_checkpoint(job, version)
+            self.failed_checkpoints.pop(job, None)
+        self.state.set_checkpoint(job, version)
         self.settle(job)
+
+    def _checkpoint_failed(self, e: tree.Install, error: Exception) -> None:
+        """Keep the model unseen and write it again after a back-off; say why everywhere."""
+        version = e.version + 1
+        with self.lock:
+            before = self.failed_checkpoints.get(e.job)
+            attempts = before.attempts + 1 if before is not None and before.install is e else 1
+            delay = CHECKPOINT_RETRY[min(attempts, len(CHECKPOINT_RETRY)) - 1]
+            self.failed_checkpoints[e.job] = FailedCheckpoint(e, attempts, time.monotonic() + delay)
+        self.metrics.checkpoint_failures.labels(e.job).inc()
+        print(f"lifl agent: checkpoint of {e.job} version {version} failed ({attempts} times), "
+              f"trying again in {delay:g} s: {error}", file=sys.stderr)
+        self.state.set_checkpoint_error(e.job, version, f"{type(error).__name__}: {error}")
+
+    def retry_checkpoints(self) -> None:
+        """Write again the checkpoints whose back-off is over (the round's model waits meanwhile);
+        a round that moved on without its model (abandoned past its deadline) lets it go."""
+        now = time.monotonic()
+        with self.lock:
+            due = [f for f in self.failed_checkpoints.values() if f.next_try <= now]
+        for failed in due:
+            e = failed.install
+            current = self.state.job(e.job).round == e.round
+            with self.lock:
+                if self.failed_checkpoints.get(e.job) is not failed:
+                    continue
+                if not current:
+                    del self.failed_checkpoints[e.job]
+                    self.store.release(e.input.key, ("pending", e.job, e.round))
+                    continue
+                failed.next_try = float("inf")  # in the writer's hands until it reports back
+                write = self._checkpoint_io(e)
+            write()
 
     def _summary(self, j: Job, shard: Shard, new_version: int | None, outcome: str, **extra: Any) -> dict[str, Any]:
         return {"round": j.round, "version": j.version, "new_version": new_version, "outcome": outcome,
@@ -969,15 +1141,17 @@ class Agent:
         return inst
 
     def _start(self, inst: Instance, task: tree.Task) -> None:
-        inst.task = task.id
+        inst.task, inst.running = task.id, task
         self.placed[task.id] = inst
+        progress = self.progress.setdefault(task.id, TaskProgress())
+        progress.start()
         run = self.jobs[task.job]
         spec = None
         if task.job not in inst.specs_sent:
             assert run.model_spec is not None
             spec = run.model_spec.to_json()
             inst.specs_sent.add(task.job)
-        self.actuator.invoke(inst.id, Invoke(task.id, task.job, task.version, task.role, task.fan_in,
+        self.actuator.invoke(inst.id, Invoke(task.id, task.job, task.version, task.role, progress.fan_in(task.fan_in),
                                              self.config.lazy, spec))
         for msg in self.pending.pop(task.id, []):
             self._send_key(inst, msg)
@@ -1134,6 +1308,7 @@ class Agent:
     def _duty_loop(self) -> None:
         """Run each periodic duty on its period; flush the outbox at once while it holds keys."""
         last = {name: 0.0 for name, _, _ in self._duties}
+        stalled: set[str] = set()  # duties waiting for Redis to come back
         while True:
             now = time.monotonic()
             wait = min(last[name] + every - now for name, every, _ in self._duties)
@@ -1152,14 +1327,21 @@ class Agent:
                 last[name] = now
                 try:
                     duty()
-                except Exception:  # Redis restarting, a peer gone: the next tick retries
+                except Unavailable as e:  # Redis restarting: said once per outage, the next tick retries
+                    if name not in stalled:
+                        print(f"lifl agent: {name} waits: {e.message}", file=sys.stderr)
+                    stalled.add(name)
+                    continue
+                except Exception:  # a peer gone, a bug: the next tick retries
                     traceback.print_exc()
+                stalled.discard(name)
 
     def flush_outbox(self) -> None:
         with self.lock:
             while self.outbox:
                 tenant, msg = self.outbox[0]
-                if not self._senders[tenant].try_send(msg):
+                # keys for an instance that died are dropped: its task runs again with all of them
+                if msg.dest in self.instances and not self._senders[tenant].try_send(msg):
                     return
                 self.outbox.popleft()
 
@@ -1217,8 +1399,7 @@ class Agent:
     # -- status and metrics -------------------------------------------------------------------------
     def _publish_gauges(self, job: str, run: JobRun) -> None:
         self.metrics.queue.labels(job).set(run.inflight)
-        self.metrics.shm.labels("used").set(self.store.used_bytes)
-        self.metrics.shm.labels("pooled").set(self.store.pooled_bytes)
+        self.metrics.publish_memory(self.store.ledger, self.store.pooled_bytes, [job])
 
     def _refresh_instance_gauges(self) -> None:
         counts = dict.fromkeys((*ROLES, "idle"), 0)
@@ -1233,8 +1414,10 @@ class Agent:
             jobs: dict[str, dict[str, Any]] = {}
             for name, run in self.jobs.items():
                 r = self.trees.round_of(name)
+                memory = self.store.ledger.usage(name)
                 jobs[name] = {**dict.fromkeys(ROLES, 0), "queued": run.inflight, "round": r.round if r else None,
-                              "tenant": run.tenant.name, "leaf_fan_in": run.spec.leaf_fan_in}
+                              "tenant": run.tenant.name, "leaf_fan_in": run.spec.leaf_fan_in,
+                              "shm": {"working": memory.working, "reserved": memory.reserved}}
             for inst in self.instances.values():  # instances at work, by the role of their current task
                 task = self.trees.tasks.get(inst.task) if inst.task is not None else None
                 if task is not None and task.job in jobs:
@@ -1250,6 +1433,7 @@ class Agent:
                 "counters": self.metrics.planner_counters(),
                 "shm": {
                     "used": self.store.used_bytes, "pooled": self.store.pooled_bytes, "capacity": self.store.capacity,
+                    "pinned": self.store.ledger.pinned, "reserved": self.store.ledger.reserved,
                     "objects": self.store.object_count(), "created": self.store.created, "recycled": self.store.recycled,
                 },
             }
@@ -1260,6 +1444,21 @@ class Agent:
                 self._publish_gauges(name, run)
             self._refresh_instance_gauges()
         return self.metrics.exposition()
+
+
+def _input_holder(task_id: int) -> tuple[str, int]:
+    """Holds a task's inputs until it reports them folded."""
+    return ("input", task_id)
+
+
+def _scratch_holder(task_id: int) -> tuple[str, int]:
+    """Holds what a run of a task allocates (its accumulator) until it reports it folded into."""
+    return ("task", task_id)
+
+
+def _state_holder(task_id: int) -> tuple[str, int]:
+    """Holds a task's latest complete accumulator (a re-run starts from it)."""
+    return ("state", task_id)
 
 
 def _count_by(names: Any) -> dict[str, int]:

@@ -304,7 +304,7 @@ def parse_rate(text: str) -> int:
 
 def _valid(kind: str, token: str) -> bool:
     if kind == "count":
-        return token.isdigit() and int(token) > 0
+        return token.isascii() and token.isdigit() and int(token) > 0
     if kind == "int":
         return re.fullmatch(r"-?\d+", token) is not None
     if kind == "time":

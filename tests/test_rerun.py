@@ -1,0 +1,112 @@
+"""A task whose instance dies or fails runs again from its inputs, which stay in shared memory
+until the task's result exists: every acknowledged update reaches the next version."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import wait_for
+from flaky_handler import FAULTS
+from lifl import format as fmt
+from lifl.jobs import JobSpec
+from lifl.node.agent import MAX_TASK_ATTEMPTS, Agent
+from lifl.protocol import GetStatus
+from lifl.state import ClusterState
+from test_agent import SHAPES, aggregator_pids, gateway, metric, push, put_model, random_model, read_model
+
+pytestmark = pytest.mark.slow
+
+
+def fedavg(updates: list[dict[str, np.ndarray]], samples: list[int]) -> dict[str, np.ndarray]:
+    return {k: sum(u[k].astype(np.float64) * c for u, c in zip(updates, samples)) / sum(samples) for k in SHAPES}
+
+
+def assert_model(model: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> None:
+    for k in SHAPES:
+        np.testing.assert_allclose(model[k], ref[k], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("fault", ["exit", "raise"])
+def test_every_task_broken_once_after_its_first_fold_still_yields_the_exact_fedavg(
+        started: Callable[..., Agent], state: ClusterState, monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    job = f"flaky-{uuid.uuid4().hex[:8]}"
+    markers = FAULTS / job
+    markers.mkdir(parents=True)
+    FAULTS.chmod(0o777)
+    markers.chmod(0o777)  # instances run as the tenant's uid
+    try:
+        run_broken_tasks(started(handler=f"flaky_handler:handle_{fault}"), state, job, markers)
+    finally:
+        shutil.rmtree(markers)
+
+
+def run_broken_tasks(agent: Agent, state: ClusterState, job: str, markers: Path) -> None:
+    state.create_job(JobSpec(job, goal=6, leaf_fan_in=2))
+    rng = np.random.default_rng(11)
+    client = gateway(agent)
+    put_model(client, job, fmt.encode(random_model(rng)))
+    updates = [random_model(rng) for _ in range(6)]
+    samples = [int(s) for s in rng.integers(1, 40, 6)]
+    for u, c in zip(updates, samples):
+        push(client, job, 0, fmt.encode(u), c)
+    wait_for(lambda: state.version(job) == 1, timeout=120, what="version 1 despite a broken run of every task")
+    _, model = read_model(client, job)
+    assert_model(model, fedavg(updates, samples))
+    summary = state.job(job).last_round
+    assert summary["outcome"] == "complete" and summary["updates"] == 6
+    broken = len(list(markers.iterdir()))
+    assert broken >= 4  # three leaves and the middle fold at least twice; the top may hold its lone input
+    assert metric(client, "lifl_task_reruns_total") == broken
+    wait_for(lambda: client.call(GetStatus())[0].body["shm"]["objects"] == 1, what="only the model is left")
+
+
+def test_a_leaf_killed_while_it_waits_for_input_runs_again_with_the_updates_it_had(
+        started: Callable[..., Agent], state: ClusterState) -> None:
+    agent = started()
+    state.create_job(JobSpec("j", goal=3, leaf_fan_in=3))
+    rng = np.random.default_rng(5)
+    client = gateway(agent)
+    put_model(client, "j", fmt.encode(random_model(rng)))
+    updates = [random_model(rng) for _ in range(3)]
+    push(client, "j", 0, fmt.encode(updates[0]), 2)
+    push(client, "j", 0, fmt.encode(updates[1]), 3)
+    wait_for(lambda: not agent.local_updates, what="the leaf folded both updates")
+    for pid in aggregator_pids():
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: metric(client, "lifl_task_reruns_total") >= 1, what="the leaf runs again")
+    push(client, "j", 0, fmt.encode(updates[2]), 5)
+    wait_for(lambda: state.version("j") == 1, what="version 1")
+    _, model = read_model(client, "j")
+    assert_model(model, fedavg(updates, [2, 3, 5]))
+    assert state.job("j").last_round["updates"] == 3
+
+
+def test_a_task_that_keeps_failing_abandons_its_round_after_the_last_attempt(
+        started: Callable[..., Agent], state: ClusterState) -> None:
+    agent = started()
+    state.create_job(JobSpec("j", goal=3, leaf_fan_in=3))
+    rng = np.random.default_rng(7)
+    client = gateway(agent)
+    put_model(client, "j", fmt.encode(random_model(rng)))
+    push(client, "j", 0, fmt.encode(random_model(rng)), 1)
+    for attempt in range(1, MAX_TASK_ATTEMPTS + 1):
+        busy = wait_for(aggregator_pids, what=f"run {attempt} of the leaf")
+        for pid in busy:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: pid not in aggregator_pids(), what="the killed instance reaped")
+        if attempt < MAX_TASK_ATTEMPTS:
+            wait_for(lambda: metric(client, "lifl_task_reruns_total") >= attempt, what=f"re-run {attempt}")
+    wait_for(lambda: state.job("j").round == 1, what="round abandoned")
+    job = state.job("j")
+    assert (job.reserved, job.accepted, job.version) == (0, 0, 0)
+    assert job.last_round["outcome"] == "abandoned" and f"failed {MAX_TASK_ATTEMPTS} times" in job.last_round["reason"]
+    wait_for(lambda: client.call(GetStatus())[0].body["shm"]["objects"] == 1, what="the update released")
