@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import shutil
@@ -202,3 +203,34 @@ def started(run_dir: Path, redis_url: str, shm_node: str) -> Iterator[Callable[.
     yield start
     for a in agents:
         a.stop()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
+    """Mount a tmpfs of so many bytes (a file system that fills up; needs root); unmounted after."""
+    mounts: list[Path] = []
+
+    def mount(size: int) -> Path:
+        path = tmp_path / f"disk{len(mounts)}"
+        path.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+        mounts.append(path)
+        return path
+
+    yield mount
+    for path in mounts:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def fill(disk: Path) -> Path:
+    """Take every free block of a file system; returns the file holding them."""
+    filler = disk / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+    return filler

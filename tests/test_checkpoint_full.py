@@ -4,16 +4,14 @@ space returns (and from that checkpoint after a restart)."""
 
 from __future__ import annotations
 
-import errno
 import os
-import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import wait_for
+from conftest import fill, wait_for
 from lifl import format as fmt
 from lifl.errors import Unavailable
 from lifl.jobs import JobSpec
@@ -28,25 +26,8 @@ DISK = 2 << 20  # the checkpoint file system: room for a few models of SHAPES (a
 
 
 @pytest.fixture
-def disk(tmp_path: Path) -> Iterator[Path]:
-    mount = tmp_path / "data"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK}", "tmpfs", str(mount)], check=True)
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=True)
-
-
-def fill(disk: Path) -> Path:
-    """Take every free block of the file system."""
-    filler = disk / "filler"
-    with open(filler, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError as e:
-            assert e.errno == errno.ENOSPC
-    return filler
+def disk(small_disk: Callable[[int], Path]) -> Path:
+    return small_disk(DISK)
 
 
 def test_a_version_appears_only_once_durable_and_the_job_resumes_when_space_returns(

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fuzzing import mutated
 from lifl import format as fmt
 from lifl.errors import LiflError
 from lifl.gateway.ingest import BlobSink, LayoutCache
@@ -36,25 +37,6 @@ def refused(e: Exception) -> bool:
 
 
 @st.composite
-def mutated(draw: st.DrawFn, base: bytes) -> bytes:
-    """``base`` with a few insertions, deletions and replacements, of interesting or random bytes."""
-    data = bytearray(base)
-    for _ in range(draw(st.integers(1, 6))):
-        at = draw(st.integers(0, len(data)))
-        op = draw(st.sampled_from(("insert", "delete", "replace", "byte")))
-        piece = draw(st.sampled_from(INTERESTING) | st.binary(min_size=1, max_size=4))
-        if op == "insert":
-            data[at:at] = piece
-        elif op == "delete":
-            del data[at : at + draw(st.integers(1, 16))]
-        elif op == "replace":
-            data[at : at + len(piece)] = piece
-        elif data:
-            data[min(at, len(data) - 1)] = draw(st.integers(0, 255))
-    return bytes(data)
-
-
-@st.composite
 def tensors(draw: st.DrawFn) -> dict[str, np.ndarray]:
     names = draw(st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=4, unique=True))
     out = {}
@@ -69,8 +51,8 @@ def tensors(draw: st.DrawFn) -> dict[str, np.ndarray]:
 BLOBS = st.one_of(
     st.binary(max_size=256),
     tensors().map(lambda t: bytes(fmt.encode(t))),
-    tensors().map(lambda t: bytes(fmt.encode(t))).flatmap(mutated),
-    st.just(bytes(fmt.encode({"a": np.zeros((2, 3), np.float32), "b": np.zeros(4, np.int64)}))).flatmap(mutated),
+    tensors().map(lambda t: bytes(fmt.encode(t))).flatmap(lambda b: mutated(b, INTERESTING)),
+    st.just(bytes(fmt.encode({"a": np.zeros((2, 3), np.float32), "b": np.zeros(4, np.int64)}))).flatmap(lambda b: mutated(b, INTERESTING)),
 )
 
 

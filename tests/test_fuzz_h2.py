@@ -20,6 +20,7 @@ from lifl.errors import LiflError
 from lifl.gateway import lifl_pb2 as pb
 from lifl.net import h2
 from lifl.net.grpc import MessageReader, chunk_messages
+from test_grpc_limits import MemorySink
 
 pytestmark = pytest.mark.fuzz
 
@@ -170,22 +171,6 @@ def test_header_validation(fields: list[tuple[bytes, bytes]], kind: h2.HeaderKin
 
 
 # -- the gRPC message reader ---------------------------------------------------------------------------------
-class MemorySink:
-    def __init__(self, size: int) -> None:
-        self.data = bytearray(size)
-        self.received = 0
-
-    @property
-    def done(self) -> bool:
-        return self.received == len(self.data)
-
-    def buffer(self) -> memoryview:
-        return memoryview(self.data)[self.received :]
-
-    def advance(self, n: int) -> None:
-        self.received += n
-
-
 class BytesSource:
     """A DATA payload from memory; ``most`` caps each read, as a socket may return less."""
 

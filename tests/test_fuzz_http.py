@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import RunningNode, wait_for
+from fuzzing import mutated
 from lifl import format as fmt
 from lifl.errors import LiflError
 from lifl.gateway.http import (
@@ -55,24 +56,6 @@ INTERESTING = [b"\r", b"\n", b"\r\n", b"\r\n\r\n", b"\x00", b"\x0b", b"\x0c", b"
                b"Content-Length: ", b"Transfer-Encoding: ", b"Connection: close\r\n", b"HTTP/1.1", b"/", b"?"]
 
 
-@st.composite
-def mutated(draw: st.DrawFn, base: bytes) -> bytes:
-    data = bytearray(base)
-    for _ in range(draw(st.integers(1, 6))):
-        at = draw(st.integers(0, len(data)))
-        op = draw(st.sampled_from(("insert", "delete", "replace", "byte")))
-        piece = draw(st.sampled_from(INTERESTING) | st.binary(min_size=1, max_size=4))
-        if op == "insert":
-            data[at:at] = piece
-        elif op == "delete":
-            del data[at : at + draw(st.integers(1, 8))]
-        elif op == "replace":
-            data[at : at + len(piece)] = piece
-        elif data:
-            data[min(at, len(data) - 1)] = draw(st.integers(0, 255))
-    return bytes(data)
-
-
 VALID_HEADS = [
     b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
     b"POST /v1/jobs/j/updates HTTP/1.1\r\nHost: x\r\nX-Lifl-Client: c\r\nX-Lifl-Samples: 5\r\n"
@@ -82,7 +65,7 @@ VALID_HEADS = [
 ]
 HEADS = st.one_of(
     st.binary(max_size=300).map(lambda b: b + b"\r\n\r\n"),
-    st.sampled_from(VALID_HEADS).flatmap(mutated),
+    st.sampled_from(VALID_HEADS).flatmap(lambda b: mutated(b, INTERESTING)),
 )
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
 
@@ -167,7 +150,7 @@ def test_chunked_body_decodes_to_what_was_encoded(body: tuple[bytes, bytes]) -> 
     assert read_body(encoded, None, True) == data
 
 
-@given(encoded=chunked_bodies().flatmap(lambda b: mutated(b[1])) | st.binary(max_size=512))
+@given(encoded=chunked_bodies().flatmap(lambda b: mutated(b[1], INTERESTING)) | st.binary(max_size=512))
 def test_chunked_body_reader_decodes_or_refuses(encoded: bytes) -> None:
     try:
         read_body(encoded, None, True)
@@ -224,7 +207,7 @@ def update_requests(draw: st.DrawFn) -> bytes:
     parts = [line, framing, body]
     which = draw(st.sets(st.integers(0, 2), min_size=1))
     for i in which:
-        parts[i] = draw(mutated(parts[i]))
+        parts[i] = draw(mutated(parts[i], INTERESTING))
     lifl_headers = b"X-Lifl-Client: fuzz%d\r\nX-Lifl-Samples: 1\r\nX-Lifl-Base-Version: 0\r\n" % next(CLIENTS)
     return parts[0] + lifl_headers + parts[1] + b"\r\n" + parts[2]
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import wait_for
+from conftest import fill, wait_for
 from lifl import errors
 from lifl import format as fmt
 from lifl.client import ConnectionLost, Gateway
@@ -231,12 +231,8 @@ class Chaos:
 
 
 @pytest.fixture
-def disk(tmp_path: Path) -> Iterator[Path]:
-    mount = tmp_path / "checkpoints"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK}", "tmpfs", str(mount)], check=True)
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=True)
+def disk(small_disk: Callable[[int], Path]) -> Path:
+    return small_disk(DISK)
 
 
 @pytest.fixture
@@ -274,11 +270,7 @@ def fill_disk(node: Node, job: str) -> Callable[[], None]:
     """Take every free block of the checkpoint file system, and give it back once the round's
     model has failed to be checkpointed (the job's status says why it waits)."""
     def fault() -> None:
-        filler = node.disk / "filler"
-        with open(filler, "wb") as f, contextlib.suppress(OSError):
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
+        filler = fill(node.disk)
 
         def release() -> None:
             wait_for(lambda: checkpoint_error(node, job), timeout=180, what="a failed checkpoint in the job's status")
