@@ -183,7 +183,7 @@ class MemoryLedger:
         r.count(kind, -1)
         need = nbytes + after - before
         # what must coexist for the round to take it: its extra, this input, and the inputs
-        # already waiting in the same leaf (kept until the leaf's result exists)
+        # already waiting in the same leaf (held until the leaf folds them)
         siblings = r.updates % sizes.leaf_fan_in * nbytes if kind == UPDATE else 0
         floor, for_jobs = after + nbytes + siblings, self.capacity - self.pinned
         if floor > for_jobs:
