@@ -791,6 +791,9 @@ class Agent:
             task = self._task_of(iid, m.task)
             progress = self.progress[task.id]
             previous = progress.state
+            known = {msg.key for msg in progress.inputs()}
+            if stray := [key.hex() for key in m.keys if key not in known]:  # checked before anything changes
+                raise BadRequest(f"task {task.id} folded {', '.join(stray)}, none of its inputs")
             samples, updates_in = (previous.samples, previous.count) if previous is not None else (0, 0)
             self.store.move_ref(m.state, _scratch_holder(task.id), _state_holder(task.id))
             self.store.seal(m.state)
@@ -799,10 +802,8 @@ class Agent:
                 if (msg := progress.fold(key)) is not None:
                     samples, updates_in = samples + msg.samples, updates_in + msg.count
                     self.store.release(key, _input_holder(task.id))
-                elif previous is not None and key == previous.key:
+                else:  # the previous accumulator
                     self.store.release(key, _state_holder(task.id))
-                else:
-                    raise BadRequest(f"task {task.id} folded {key.hex()}, which is none of its inputs")
             progress.state = KeyMessage(dest=0, task=task.id, key=m.state, samples=samples, count=updates_in,
                                         partial=True, sent_ns=now_ns())
         self.metrics.aggregated(task.job, updates, m.seconds)
