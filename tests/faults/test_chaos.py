@@ -302,9 +302,11 @@ def test_every_version_is_the_exact_fedavg_of_what_was_acknowledged_through_ever
     chaos.round("small", SHAPES, GOAL, None, "no fault")
     for role in ("instance", "gateway", "redis"):
         chaos.round("small", SHAPES, GOAL, kill(node, role), f"kill -9 {role}")
+    # all of the round's uploads at once, more than its memory holds unless the first are folded
+    # quickly; whether any is refused depends on scheduling (tests/test_admission_e2e.py fills
+    # memory deterministically), so the refusals are reported, not required
     chaos.round("big", BIG, BIG_GOAL, None, "shared memory exhausted")
     refusals = admission_refusals(node, "big")
-    assert refusals > 0  # memory did run out: uploads were told to retry later (the SDK did)
     chaos.ledger.faults.append(f"shared memory exhausted ({refusals:g} uploads refused with 503 and retried)")
     chaos.round("small", SHAPES, GOAL, fill_disk(node, "small"), "checkpoint disk full")
     chaos.round("small", SHAPES, GOAL, lambda: (kill(node, "agent")(), node.restart()), "kill -9 agent",
