@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 import re
 import resource
 import signal
@@ -14,7 +16,9 @@ from lifl.control.planner import BESTFIT, POLICIES
 from lifl.gateway.grpc_server import GrpcServer
 from lifl.gateway.http import HttpServer
 from lifl.gateway.service import GatewayService
-from lifl.gateway.flags import add_limit_arguments, limits_from
+from lifl.gateway.flags import add_limit_arguments, add_tls_arguments, limits_from, server_contexts, tls_from
+from lifl.node.privilege import Identity, drop_to, parse_user
+from lifl.net.tls import configure_peers
 from lifl.procs import die_with_parent
 from lifl.state import ClusterState
 
@@ -35,6 +39,29 @@ def raise_descriptor_limit() -> None:
         pass
 
 
+# Modules imported on first use, which may come after the drop, when the interpreter's own files
+# may be out of the service user's reach (a Python under /root): imported before it.
+IMPORTED_BEFORE_DROPPING = ("encodings.idna",)  # socket: host names go through the idna codec
+
+
+def user_argument(text: str) -> Identity:
+    try:
+        return parse_user(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def become(user: Identity, parent: int) -> None:
+    """Drop to ``user`` for good, once the sockets are bound and the keys read (as nginx and
+    redis do); the kernel forgets the parent-death signal on the change: set it again."""
+    for name in IMPORTED_BEFORE_DROPPING:
+        importlib.import_module(name)
+    drop_to(user)
+    die_with_parent()
+    if os.getppid() != parent:  # the parent died before the signal was set again
+        raise SystemExit(0)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="lifl-gateway", description=__doc__)
     p.add_argument("--node", required=True)
@@ -44,14 +71,28 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--grpc", type=split_address, required=True, metavar="HOST:PORT")
     p.add_argument("--placement", choices=POLICIES, default=BESTFIT)
     p.add_argument("--capacity", type=float, default=DEFAULT_CAPACITY)
+    p.add_argument("--open-metrics", action="store_true", help="serve GET /metrics without a token (it names every tenant's jobs)")
+    p.add_argument("--user", type=user_argument, metavar="UID:GID",
+                   help="run as this user (no other groups) once the listening sockets are bound")
     add_limit_arguments(p)
+    add_tls_arguments(p)
     args = p.parse_args(argv)
     limits = limits_from(args)
+    tls = tls_from(args)
     die_with_parent()
+    parent = os.getppid()
     raise_descriptor_limit()
-    service = GatewayService(args.node, ClusterState(args.redis), args.agent_socket, args.placement, args.capacity)
+    contexts = server_contexts(tls) if tls is not None else None  # key files are read here, before privileges go
+    configure_peers(tls.peer_context() if tls is not None else None)  # this node serves TLS: so do its peers
+    service = GatewayService(args.node, ClusterState(args.redis), args.agent_socket, args.placement, args.capacity,
+                             open_metrics=args.open_metrics)
     http = HttpServer(service, *args.http, limits)
     grpc = GrpcServer(service, *args.grpc, limits)
+    if contexts is not None:
+        http.use_tls(contexts[0])
+        grpc.use_tls(contexts[1])
+    if args.user is not None:
+        become(args.user, parent)
     http.start()
     grpc.start()
     addresses = {"http": "{}:{}".format(*http.address), "grpc": "{}:{}".format(*grpc.address)}

@@ -20,9 +20,11 @@ wrong in one call (a lifl error, or any other exception) fails that call alone, 
 status. A peer that stalls (a read times out) or goes away ends the connection, and every
 upload it had open is aborted so that its round slot is released.
 
-Scope: gRPC over cleartext HTTP/2 with prior knowledge (what gRPC clients do for
-``insecure_channel``), identity encoding only, the RPCs of lifl.v1.Gateway; any other HTTP/2
-request is answered 415 (or 405) with a short text.
+Scope: gRPC over HTTP/2 with prior knowledge, in cleartext (what gRPC clients do for
+``insecure_channel``) or over TLS with ALPN ``h2`` (``--tls-cert``), identity encoding only, the
+RPCs of lifl.v1.Gateway; any other HTTP/2 request is answered 415 (or 405) with a short text.
+Every call is authenticated when it starts (its ``authorization`` metadata or the connection's
+client certificate) and authorized by the service.
 """
 
 from __future__ import annotations
@@ -37,16 +39,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from lifl.auth import Principal
 from lifl.errors import BadRequest, Internal, LiflError, Overloaded
 from lifl.gateway import lifl_pb2 as pb
-from lifl.gateway.service import GatewayService, Ingest, ModelView, UpdateMeta
+from lifl.gateway.service import GatewayService, Ingest, ModelView
 from lifl.gateway.stream import ConnectionLimits, Stream, ThreadedServer
 from lifl.net import h2
 from lifl.net.grpc import CONTENT_TYPE, BlobTarget, MessageReader, chunk_messages, message_prefix, status_trailers
 from lifl.net.io import MAX_FRAMES_PER_WRITE, sendmsg_all, take_views
 
 SERVICE = "/lifl.v1.Gateway/"
-UNARY = ("CreateJob", "GetJob", "GetModel", "TakeLease", "Heartbeat", "ReleaseLease", "GetRounds", "GetAssignment")
+UNARY = ("CreateJob", "ListJobs", "GetJob", "GetModel", "TakeLease", "Heartbeat", "ReleaseLease", "GetRounds", "GetAssignment",
+         "CreateToken", "ListTokens", "RevokeToken")
 BLOB_UPLOADS = ("SetModel", "PushUpdate")
 MODEL_CHUNK = 1 << 20  # data bytes per ModelChunk message of a download
 DISCARD_CHUNK = 1 << 16  # dropped payload bytes (refused streams, padding) are read this many at a time
@@ -132,6 +136,7 @@ class Call:
     def __init__(self, stream_id: int, method: str) -> None:
         self.stream_id = stream_id
         self.method = method
+        self.caller: Principal | None = None  # authenticated when the call starts
         self.reader: MessageReader | None = None  # None: not a gRPC call; its request body is dropped
         self.plain_status = ""  # the HTTP status of a request that is not a gRPC call...
         self.plain_body = b""  # ...and the text that says so
@@ -306,14 +311,15 @@ class GrpcConnection:
     def _start_call(self, call: Call, headers: dict[str, str]) -> None:
         if headers.get("grpc-encoding", "identity") != "identity":
             raise LiflError("only identity encoding is supported", code="unsupported_encoding", grpc_status="UNIMPLEMENTED")
+        if call.method not in BLOB_UPLOADS and call.method not in UNARY:
+            raise LiflError(f"unknown method {headers.get(':path')}", code="unimplemented", grpc_status="UNIMPLEMENTED")
+        call.caller = self.service.authenticate(headers.get("authorization"), self.stream.peer_certificate)
         limits = self.limits
         if call.method in BLOB_UPLOADS:
             call.reader = MessageReader(lambda meta: self._open_blob(call, meta), max_unary=limits.max_unary_message,
                                         max_meta=limits.max_meta_message)
-        elif call.method in UNARY:
-            call.reader = MessageReader(None, max_unary=limits.max_unary_message, max_meta=limits.max_meta_message)
         else:
-            raise LiflError(f"unknown method {headers.get(':path')}", code="unimplemented", grpc_status="UNIMPLEMENTED")
+            call.reader = MessageReader(None, max_unary=limits.max_unary_message, max_meta=limits.max_meta_message)
 
     def _end_of_request(self, call: Call) -> None:
         if call.plain_status:
@@ -334,14 +340,15 @@ class GrpcConnection:
             self._fail(call, Internal(f"{type(e).__name__}: {e}"))
 
     def _open_blob(self, call: Call, meta_bytes: bytes) -> BlobTarget:
+        assert call.caller is not None
         try:
             if call.method == "PushUpdate":
                 m = pb.UpdateMeta.FromString(meta_bytes)
-                meta = UpdateMeta.parse(m.job, m.client, m.samples, m.base_version, m.lease)
-                call.ingest = self.service.begin_update(meta, "grpc", m.size or None)
+                fields = {"client": m.client, "samples": m.samples, "base_version": m.base_version, "lease": m.lease}
+                call.ingest = self.service.begin_update(call.caller, m.job, fields, "grpc", m.size or None)
             else:
                 mm = pb.ModelMeta.FromString(meta_bytes)
-                call.ingest = self.service.begin_model(mm.job, "grpc", mm.size or None)
+                call.ingest = self.service.begin_model(call.caller, mm.job, "grpc", mm.size or None)
         except LiflError:
             raise
         except Exception as e:  # protobuf decode errors
@@ -361,18 +368,19 @@ class GrpcConnection:
             result = call.ingest.finish()
             call.ingest = None  # handed over: nothing to abort any more
             if call.method == "PushUpdate":
-                self._reply(call, pb.PushUpdateReply(key=result["key"], version=result["version"]).SerializeToString())
+                self._reply(call, pb.PushUpdateReply(version=result["version"]).SerializeToString())
             else:
                 self._reply(call, pb.SetModelReply(version=result["version"]).SerializeToString())
             return
         if reader.messages != 1:
             raise BadRequest("a unary request must be exactly one message")
         request = bytes(reader.unary)
+        assert call.caller is not None
         try:
             if call.method == "GetModel":
                 self._start_download(call, pb.GetModelRequest.FromString(request).job)
             else:
-                self._reply(call, self._unary(call.method, request).SerializeToString())
+                self._reply(call, self._unary(call.caller, call.method, request).SerializeToString())
         except LiflError:
             raise
         except Exception as e:
@@ -380,33 +388,47 @@ class GrpcConnection:
                 raise BadRequest(f"bad request message: {e}") from None
             raise
 
-    def _unary(self, method: str, request: bytes) -> Any:
+    def _unary(self, caller: Principal, method: str, request: bytes) -> Any:
         service = self.service
         if method == "CreateJob":
             req = pb.CreateJobRequest.FromString(request)
             body: dict[str, Any] = {"job": req.job, "goal": req.goal}
             for name in ("tenant", "leaf_fan_in", "max_update_bytes", "max_inflight", "round_deadline_s", "min_updates",
-                         "lease_ttl_s", "over_selection"):
+                         "lease_ttl_s", "over_selection", "max_samples"):
                 if getattr(req, name):  # proto3: 0 or "" means "use the default"
                     body[name] = getattr(req, name)
-            return _job_status(service.create_job(body))
+            return _job_status(service.create_job(caller, body))
+        if method == "ListJobs":
+            return pb.JobList(jobs=service.job_names(caller))
         if method == "GetJob":
-            return _job_status(service.job_status(pb.GetJobRequest.FromString(request).job))
+            return _job_status(service.job_status(caller, pb.GetJobRequest.FromString(request).job))
         if method == "TakeLease":
             req = pb.TakeLeaseRequest.FromString(request)
-            return pb.Lease(**service.take_lease(req.job, req.client))
+            return pb.Lease(**service.take_lease(caller, req.job, req.client))
         if method == "Heartbeat":
             req = pb.LeaseRequest.FromString(request)
-            return pb.Lease(**service.heartbeat(req.job, req.lease))
+            return pb.Lease(**service.heartbeat(caller, req.job, req.lease))
         if method == "ReleaseLease":
             req = pb.LeaseRequest.FromString(request)
-            service.release_lease(req.job, req.lease)
+            service.release_lease(caller, req.job, req.lease)
             return pb.Lease(lease=req.lease)
         if method == "GetAssignment":
             req = pb.AssignmentRequest.FromString(request)
-            return pb.Assignment(**service.assignment(req.job, req.client))
+            return pb.Assignment(**service.assignment(caller, req.job, req.client))
+        if method == "CreateToken":
+            req = pb.CreateTokenRequest.FromString(request)
+            body = {"role": req.role, "tenant": req.tenant}
+            for name in ("job", "client", "ttl_s"):
+                if getattr(req, name):
+                    body[name] = getattr(req, name)
+            return pb.Token(**service.create_token(caller, body))
+        if method == "ListTokens":
+            return pb.TokenList(tokens=[pb.Token(**t) for t in service.list_tokens(caller)])
+        if method == "RevokeToken":
+            service.revoke_token(caller, pb.RevokeTokenRequest.FromString(request).id)
+            return pb.RevokeTokenReply()
         req = pb.GetRoundsRequest.FromString(request)
-        return pb.Rounds(rounds=[_last_round(r) for r in service.rounds(req.job, req.limit or 100)])
+        return pb.Rounds(rounds=[_last_round(r) for r in service.rounds(caller, req.job, req.limit or 100)])
 
     # -- downloads ---------------------------------------------------------------------------------------
     def _start_download(self, call: Call, job: str) -> None:
@@ -416,7 +438,8 @@ class GrpcConnection:
                                  retry_after=DOWNLOAD_PUSHBACK)
             self._downloads += 1
         try:
-            view = self.service.open_model(job)
+            assert call.caller is not None
+            view = self.service.open_model(call.caller, job)
             call.own_sender = True
             threading.Thread(target=self._download, args=(call, job, view), name="grpc-download", daemon=True).start()
         except BaseException:
@@ -624,6 +647,10 @@ def _last_round(r: dict[str, Any]) -> pb.LastRound:
 
 def _job_status(status: dict[str, Any]) -> pb.JobStatus:
     rnd = status["round"]
+    if "goal" not in status:  # a client's view: its version and round only
+        return pb.JobStatus(job=status["job"], tenant=status["tenant"], version=_optional(status["version"]),
+                            round=pb.RoundStatus(id=_optional(rnd["id"]), version=_optional(rnd["version"]),
+                                                 closed=rnd["closed"]))
     out = pb.JobStatus(
         job=status["job"], tenant=status["tenant"], goal=status["goal"], leaf_fan_in=status["leaf_fan_in"],
         version=_optional(status["version"]), queued=status["queued"],

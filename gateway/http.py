@@ -24,8 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lifl.errors import BadRequest, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge
-from lifl.gateway.service import GatewayService, Ingest, ModelView, PartialMeta, UpdateMeta
+from lifl.auth import Principal
+from lifl.errors import BadRequest, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge, Unauthenticated
+from lifl.gateway.service import GatewayService, Ingest, ModelView, PartialMeta
 from lifl.gateway.stream import ConnectionLimits, Stream, ThreadedServer, sendfile_all
 
 MAX_HEAD = 64 << 10  # bytes of a request head: request line, fields, CRLFs and the empty line
@@ -38,7 +39,8 @@ LINGER_SECONDS = 2.0
 HEALTH_CHECK = ("GET", "/healthz")  # the one request answered on a reserved connection
 
 REASONS = {
-    100: "Continue", 200: "OK", 201: "Created", 202: "Accepted", 204: "No Content", 400: "Bad Request", 404: "Not Found",
+    100: "Continue", 200: "OK", 201: "Created", 202: "Accepted", 204: "No Content", 400: "Bad Request",
+    401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
     405: "Method Not Allowed", 408: "Request Timeout", 409: "Conflict", 413: "Payload Too Large",
     422: "Unprocessable Entity", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
     503: "Service Unavailable",
@@ -286,6 +288,8 @@ def error_response(e: LiflError) -> Response:
     headers = {}
     if e.retry_after is not None:
         headers["Retry-After"] = str(max(1, round(e.retry_after)))
+    if isinstance(e, Unauthenticated):
+        headers["WWW-Authenticate"] = 'Bearer realm="lifl"'  # RFC 6750
     response = json_response(e.status, e.body(), headers)
     response.close = isinstance(e, RequestTimeout)  # the client stalled mid-request: nothing more to read
     return response
@@ -322,7 +326,12 @@ class HttpServer(ThreadedServer):
         limits = limits or ConnectionLimits()
         super().__init__(host, port, limits, reserve=limits.reserved)
         self.service = service
+        # Every route but the health check needs a caller (metrics too, unless they are open);
+        # the service authorizes each operation.
         self._routes: list[tuple[str, re.Pattern[str], Callable[..., Response]]] = [
+            ("POST", re.compile(r"/v1/tokens"), self.create_token),
+            ("GET", re.compile(r"/v1/tokens"), self.list_tokens),
+            ("DELETE", re.compile(r"/v1/tokens/([^/]+)"), self.revoke_token),
             ("POST", re.compile(r"/v1/jobs"), self.create_job),
             ("GET", re.compile(r"/v1/jobs"), self.list_jobs),
             ("GET", re.compile(r"/v1/jobs/([^/]+)"), self.get_job),
@@ -337,7 +346,7 @@ class HttpServer(ThreadedServer):
             ("PUT", re.compile(r"/v1/jobs/([^/]+)/leases/([^/]+)"), self.heartbeat),
             ("DELETE", re.compile(r"/v1/jobs/([^/]+)/leases/([^/]+)"), self.release_lease),
             ("GET", re.compile(r"/metrics"), self.metrics),
-            ("GET", re.compile(r"/healthz"), lambda req: json_response(200, {"ok": True})),
+            ("GET", re.compile(r"/healthz"), lambda req, principal: json_response(200, {"ok": True})),
         ]
 
     def refuse(self, sock: socket.socket) -> None:
@@ -405,7 +414,7 @@ class HttpServer(ThreadedServer):
             if match:
                 if method == request.method:
                     try:
-                        return handler(request, *match.groups()) if match.groups() else handler(request)
+                        return handler(request, self._caller(request), *match.groups())
                     except LiflError as e:
                         return error_response(e)
                     except Exception as e:
@@ -416,6 +425,12 @@ class HttpServer(ThreadedServer):
             r.headers["Allow"] = ", ".join(allowed)
             return r
         return error_response(NotFound(f"no such endpoint {request.method} {request.path}"))
+
+    def _caller(self, request: Request) -> Principal | None:
+        """Who sent ``request``; None for what anyone may ask (health, and open metrics)."""
+        if request.path == HEALTH_CHECK[1] or (request.path == "/metrics" and self.service.open_metrics):
+            return None
+        return self.service.authenticate(request.headers.get("authorization"), request.stream.peer_certificate)
 
     def _send(self, stream: Stream, r: Response, *, close: bool) -> None:
         head = response_head(r, close=close)
@@ -448,10 +463,20 @@ class HttpServer(ThreadedServer):
         except (ValueError, RecursionError):  # not UTF-8, a number of thousands of digits, nesting too deep
             raise BadRequest(f"{what} is not acceptable JSON (encoding, number length or nesting)", code="bad_json") from None
 
-    def create_job(self, req: Request) -> Response:
-        return json_response(201, self.service.create_job(self._json_body(req, "job")))
+    def create_token(self, req: Request, caller: Principal) -> Response:
+        return json_response(201, self.service.create_token(caller, self._json_body(req, "token request")))
 
-    def get_rounds(self, req: Request, job: str) -> Response:
+    def list_tokens(self, req: Request, caller: Principal) -> Response:
+        return json_response(200, {"tokens": self.service.list_tokens(caller)})
+
+    def revoke_token(self, req: Request, caller: Principal, token_id: str) -> Response:
+        self.service.revoke_token(caller, token_id)
+        return Response(204)
+
+    def create_job(self, req: Request, caller: Principal) -> Response:
+        return json_response(201, self.service.create_job(caller, self._json_body(req, "job")))
+
+    def get_rounds(self, req: Request, caller: Principal, job: str) -> Response:
         limit = 100
         if req.query:
             params = urllib.parse.parse_qs(req.query)
@@ -459,57 +484,57 @@ class HttpServer(ThreadedServer):
             if not _QUERY_LIMIT.fullmatch(text) or not 1 <= int(text) <= 10000:
                 raise BadRequest("limit must be an integer in [1, 10000]", code="bad_query")
             limit = int(text)
-        return json_response(200, {"rounds": self.service.rounds(job, limit)})
+        return json_response(200, {"rounds": self.service.rounds(caller, job, limit)})
 
-    def get_assignment(self, req: Request, job: str) -> Response:
+    def get_assignment(self, req: Request, caller: Principal, job: str) -> Response:
         params = urllib.parse.parse_qs(req.query, keep_blank_values=True)
         clients = params.get("client", [])
-        if len(clients) != 1:
-            raise BadRequest("give exactly one client: ?client=ID", code="bad_query")
-        return json_response(200, self.service.assignment(job, clients[0]))
+        if len(clients) > 1:
+            raise BadRequest("give at most one client: ?client=ID", code="bad_query")
+        return json_response(200, self.service.assignment(caller, job, clients[0] if clients else None))
 
-    def post_partial(self, req: Request, job: str, round_id: str) -> Response:
+    def post_partial(self, req: Request, caller: Principal, job: str, round_id: str) -> Response:
         """Another node's result of a round, for the top on this node (gateway to gateway)."""
         h = req.headers
         meta = PartialMeta.parse(round_id, h.get("x-lifl-epoch"), h.get("x-lifl-from-node"), h.get("x-lifl-samples"),
                                  h.get("x-lifl-updates"), h.get("x-lifl-partial"))
         _require_framing(req)
-        ingest = self.service.begin_partial(job, meta, req.body.length)
+        ingest = self.service.begin_partial(caller, job, meta, req.body.length)
         return json_response(202, self._receive(req, ingest))
 
-    def get_local_model(self, req: Request, job: str) -> Response:
+    def get_local_model(self, req: Request, caller: Principal, job: str) -> Response:
         """The model if this node holds it, never fetched from elsewhere (what peers ask for)."""
-        return self._model_response(self.service.open_local_model(job))
+        return self._model_response(self.service.open_peer_model(caller, job))
 
-    def take_lease(self, req: Request, job: str) -> Response:
+    def take_lease(self, req: Request, caller: Principal, job: str) -> Response:
         body = self._json_body(req, "lease request")
         client = body.get("client") if isinstance(body, dict) else None
-        return json_response(201, self.service.take_lease(job, client))
+        return json_response(201, self.service.take_lease(caller, job, client))
 
-    def heartbeat(self, req: Request, job: str, lease: str) -> Response:
-        return json_response(200, self.service.heartbeat(job, lease))
+    def heartbeat(self, req: Request, caller: Principal, job: str, lease: str) -> Response:
+        return json_response(200, self.service.heartbeat(caller, job, lease))
 
-    def release_lease(self, req: Request, job: str, lease: str) -> Response:
-        self.service.release_lease(job, lease)
+    def release_lease(self, req: Request, caller: Principal, job: str, lease: str) -> Response:
+        self.service.release_lease(caller, job, lease)
         return Response(204)
 
-    def list_jobs(self, req: Request) -> Response:
-        return json_response(200, {"jobs": self.service.state.job_names()})
+    def list_jobs(self, req: Request, caller: Principal) -> Response:
+        return json_response(200, {"jobs": self.service.job_names(caller)})
 
-    def get_job(self, req: Request, job: str) -> Response:
-        return json_response(200, self.service.job_status(job))
+    def get_job(self, req: Request, caller: Principal, job: str) -> Response:
+        return json_response(200, self.service.job_status(caller, job))
 
-    def put_model(self, req: Request, job: str) -> Response:
+    def put_model(self, req: Request, caller: Principal, job: str) -> Response:
         _require_framing(req)
-        ingest = self.service.begin_model(job, "http", req.body.length)
+        ingest = self.service.begin_model(caller, job, "http", req.body.length)
         return json_response(201, self._receive(req, ingest))
 
-    def post_update(self, req: Request, job: str) -> Response:
+    def post_update(self, req: Request, caller: Principal, job: str) -> Response:
         h = req.headers
-        meta = UpdateMeta.parse(job, h.get("x-lifl-client"), h.get("x-lifl-samples"), h.get("x-lifl-base-version"),
-                                h.get("x-lifl-lease", ""))
         _require_framing(req)
-        ingest = self.service.begin_update(meta, "http", req.body.length)
+        fields = {"client": h.get("x-lifl-client"), "samples": h.get("x-lifl-samples"),
+                  "base_version": h.get("x-lifl-base-version"), "lease": h.get("x-lifl-lease", "")}
+        ingest = self.service.begin_update(caller, job, fields, "http", req.body.length)
         return json_response(202, self._receive(req, ingest))
 
     def _receive(self, req: Request, ingest: Ingest) -> dict[str, Any]:
@@ -532,8 +557,8 @@ class HttpServer(ThreadedServer):
             ingest.abort(None)
             raise
 
-    def get_model(self, req: Request, job: str) -> Response:
-        return self._model_response(self.service.open_model(job))
+    def get_model(self, req: Request, caller: Principal, job: str) -> Response:
+        return self._model_response(self.service.open_model(caller, job))
 
     def _model_response(self, view: ModelView) -> Response:
         self.service.metrics.bytes_out.labels("http").inc(view.size)
@@ -542,8 +567,8 @@ class HttpServer(ThreadedServer):
             sendfile=(view.fd, view.size), after_send=view.release,
         )
 
-    def metrics(self, req: Request) -> Response:
-        return Response(200, self.service.metrics_text(), {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+    def metrics(self, req: Request, caller: Principal | None) -> Response:
+        return Response(200, self.service.metrics_text(caller), {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
 def _require_framing(req: Request) -> None:

@@ -39,6 +39,11 @@ class GatewayStub:
                 request_serializer=lifl_dot_gateway_dot_lifl__pb2.CreateJobRequest.SerializeToString,
                 response_deserializer=lifl_dot_gateway_dot_lifl__pb2.JobStatus.FromString,
                 _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/lifl.v1.Gateway/ListJobs',
+                request_serializer=lifl_dot_gateway_dot_lifl__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.JobList.FromString,
+                _registered_method=True)
         self.GetJob = channel.unary_unary(
                 '/lifl.v1.Gateway/GetJob',
                 request_serializer=lifl_dot_gateway_dot_lifl__pb2.GetJobRequest.SerializeToString,
@@ -84,12 +89,33 @@ class GatewayStub:
                 request_serializer=lifl_dot_gateway_dot_lifl__pb2.AssignmentRequest.SerializeToString,
                 response_deserializer=lifl_dot_gateway_dot_lifl__pb2.Assignment.FromString,
                 _registered_method=True)
+        self.CreateToken = channel.unary_unary(
+                '/lifl.v1.Gateway/CreateToken',
+                request_serializer=lifl_dot_gateway_dot_lifl__pb2.CreateTokenRequest.SerializeToString,
+                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.Token.FromString,
+                _registered_method=True)
+        self.ListTokens = channel.unary_unary(
+                '/lifl.v1.Gateway/ListTokens',
+                request_serializer=lifl_dot_gateway_dot_lifl__pb2.ListTokensRequest.SerializeToString,
+                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.TokenList.FromString,
+                _registered_method=True)
+        self.RevokeToken = channel.unary_unary(
+                '/lifl.v1.Gateway/RevokeToken',
+                request_serializer=lifl_dot_gateway_dot_lifl__pb2.RevokeTokenRequest.SerializeToString,
+                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.RevokeTokenReply.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
     """Missing associated documentation comment in .proto file."""
 
     def CreateJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListJobs(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -154,6 +180,25 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateToken(self, request, context):
+        """Tokens: the operator issues tenant and client tokens, a tenant its clients' tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTokens(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeToken(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +206,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.CreateJob,
                     request_deserializer=lifl_dot_gateway_dot_lifl__pb2.CreateJobRequest.FromString,
                     response_serializer=lifl_dot_gateway_dot_lifl__pb2.JobStatus.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.ListJobsRequest.FromString,
+                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.JobList.SerializeToString,
             ),
             'GetJob': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJob,
@@ -207,6 +257,21 @@ def add_GatewayServicer_to_server(servicer, server):
                     request_deserializer=lifl_dot_gateway_dot_lifl__pb2.AssignmentRequest.FromString,
                     response_serializer=lifl_dot_gateway_dot_lifl__pb2.Assignment.SerializeToString,
             ),
+            'CreateToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateToken,
+                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.CreateTokenRequest.FromString,
+                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.Token.SerializeToString,
+            ),
+            'ListTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTokens,
+                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.ListTokensRequest.FromString,
+                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.TokenList.SerializeToString,
+            ),
+            'RevokeToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeToken,
+                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.RevokeTokenRequest.FromString,
+                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.RevokeTokenReply.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'lifl.v1.Gateway', rpc_method_handlers)
@@ -235,6 +300,33 @@ class Gateway:
             '/lifl.v1.Gateway/CreateJob',
             lifl_dot_gateway_dot_lifl__pb2.CreateJobRequest.SerializeToString,
             lifl_dot_gateway_dot_lifl__pb2.JobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lifl.v1.Gateway/ListJobs',
+            lifl_dot_gateway_dot_lifl__pb2.ListJobsRequest.SerializeToString,
+            lifl_dot_gateway_dot_lifl__pb2.JobList.FromString,
             options,
             channel_credentials,
             insecure,
@@ -478,6 +570,87 @@ class Gateway:
             '/lifl.v1.Gateway/GetAssignment',
             lifl_dot_gateway_dot_lifl__pb2.AssignmentRequest.SerializeToString,
             lifl_dot_gateway_dot_lifl__pb2.Assignment.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lifl.v1.Gateway/CreateToken',
+            lifl_dot_gateway_dot_lifl__pb2.CreateTokenRequest.SerializeToString,
+            lifl_dot_gateway_dot_lifl__pb2.Token.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lifl.v1.Gateway/ListTokens',
+            lifl_dot_gateway_dot_lifl__pb2.ListTokensRequest.SerializeToString,
+            lifl_dot_gateway_dot_lifl__pb2.TokenList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lifl.v1.Gateway/RevokeToken',
+            lifl_dot_gateway_dot_lifl__pb2.RevokeTokenRequest.SerializeToString,
+            lifl_dot_gateway_dot_lifl__pb2.RevokeTokenReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,12 +27,17 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from lifl import format as fmt
+from lifl.auth import (
+    CLIENT, OPERATOR, TENANT, Action, Principal, TokenSpec, Tokens, acting_client, authorize, bearer, certificate_principal,
+    job_tenant, may_issue,
+)
 from lifl.control.controller import DEFAULT_CAPACITY
 from lifl.control.planner import BESTFIT, ROLES, NodeLoad, plan_round
-from lifl.errors import BadRequest, Conflict, LiflError, NotFound, Overloaded, Unavailable
+from lifl.errors import BadRequest, Conflict, Forbidden, LiflError, NotFound, Overloaded, Unauthenticated, Unavailable, Unprocessable
 from lifl.gateway.ingest import BlobSink, LayoutCache
 from lifl.gateway.stream import sendfile_all
-from lifl.jobs import JobSpec
+from lifl.net.tls import peer_connection, peer_http_connection
+from lifl.jobs import MAX_SAMPLES, JobSpec
 from lifl.protocol import (
     Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Forwarded, ForwardPartial, GetMetrics, Hello, InstallModel,
     InstallReplica, Message, ModelOpened, OpenModel, Submit, SubmitPartial,
@@ -43,7 +48,6 @@ from lifl.state import NO_MODEL, ClusterState, Job
 from lifl.store import MappingCache
 
 MAX_CLIENT_ID = 256
-MAX_SAMPLES = 1 << 53
 MAX_UPDATES_PER_PARTIAL = 1 << 30
 NODE_NAME = re.compile(r"[a-z0-9]{1,16}")
 REGISTER_EVERY = 1.0  # seconds between refreshes of the gateway's registration (it lapses after state.NODE_TTL)
@@ -75,9 +79,10 @@ class UpdateMeta:
     lease: str = ""
 
     @classmethod
-    def parse(cls, job: str, client: Any, samples: Any, base_version: Any, lease: Any = "") -> UpdateMeta:
-        """Validate the client-supplied fields, naming the HTTP header each comes from."""
-        return cls(job, client_id(client), _integer("X-Lifl-Samples", samples, 1, MAX_SAMPLES),
+    def parse(cls, principal: Principal, job: str, client: Any, samples: Any, base_version: Any, lease: Any = "") -> UpdateMeta:
+        """Validate the client-supplied fields, naming the HTTP header each comes from; the client
+        is the caller's (an operator names the client it acts as)."""
+        return cls(job, client_id(acting_client(principal, client or None)), _integer("X-Lifl-Samples", samples, 1, MAX_SAMPLES),
                    _integer("X-Lifl-Base-Version", base_version, 0, 1 << 62), lease_id(lease or ""))
 
 
@@ -161,7 +166,7 @@ class Ingest:
         self.agent.call(Submit(key, self.meta.samples, self.meta.client))
         m.arrivals.labels(self.job, self.protocol).inc()
         m.ingest.labels(self.protocol).observe(time.perf_counter() - self.started)
-        return {"key": key.hex(), "version": self.version}
+        return {"version": self.version}
 
     def abort(self, error: LiflError | None) -> None:
         """Give the object back (if one was admitted) and count the refusal."""
@@ -211,9 +216,11 @@ class ModelView:
 
 class GatewayService:
     def __init__(self, node: str, state: ClusterState, agent_socket: str, placement: str = BESTFIT,
-                 capacity: float = DEFAULT_CAPACITY) -> None:
+                 capacity: float = DEFAULT_CAPACITY, *, open_metrics: bool = False) -> None:
         self.node = node
         self.state = state
+        self.tokens = Tokens(state.redis)
+        self.open_metrics = open_metrics  # GET /metrics without a token (it names jobs of every tenant)
         self.agent_socket = agent_socket
         self.placement = placement
         self.capacity = capacity
@@ -285,7 +292,7 @@ class GatewayService:
         """Stream one object out of shared memory to another node's gateway (sendfile: the bytes
         are copied once, by the kernel, into the socket)."""
         try:
-            status, error = send_partial(self.state, self.node, m, fd)
+            status, error = send_partial(self.state, self.node, m, fd, self.tokens.internal_token())
             ok = status == 202
             # the receiver may not have learnt yet that it hosts the top: try again; a round that
             # is over there will be over here soon too
@@ -299,15 +306,75 @@ class GatewayService:
         except OSError:
             pass  # the agent is gone; it resends what it still needs when it is back
 
+    # -- callers ----------------------------------------------------------------------------------
+    def authenticate(self, authorization: str | None, certificate: dict[str, Any] | None = None) -> Principal:
+        """The caller of a request: its bearer token's (``Authorization`` header or gRPC metadata),
+        else its verified TLS client certificate's; Unauthenticated without either."""
+        token = bearer(authorization)
+        if token is not None:
+            return self.tokens.authenticate(token)
+        principal = certificate_principal(certificate)
+        if principal is None:
+            raise Unauthenticated("this call needs a token: send 'Authorization: Bearer <token>'", code="unauthenticated")
+        return principal
+
+    def authorized_job(self, principal: Principal, action: Action, name: str) -> Job:
+        """The job ``name`` if ``principal`` may do ``action`` on it (NotFound outside its scope)."""
+        job = self.state.job(name)
+        authorize(principal, action, tenant=job.spec.tenant, job=name)
+        return job
+
+    # -- tokens ----------------------------------------------------------------------------------
+    def create_token(self, principal: Principal, body: Any) -> dict[str, Any]:
+        """A new tenant or client token: its record and, this once, the token itself."""
+        spec = TokenSpec.from_request(body)
+        may_issue(principal, spec)
+        if spec.role == CLIENT:
+            job = self.state.job(spec.job) if spec.job in self.state.job_names(spec.tenant) else None
+            if job is None or job.spec.tenant != spec.tenant:
+                raise NotFound(f"job {spec.job!r} does not exist", code="no_such_job")
+        record, token = self.tokens.create(spec)
+        return {**record.public(), "token": token}
+
+    def list_tokens(self, principal: Principal) -> list[dict[str, Any]]:
+        """Live tokens the caller manages, without their secrets."""
+        authorize(principal, Action.MANAGE_TOKENS)
+        tenant = None if principal.role == OPERATOR else principal.tenant
+        return [r.public() for r in self.tokens.records(tenant)]
+
+    def revoke_token(self, principal: Principal, token_id: str) -> None:
+        """Revoke a token: the operator any issued one, a tenant its clients' tokens."""
+        authorize(principal, Action.MANAGE_TOKENS)
+        record = self.tokens.record(token_id)
+        if record is None or (principal.role == TENANT and record.tenant != principal.tenant):
+            raise NotFound(f"no live token {token_id!r}", code="no_such_token")
+        if principal.role == TENANT and record.role != CLIENT:
+            raise Forbidden("a tenant token revokes client tokens only", code="forbidden")
+        self.tokens.revoke(token_id)
+
     # -- jobs ----------------------------------------------------------------------------------
-    def create_job(self, body: Any) -> dict[str, Any]:
+    def create_job(self, principal: Principal, body: Any) -> dict[str, Any]:
+        authorize(principal, Action.CREATE_JOB)
+        if isinstance(body, dict):
+            body = {**body, "tenant": job_tenant(principal, body.get("tenant"))}
         spec = JobSpec.from_request(body)
         self.state.create_job(spec)
-        return self.job_status(spec.job)
+        return self.job_status(principal, spec.job)
 
-    def job_status(self, name: str) -> dict[str, Any]:
-        """The job as the whole cluster sees it: the round's progress on every node."""
-        job = self.state.job(name)
+    def job_names(self, principal: Principal) -> list[str]:
+        """The jobs in the caller's scope."""
+        authorize(principal, Action.LIST_JOBS)
+        if principal.role == OPERATOR:
+            return self.state.job_names()
+        names = self.state.job_names(principal.tenant)
+        return names if principal.role == TENANT else [n for n in names if n == principal.job]
+
+    def job_status(self, principal: Principal, name: str) -> dict[str, Any]:
+        """The job as the whole cluster sees it: the round's progress on every node (a client sees
+        its version and round only)."""
+        job = self.authorized_job(principal, Action.READ_JOB, name)
+        if principal.role == CLIENT:
+            return client_view(job)
         shard = self.state.shard(name)
         has_model = job.version != NO_MODEL
         aggregators = dict.fromkeys(ROLES, 0)
@@ -332,6 +399,7 @@ class GatewayService:
             "min_updates": job.spec.min_updates,
             "lease_ttl_s": job.spec.lease_ttl_s,
             "over_selection": job.spec.over_selection,
+            "max_samples": job.spec.max_samples,
             "version": job.version if has_model else None,
             "round": {
                 "id": job.round if has_model else None,
@@ -351,36 +419,38 @@ class GatewayService:
             "aggregators": aggregators,
             "nodes": nodes,
             "last_round": job.last_round,
-            "model": {"node": job.model_node, "key": job.model_key, "checkpoint": job.checkpoint,
+            "model": {"node": job.model_node, "checkpoint": job.checkpoint,
                       "checkpoint_error": job.checkpoint_error or None} if has_model else None,
         }
 
-    def rounds(self, name: str, limit: int) -> list[dict[str, Any]]:
+    def rounds(self, principal: Principal, name: str, limit: int) -> list[dict[str, Any]]:
+        self.authorized_job(principal, Action.READ_ROUNDS, name)
         return self.state.rounds(name, limit)
 
     # -- leases and assignments ------------------------------------------------------------------
-    def take_lease(self, name: str, client: Any) -> dict[str, Any]:
-        """A place in the current round for a client about to train, kept by heartbeats."""
-        client_id(client)
-        spec = self.state.job(name).spec
-        lease, version, round_id = self.state.take_lease(spec)
+    def take_lease(self, principal: Principal, name: str, client: Any) -> dict[str, Any]:
+        """The caller's place in the current round while it trains, kept by heartbeats: one per
+        client (asking again renews and returns the one it holds)."""
+        spec = self.authorized_job(principal, Action.LEASE, name).spec
+        lease, version, round_id = self.state.take_lease(spec, client_id(acting_client(principal, client)))
         return {"lease": lease, "version": version, "round": round_id, "ttl_s": spec.lease_ttl_s}
 
-    def heartbeat(self, name: str, lease: str) -> dict[str, Any]:
-        spec = self.state.job(name).spec
-        if not self.state.heartbeat(spec, lease_id(lease)):
+    def heartbeat(self, principal: Principal, name: str, lease: str) -> dict[str, Any]:
+        spec = self.authorized_job(principal, Action.LEASE, name).spec
+        if not self.state.heartbeat(spec, lease_id(lease), principal.client):
             raise NotFound(f"lease {lease} of job {name!r} has lapsed or does not exist", code="no_such_lease")
         return {"lease": lease, "ttl_s": spec.lease_ttl_s}
 
-    def release_lease(self, name: str, lease: str) -> None:
-        self.state.job(name)
-        if not self.state.release_lease(name, lease_id(lease)):
+    def release_lease(self, principal: Principal, name: str, lease: str) -> None:
+        self.authorized_job(principal, Action.LEASE, name)
+        if not self.state.release_lease(name, lease_id(lease), principal.client):
             raise NotFound(f"lease {lease} of job {name!r} has lapsed or does not exist", code="no_such_lease")
 
-    def assignment(self, name: str, client: Any) -> dict[str, Any]:
+    def assignment(self, principal: Principal, name: str, client: Any) -> dict[str, Any]:
         """The node whose gateway ``client`` should send this round's update to (paper §5.1):
         the round's placement plan, made once per round by whichever gateway is asked first."""
-        client_id(client)
+        self.authorized_job(principal, Action.ASSIGNMENT, name)
+        client = client_id(acting_client(principal, client))
         for _ in range(ASSIGN_ATTEMPTS):  # the round may move on between reading it and assigning
             job = self.state.job(name)
             if job.version == NO_MODEL:
@@ -406,10 +476,16 @@ class GatewayService:
         return {"policy": plan.policy, "quotas": [[n, q] for n, q in plan.quotas.items()], "top": plan.top}
 
     # -- blobs ---------------------------------------------------------------------------------
-    def begin_update(self, meta: UpdateMeta, protocol: str, expected_size: int | None) -> Ingest:
-        """Check what can be checked before the first byte of the blob, then receive it."""
+    def begin_update(self, principal: Principal, job_name: str, fields: dict[str, Any], protocol: str,
+                     expected_size: int | None) -> Ingest:
+        """Check what can be checked before the first byte of the blob, then receive it:
+        ``fields`` are the update's metadata as sent (client, samples, base_version, lease)."""
+        job = self.authorized_job(principal, Action.PUSH_UPDATE, job_name)  # refusals of callers are not the job's
         try:
-            job = self.state.job(meta.job)
+            meta = UpdateMeta.parse(principal, job_name, **fields)
+            if meta.samples > job.spec.sample_cap:
+                raise Unprocessable(f"X-Lifl-Samples {meta.samples} exceeds the job's max_samples ({job.spec.sample_cap})",
+                                    code="too_many_samples")
             if job.version == NO_MODEL or job.model_spec is None:
                 raise Conflict(f"job {meta.job!r} has no model yet", code="no_model")
             if meta.base_version != job.version:
@@ -420,27 +496,28 @@ class GatewayService:
             return Ingest(self, "update", meta.job, protocol, job.model_spec, job.spec.max_update_bytes, expected_size,
                           meta=meta)
         except LiflError as e:
-            self.count_rejection(meta.job, protocol, e.code, counted_by_agent=False)
+            self.count_rejection(job_name, protocol, e.code, counted_by_agent=False)
             raise
 
-    def begin_model(self, job_name: str, protocol: str, expected_size: int | None) -> Ingest:
-        job = self.state.job(job_name)
+    def begin_model(self, principal: Principal, job_name: str, protocol: str, expected_size: int | None) -> Ingest:
+        job = self.authorized_job(principal, Action.SET_MODEL, job_name)
         if job.version != NO_MODEL:
             raise Conflict(f"job {job_name!r} already has a model", code="model_exists")
         return Ingest(self, "model", job_name, protocol, None, job.spec.max_update_bytes, expected_size)
 
-    def begin_partial(self, job_name: str, meta: PartialMeta, expected_size: int | None) -> Ingest:
+    def begin_partial(self, principal: Principal, job_name: str, meta: PartialMeta, expected_size: int | None) -> Ingest:
         """Another node's result of a round, for the top aggregator on this node."""
-        job = self.state.job(job_name)
+        job = self.authorized_job(principal, Action.INTERNAL, job_name)
         if job.model_spec is None:
             raise Conflict(f"job {job_name!r} has no model yet", code="no_model")
         spec = job.model_spec
         limit = (spec.partial() if meta.partial else spec).data_bytes + fmt.MAX_HEADER_BYTES
         return Ingest(self, "partial", job_name, "internal", spec, limit, expected_size, partial=meta)
 
-    def open_model(self, job_name: str) -> ModelView:
+    def open_model(self, principal: Principal, job_name: str) -> ModelView:
         """The job's current model, from this node's memory; a model installed on another node is
         fetched from its gateway once per version (one copy per hop) and served from here after."""
+        self.authorized_job(principal, Action.READ_MODEL, job_name)
         for _ in range(FETCH_ATTEMPTS):
             try:
                 return self.open_local_model(job_name)
@@ -450,8 +527,13 @@ class GatewayService:
                 self._fetch_replica(job_name, e.extra["node"])
         raise Overloaded(f"the model of job {job_name!r} changes faster than it can be fetched; retry", code="model_moving")
 
+    def open_peer_model(self, principal: Principal, job_name: str) -> ModelView:
+        """What a peer gateway fetches: the model if this node holds it (``model_elsewhere`` otherwise)."""
+        self.authorized_job(principal, Action.INTERNAL, job_name)
+        return self.open_local_model(job_name)
+
     def open_local_model(self, job_name: str) -> ModelView:
-        """The model if this node holds it (``model_elsewhere`` otherwise): what peers fetch."""
+        """The model if this node holds it (``model_elsewhere`` otherwise)."""
         agent = self.agent()
         reply, fds = agent.call(OpenModel(job_name))
         return ModelView(agent, reply, fds[0])
@@ -477,7 +559,10 @@ class GatewayService:
         except LiflError:
             pass  # no such job: nothing to account it to
 
-    def metrics_text(self) -> bytes:
+    def metrics_text(self, principal: Principal | None) -> bytes:
+        """The gateway's and the agent's metrics; ``principal`` is None where metrics are open."""
+        if principal is not None:
+            authorize(principal, Action.METRICS)
         ours = generate_latest(self.metrics.registry)
         try:
             theirs = self.agent().call(GetMetrics())[0].text.encode()
@@ -486,17 +571,26 @@ class GatewayService:
         return ours + theirs
 
 
-def send_partial(state: ClusterState, node: str, m: ForwardPartial, fd: int) -> tuple[int, str]:
+def client_view(job: Job) -> dict[str, Any]:
+    """What a client sees of its job: the version to train from and whether its round is open."""
+    has_model = job.version != NO_MODEL
+    return {"job": job.spec.job, "tenant": job.spec.tenant, "version": job.version if has_model else None,
+            "round": {"id": job.round if has_model else None, "version": job.version if has_model else None,
+                      "closed": job.closed}}
+
+
+def send_partial(state: ClusterState, node: str, m: ForwardPartial, fd: int, token: str) -> tuple[int, str]:
     """POST a partial result to the gateway of ``m.node``: (HTTP status, error message)."""
     peer = state.gateway(m.node)
     if peer is None:
         raise ConnectionError(f"node {m.node} has no gateway registered")
     host, _, port = peer["http"].rpartition(":")
-    with socket.create_connection((host, int(port)), timeout=PEER_TIMEOUT) as sock:
+    with peer_connection(host, int(port), PEER_TIMEOUT) as sock:  # TLS if this node serves TLS
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         head = (f"POST /v1/internal/jobs/{m.job}/rounds/{m.round}/partials HTTP/1.1\r\nHost: {host}\r\n"
                 f"X-Lifl-From-Node: {node}\r\nX-Lifl-Epoch: {m.epoch}\r\nX-Lifl-Samples: {m.samples}\r\n"
                 f"X-Lifl-Updates: {m.updates}\r\nX-Lifl-Partial: {int(m.partial)}\r\nContent-Length: {m.size}\r\n"
+                f"Authorization: Bearer {token}\r\n"
                 f"Connection: close\r\n\r\n")
         sock.sendall(head.encode("latin-1"))
         sendfile_all(sock, fd, m.size, PEER_TIMEOUT)
@@ -513,9 +607,10 @@ def fetch_replica(service: GatewayService, job_name: str, node: str) -> None:
         raise Overloaded(f"node {node}, which holds the model of {job_name!r}, is unreachable", code="model_unreachable")
     job = service.state.job(job_name)
     host, _, port = peer["http"].rpartition(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=PEER_TIMEOUT)
+    conn = peer_http_connection(host, int(port), PEER_TIMEOUT)  # TLS if this node serves TLS
     try:
-        conn.request("GET", f"/v1/internal/jobs/{job_name}/model")
+        conn.request("GET", f"/v1/internal/jobs/{job_name}/model",
+                     headers={"Authorization": f"Bearer {service.tokens.internal_token()}"})
         response = conn.getresponse()
         if response.status != 200:
             raise Overloaded(f"node {node} did not serve the model of {job_name!r}: {_error_text(response.read(MAX_ERROR_BODY))}",

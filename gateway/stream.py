@@ -17,20 +17,29 @@ bounded (``ConnectionLimits``; the gateway's command-line flags set them):
   so those keep working while the limits are full. Anything else is refused from the
   accept loop without a thread.
 - memory: reads allocate as bytes arrive, never what the peer announces.
+
+With TLS (``ThreadedServer.use_tls``) each connection's handshake runs on its own thread,
+within ``head_timeout`` and evictable like a connection waiting for its head; one that fails
+(an untrusted client certificate, an old protocol version, plain text) ends that connection
+alone. Bulk reads still land in the caller's memory, decrypted there (lifl.net.tls).
 """
 
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import select
 import socket
+import ssl
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from lifl.net.tls import TlsSocket
 
 IDLE_TIMEOUT = 120.0  # s a connection may wait for its next request (HTTP keep-alive)
 HEAD_TIMEOUT = 10.0  # s from a request's first byte to the end of its head
@@ -45,6 +54,7 @@ ACCEPT_BACKOFF = 0.05  # s to wait when the process is out of file descriptors
 
 _FILL = 1 << 16  # the most one recv adds to the read buffer, whatever the peer announced
 _TIMEOUT_SLACK = 0.9  # a socket timeout within 10 % above the budget is kept (saves a syscall per recv)
+TLS_SEND_CHUNK = 1 << 20  # bytes of a file handed to TLS at a time, where sendfile cannot be used
 
 
 @dataclass(frozen=True)
@@ -89,15 +99,16 @@ class RateMeter:
 
 # What a Stream is reading, which decides how long a read may wait.
 _OPEN = "open"  # the socket's own timeout (a Stream nobody set a phase on: clients, gRPC)
+_HANDSHAKE = "handshake"  # TLS, before anything else: within head_timeout
 _IDLE = "idle"  # waiting for the first byte of a request: idle_timeout
 _HEAD = "head"  # the rest of the head, by a deadline set at its first byte
 _BODY = "body"  # a body, at the minimum rate
 _CLOSING = "closing"  # the last response is sent; only the peer's last bytes are still read
-_EVICTABLE = (_IDLE, _HEAD, _CLOSING)  # no request in progress
+_EVICTABLE = (_HANDSHAKE, _IDLE, _HEAD, _CLOSING)  # no request in progress
 
 
 class Stream:
-    def __init__(self, sock: socket.socket, limits: ConnectionLimits | None = None) -> None:
+    def __init__(self, sock: socket.socket | TlsSocket, limits: ConnectionLimits | None = None) -> None:
         self.sock = sock
         self.limits = limits or ConnectionLimits()
         self._buf = bytearray()
@@ -106,8 +117,26 @@ class Stream:
         self._meter: RateMeter | None = None
         self._lock = threading.Lock()  # phase changes against eviction by the accept loop
         self._evicted = False
+        self.peer_certificate: dict[str, Any] | None = None  # a verified TLS client certificate (getpeercert())
 
     # -- phases ---------------------------------------------------------------------------------
+    def handshake(self) -> bool:
+        """TLS: complete the handshake within ``head_timeout``; whether it succeeded (if not, the
+        connection is only to be closed). Until then the connection may be evicted."""
+        assert isinstance(self.sock, TlsSocket)
+        with self._lock:
+            self._phase = _HANDSHAKE
+        try:
+            self.sock.handshake(self.limits.head_timeout)
+        except (OSError, ValueError):  # ssl.SSLError and TimeoutError are OSErrors; ValueError: closed meanwhile
+            return False
+        with self._lock:
+            if self._evicted:
+                return False
+            self._phase = _OPEN
+        self.peer_certificate = self.sock.getpeercert() or None  # {}: a certificate that was not verified
+        return True
+
     def expect_request(self) -> bool:
         """Wait up to ``idle_timeout`` for the first byte of the next request, then start its
         head's deadline; False if the peer closed the connection first. Until ``expect_body``
@@ -252,9 +281,13 @@ class Stream:
         self.sock.sendall(data)
 
 
-def sendfile_all(sock: socket.socket, fd: int, count: int, timeout: float) -> None:
+def sendfile_all(sock: socket.socket | TlsSocket, fd: int, count: int, timeout: float) -> None:
     """Send ``count`` bytes of ``fd`` from offset 0 with sendfile (the kernel copies them from
-    shared memory into the socket); TimeoutError if the peer reads nothing for ``timeout`` s."""
+    shared memory into the socket); TimeoutError if the peer reads nothing for ``timeout`` s.
+    Over TLS, which sendfile would bypass, the bytes are encrypted from a mapping of ``fd``."""
+    if isinstance(sock, (TlsSocket, ssl.SSLSocket)):
+        _send_mapped(sock, fd, count, timeout)
+        return
     offset = 0
     while offset < count:
         try:
@@ -268,9 +301,22 @@ def sendfile_all(sock: socket.socket, fd: int, count: int, timeout: float) -> No
         offset += sent
 
 
+def _send_mapped(sock: socket.socket | TlsSocket, fd: int, count: int, timeout: float) -> None:
+    if count == 0:
+        return
+    mapping = mmap.mmap(fd, count, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
+    try:
+        sock.settimeout(timeout)  # a TLS socket's timeout bounds each wait for the peer to read
+        with memoryview(mapping) as view:
+            for offset in range(0, count, TLS_SEND_CHUNK):
+                sock.sendall(view[offset : offset + TLS_SEND_CHUNK])
+    finally:
+        mapping.close()
+
+
 @dataclass(eq=False)
 class Connection:
-    sock: socket.socket
+    sock: socket.socket | TlsSocket
     peer: str  # the source address, the unit of the per-peer limit
     stream: Stream
     reserved: bool  # admitted over the limits: serve only what ``reserve`` is for, then close
@@ -292,6 +338,11 @@ class ThreadedServer(ABC):
         self._by_sock: dict[socket.socket, Connection] = {}
         self._ordinary = 0
         self._stopped = False
+        self._tls: ssl.SSLContext | None = None
+
+    def use_tls(self, context: ssl.SSLContext) -> None:
+        """Serve TLS with ``context`` (lifl.net.tls.ServerTls.context); call before ``start``."""
+        self._tls = context
 
     def start(self) -> None:
         threading.Thread(target=self._accept_loop, name=f"{type(self).__name__}-accept", daemon=True).start()
@@ -304,7 +355,7 @@ class ThreadedServer(ABC):
             pass
         self._sock.close()
 
-    def connection(self, sock: socket.socket) -> Connection:
+    def connection(self, sock: socket.socket | TlsSocket) -> Connection:
         """The record of a connection being served (its Stream carries the limits)."""
         return self._by_sock[sock]
 
@@ -318,6 +369,12 @@ class ThreadedServer(ABC):
                 if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     time.sleep(ACCEPT_BACKOFF)  # out of descriptors or memory: let connections end
                 continue
+            if self._tls is not None:
+                try:  # no I/O yet: the handshake is the connection's thread's
+                    sock = TlsSocket(self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False))
+                except OSError:  # reset before it could be wrapped
+                    sock.close()
+                    continue
             conn = self._admit(sock, str(address[0]))
             if conn is None:
                 self._refuse(sock)
@@ -327,7 +384,7 @@ class ThreadedServer(ABC):
             except RuntimeError:  # no thread to be had
                 self._release(conn)
 
-    def _admit(self, sock: socket.socket, peer: str) -> Connection | None:
+    def _admit(self, sock: socket.socket | TlsSocket, peer: str) -> Connection | None:
         """Register a new connection, making room over a limit if it can; None: refuse it."""
         limits = self.limits
         with self._lock:
@@ -377,11 +434,13 @@ class ThreadedServer(ABC):
             self._forget(conn)
             conn.sock.close()
 
-    def _refuse(self, sock: socket.socket) -> None:
-        """Over every limit: answer from the accept loop without waiting, and close."""
+    def _refuse(self, sock: socket.socket | TlsSocket) -> None:
+        """Over every limit: answer from the accept loop without waiting, and close (over TLS
+        just close: an answer would need a handshake)."""
         try:
-            sock.setblocking(False)
-            self.refuse(sock)
+            if isinstance(sock, socket.socket):
+                sock.setblocking(False)
+                self.refuse(sock)
         except OSError:
             pass
         finally:
@@ -389,14 +448,15 @@ class ThreadedServer(ABC):
 
     def _run(self, conn: Connection) -> None:
         try:
-            self.serve(conn.sock)
+            if self._tls is None or conn.stream.handshake():
+                self.serve(conn.sock)
         finally:
             self._release(conn)
 
     @abstractmethod
-    def serve(self, sock: socket.socket) -> None:
+    def serve(self, sock: socket.socket | TlsSocket) -> None:
         """Speak the front end's protocol on one connection until it ends; ``connection(sock)``
-        gives its record and Stream."""
+        gives its record and Stream (with TLS, ``sock`` is a TlsSocket, its handshake done)."""
 
     def refuse(self, sock: socket.socket) -> None:
         """Called with a non-blocking socket for a connection over every limit, before it is closed."""

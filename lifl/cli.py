@@ -21,7 +21,7 @@ def parse_size(text: str) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from lifl.gateway.flags import limits_from
+    from lifl.gateway.flags import limits_from, tls_from
     from lifl.node import cluster
     from lifl.node.agent import agent_options
 
@@ -36,7 +36,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                 subnet=args.subnet or cluster.ClusterConfig.subnet,
                 redis=args.redis, run_dir=args.run_dir, data_dir=args.data_dir, checkpoints=args.checkpoints,
                 shm_capacity=args.shm_limit, pool_limit=args.pool_limit, netem=args.netem,
-                gateway_limits=limits_from(args), **agent_options(args),
+                gateway_limits=limits_from(args), service_user=args.service_user, open_metrics=args.open_metrics,
+                operator_token_file=args.operator_token_file, tls=tls_from(args), **agent_options(args),
             )
         except ValueError as e:
             raise SystemExit(f"lifl: {e}") from None
@@ -50,9 +51,39 @@ def cmd_up(args: argparse.Namespace) -> int:
         node=args.node or "n0", http=args.http or "127.0.0.1:8080", grpc=args.grpc or "127.0.0.1:50051", redis=args.redis,
         run_dir=args.run_dir, data_dir=args.data_dir,
         shm_capacity=args.shm_limit, pool_limit=args.pool_limit, checkpoints=args.checkpoints,
-        gateway_limits=limits_from(args), **agent_options(args),
+        gateway_limits=limits_from(args), service_user=args.service_user, operator_token_file=args.operator_token_file,
+        open_metrics=args.open_metrics,
+        tls=tls_from(args), **agent_options(args),
     )
     return run(config)
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    """`lifl token create|list|revoke`: manage tokens through a gateway, as the caller's token."""
+    import json
+    import os
+
+    from lifl.client import TOKEN_ENV, Gateway
+    from lifl.errors import LiflError
+
+    token = args.token_file.read_text().strip() if args.token_file else os.environ.get(TOKEN_ENV)
+    if not token:
+        raise SystemExit(f"lifl token: give the caller's token with --token-file PATH or ${TOKEN_ENV}")
+    gateway = Gateway(args.gateway, args.protocol, token=token)
+    try:
+        if args.action == "create":
+            print(json.dumps(gateway.create_token(args.role, args.tenant, job=args.job or "", client=args.client or "",
+                                                  ttl_s=args.ttl)))
+        elif args.action == "list":
+            for record in gateway.tokens():
+                print(json.dumps(record))
+        else:
+            gateway.revoke_token(args.id)
+    except LiflError as e:
+        raise SystemExit(f"lifl token {args.action}: {e.code}: {e.message}") from None
+    finally:
+        gateway.close()
+    return 0
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -74,7 +105,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lifl.gateway.flags import add_limit_arguments
+    from lifl.gateway.flags import add_limit_arguments, add_tls_arguments
     from lifl.node.agent import add_agent_arguments
 
     p = argparse.ArgumentParser(prog="lifl", description="Elastic serverless aggregation for federated learning.")
@@ -87,14 +118,25 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--grpc", metavar="HOST:PORT", help="gRPC API address (default 127.0.0.1:50051)")
     up.add_argument("--redis", metavar="URL", help="use this Redis instead of starting one (redis:// or unix://)")
     up.add_argument("--run-dir", type=Path, help="sockets and lock (default /run/lifl/NODE as root; with --nodes /run/lifl/cluster)")
-    up.add_argument("--data-dir", type=Path, help="persistent state: the embedded redis and checkpoints "
+    up.add_argument("--data-dir", type=Path, help="persistent state: the embedded redis, checkpoints and the operator token "
                     "(default /var/lib/lifl/NODE as root; with --nodes /var/lib/lifl/cluster)")
     up.add_argument("--checkpoints", default="", metavar="STORE",
                     help="where model checkpoints go: dir:PATH (default DATA_DIR/checkpoints), redis, redis://..., s3://BUCKET/PREFIX?endpoint=URL")
     up.add_argument("--shm-limit", type=parse_size, help="shared memory for objects (default: half the RAM; with --nodes, shared among them)")
     up.add_argument("--pool-limit", type=parse_size, help="of which recycled buffers may keep (default: a quarter)")
+    up.add_argument("--service-user", metavar="NAME|UID",
+                    help="as root, the user the gateway (once its ports are bound) and the embedded redis run as "
+                         "(default: the user lifl if there is one, else uid and gid 609999; root keeps them root). "
+                         "The agent stays root: it runs tenants' functions as their own uids")
+    up.add_argument("--operator-token-file", type=Path, metavar="PATH",
+                    help="the operator's token (32-256 printable characters; around them whitespace is ignored); "
+                         "or set LIFL_OPERATOR_TOKEN (not both). Without either, DATA_DIR/operator-token, made "
+                         "(mode 0600) on the first start; its path is printed")
+    up.add_argument("--open-metrics", action="store_true",
+                    help="serve GET /metrics without a token (by default it needs the operator's: it names every tenant's jobs)")
     add_agent_arguments(up)
     add_limit_arguments(up)
+    add_tls_arguments(up)
     up.add_argument("--nodes", type=int, default=1, metavar="N",
                     help="emulate a cluster: N nodes on this machine, each in a network namespace of its own, on one "
                          "bridge and one shared Redis (needs root; 1-200; default 1: one node in this namespace)")
@@ -107,6 +149,22 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--subnet", metavar="CIDR",
                     help="with --nodes, advanced: the bridge's subnet; node k gets its (10+k)th address (default 10.77.0.0/24)")
     up.set_defaults(func=cmd_up)
+
+    tok = sub.add_parser("token", help="create, list and revoke tenant and client tokens (docs/security.md)")
+    tok.add_argument("--gateway", default="127.0.0.1:8080", metavar="HOST:PORT", help="a gateway's address (default 127.0.0.1:8080)")
+    tok.add_argument("--protocol", choices=("http", "grpc"), default="http")
+    tok.add_argument("--token-file", type=Path, metavar="PATH", help="the caller's token (default: $LIFL_TOKEN)")
+    tok_sub = tok.add_subparsers(dest="action", required=True)
+    create = tok_sub.add_parser("create", help="issue a token; prints it as JSON, the secret this once")
+    create.add_argument("--role", choices=("tenant", "client"), required=True)
+    create.add_argument("--tenant", required=True)
+    create.add_argument("--job", help="client tokens: the job the client is enrolled in")
+    create.add_argument("--client", help="client tokens: the client's identity (default: the token's id)")
+    create.add_argument("--ttl", type=float, metavar="SECONDS", help="lifetime (default one day)")
+    tok_sub.add_parser("list", help="live tokens the caller manages, one JSON object per line, without secrets")
+    revoke = tok_sub.add_parser("revoke", help="revoke a token by its id")
+    revoke.add_argument("id")
+    tok.set_defaults(func=cmd_token)
 
     cal = sub.add_parser("calibrate", help="measure each node's maximum service capacity MC (LIFL appendix E) for placement")
     from lifl.control.calibrate import add_arguments as calibrate_arguments

@@ -22,9 +22,11 @@ import dataclasses
 import http.client
 import json
 import math
+import os
 import random
 import select
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -38,6 +40,7 @@ import numpy as np
 from lifl import errors
 from lifl import format as fmt
 from lifl.grpcwire import GrpcStatusError, UploadConnection, chunk_messages
+from lifl.net.tls import ClientTls, client_settings, connection_closed, https_connection, server_name
 
 T = TypeVar("T")
 
@@ -47,9 +50,11 @@ DEFAULT_RETRY_AFTER_S = 1.0  # when a 503 / RESOURCE_EXHAUSTED / UNAVAILABLE nam
 RETRY_AFTER_SPREAD = 0.2  # clients told the same Retry-After come back spread over this fraction of it
 BACKOFF_JITTER = 0.5  # the share of each back-off delay that is random ("equal jitter")
 
-_BY_STATUS = {400: errors.BadRequest, 404: errors.NotFound, 409: errors.Conflict, 413: errors.PayloadTooLarge,
-              422: errors.Unprocessable, 429: errors.Overloaded, 503: errors.Overloaded}
+_BY_STATUS = {400: errors.BadRequest, 401: errors.Unauthenticated, 403: errors.Forbidden, 404: errors.NotFound,
+              409: errors.Conflict, 413: errors.PayloadTooLarge, 422: errors.Unprocessable, 429: errors.Overloaded,
+              503: errors.Overloaded}
 _BY_GRPC = {"INVALID_ARGUMENT": errors.BadRequest, "NOT_FOUND": errors.NotFound, "ALREADY_EXISTS": errors.Conflict,
+            "UNAUTHENTICATED": errors.Unauthenticated, "PERMISSION_DENIED": errors.Forbidden,
             "ABORTED": errors.Conflict, "RESOURCE_EXHAUSTED": errors.Overloaded, "UNAVAILABLE": errors.Unavailable,
             "UNIMPLEMENTED": errors.BadRequest}
 # HTTP 503 serves both Overloaded and Unavailable: these codes are Unavailable's (the gateway's
@@ -181,7 +186,9 @@ def _closed_by_peer(sock: socket.socket) -> bool:
     readable is an end of file or an error."""
     poller = select.poll()
     poller.register(sock, select.POLLIN)
-    return bool(poller.poll(0))
+    if not poller.poll(0):
+        return False
+    return connection_closed(sock) if isinstance(sock, ssl.SSLSocket) else True
 
 
 def _read_body(response: http.client.HTTPResponse) -> bytes | bytearray:
@@ -198,20 +205,30 @@ def _read_body(response: http.client.HTTPResponse) -> bytes | bytearray:
     return data
 
 
+TOKEN_ENV = "LIFL_TOKEN"  # the token a Gateway presents when it is given none
+
+
 class Gateway:
     """One client connection to a gateway. ``address`` is ``host:port`` of its HTTP API, or of
-    its gRPC API with ``protocol="grpc"``. ``retry`` says how calls are retried (docs/client.md,
-    "Faults"); ``timeout`` bounds each try."""
+    its gRPC API with ``protocol="grpc"``. ``token`` is the caller's bearer token (default: the
+    LIFL_TOKEN environment variable). ``retry`` says how calls are retried (docs/client.md,
+    "Faults"); ``timeout`` bounds each try. An ``https://`` address, ``tls=True`` or a
+    ``ClientTls`` (CA file, client certificate, server name) connects over TLS, verifying the
+    gateway's certificate (against the system's CAs unless ``ClientTls.ca`` says otherwise)."""
 
     def __init__(self, address: str, protocol: str = "http", timeout: float = 300.0,
-                 retry: RetryPolicy = DEFAULT_RETRY) -> None:
+                 retry: RetryPolicy = DEFAULT_RETRY, token: str | None = None,
+                 tls: ClientTls | bool | None = None) -> None:
         if protocol not in ("http", "grpc"):
             raise ValueError(f"protocol must be 'http' or 'grpc', got {protocol!r}")
         self.protocol, self.timeout, self.retry = protocol, timeout, retry
-        self.address = address.removeprefix("http://")
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self._authorization = [("authorization", f"Bearer {self.token}")] if self.token else []
+        self.address, self.tls = client_settings(address, tls)
         if protocol == "http":
             host, _, port = self.address.rpartition(":")
-            self._http = http.client.HTTPConnection(host, int(port), timeout=timeout)
+            self._http = (https_connection(self.address, self.tls, timeout) if self.tls is not None
+                          else http.client.HTTPConnection(host, int(port), timeout=timeout))
         else:
             import grpc
 
@@ -220,11 +237,16 @@ class Gateway:
             self._pb = lifl_pb2
             # grpcio reconnects on a schedule of its own (attempts up to 2 minutes apart) and fails
             # calls at once meanwhile: align it with the retries, so a restarted gateway is found soon
-            self._channel = grpc.insecure_channel(self.address, options=[
+            options = [
                 ("grpc.max_receive_message_length", GRPC_MAX_RECEIVE),
                 ("grpc.initial_reconnect_backoff_ms", int(retry.base_delay_s * 1000)),
                 ("grpc.max_reconnect_backoff_ms", int(retry.max_delay_s * 1000)),
-            ])
+            ]
+            if self.tls is None:
+                self._channel = grpc.insecure_channel(self.address, options=options)
+            else:
+                options.append(("grpc.ssl_target_name_override", server_name(self.address, self.tls)))
+                self._channel = grpc.secure_channel(self.address, self.tls.grpc_credentials(), options=options)
             # Blob streams go over lifl's own framing. The connection replaces itself if the gateway
             # closed it between calls, before anything is sent.
             self._uploads: UploadConnection | None = None
@@ -265,7 +287,7 @@ class Gateway:
     def _exchange(self, method: str, path: str, body: Any, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes | bytearray]:
         self._connect_http()
         try:
-            self._http.request(method, path, body=body, headers=headers)
+            self._http.request(method, path, body=body, headers={**headers, **dict(self._authorization)})
             response = self._http.getresponse()
             data = _read_body(response)
         except (OSError, http.client.HTTPException) as e:
@@ -282,6 +304,8 @@ class Gateway:
         if self._http.sock is None:
             try:
                 self._http.connect()
+            except ssl.SSLCertVerificationError:
+                raise  # not the kind of failure a retry mends
             except OSError as e:
                 raise _unreachable(self.address, e) from e
 
@@ -304,7 +328,8 @@ class Gateway:
 
     def _rpc(self, method: str, deserializer: Any, request: bytes, *, idempotent: bool) -> Any:
         stub = self._channel.unary_unary(f"/lifl.v1.Gateway/{method}", response_deserializer=deserializer)
-        return self._grpc(method, lambda: stub(request, timeout=self.timeout), idempotent=idempotent)
+        return self._grpc(method, lambda: stub(request, timeout=self.timeout, metadata=self._authorization),
+                          idempotent=idempotent)
 
     def _grpc_error(self, method: str, e: Any) -> Exception:
         trailers = dict(e.trailing_metadata() or ())
@@ -320,7 +345,7 @@ class Gateway:
     def _upload_once(self, method: str, meta: bytes, blob: bytes | bytearray | memoryview) -> bytes:
         uploads = self._upload_connection()
         try:
-            return uploads.call(f"/lifl.v1.Gateway/{method}", chunk_messages(meta, blob, GRPC_CHUNK))
+            return uploads.call(f"/lifl.v1.Gateway/{method}", chunk_messages(meta, blob, GRPC_CHUNK), self._authorization)
         except GrpcStatusError as e:
             raise _grpc_status_error(_grpc_status_name(e.status), e.message, e.trailers) from None
         except _UPLOAD_CONNECTION_FAILURES as e:
@@ -330,7 +355,9 @@ class Gateway:
     def _upload_connection(self) -> UploadConnection:
         if self._uploads is None:
             try:
-                self._uploads = UploadConnection(self.address, timeout=self.timeout)
+                self._uploads = UploadConnection(self.address, timeout=self.timeout, tls=self.tls)
+            except ssl.SSLCertVerificationError:
+                raise  # not the kind of failure a retry mends
             except _UPLOAD_CONNECTION_FAILURES as e:  # before any call was sent
                 raise _unreachable(self.address, e) from e
         return self._uploads
@@ -369,14 +396,17 @@ class Gateway:
             return int(headers["X-Lifl-Version"]), data
         stream = self._channel.unary_stream("/lifl.v1.Gateway/GetModel", response_deserializer=self._pb.ModelChunk.FromString)
         request = self._pb.GetModelRequest(job=job).SerializeToString()
-        parts = self._grpc("GetModel", lambda: list(stream(request, timeout=self.timeout)), idempotent=True)
+        parts = self._grpc("GetModel", lambda: list(stream(request, timeout=self.timeout, metadata=self._authorization)),
+                           idempotent=True)
         return parts[0].meta.version, b"".join(p.data for p in parts)
 
-    def push(self, job: str, blob: bytes | memoryview, *, client: str, samples: int, base_version: int, lease: str = "") -> dict[str, Any]:
-        """Send one update; returns {"key", "version"}. Unlike other calls that change state, a
-        push whose answer was lost is sent again: a round takes one update per client, so if the
-        first try was taken the retry is answered ``already_acknowledged``, and this returns
-        {"key": "", "version": base_version, "acknowledged_earlier": True}."""
+    def push(self, job: str, blob: bytes | memoryview, *, samples: int, base_version: int, lease: str = "",
+             client: str | None = None) -> dict[str, Any]:
+        """Send one update; returns {"version"}: the version it counts towards. ``client`` is the
+        token's own with a client token (leave it out), and names the client an operator acts as.
+        Unlike other calls that change state, a push whose answer was lost is sent again: a round
+        takes one update per client, so if the first try was taken the retry is answered
+        ``already_acknowledged``, and this returns {"version": base_version, "acknowledged_earlier": True}."""
         sent = False
 
         def once() -> dict[str, Any]:
@@ -388,33 +418,71 @@ class Gateway:
                 raise
             except errors.Conflict as e:
                 if sent and e.code == "already_acknowledged":
-                    return {"key": "", "version": base_version, "acknowledged_earlier": True}
+                    return {"version": base_version, "acknowledged_earlier": True}
                 raise
 
         return self._retrying(once, idempotent=True)
 
-    def _push_once(self, job: str, blob: bytes | memoryview, client: str, samples: int, base_version: int,
+    def _push_once(self, job: str, blob: bytes | memoryview, client: str | None, samples: int, base_version: int,
                    lease: str) -> dict[str, Any]:
         if self.protocol == "http":
-            headers = {"X-Lifl-Client": client, "X-Lifl-Samples": str(samples), "X-Lifl-Base-Version": str(base_version)}
+            headers = {"X-Lifl-Samples": str(samples), "X-Lifl-Base-Version": str(base_version)}
+            if client:
+                headers["X-Lifl-Client"] = client
             if lease:
                 headers["X-Lifl-Lease"] = lease
             return json.loads(self._exchange("POST", f"/v1/jobs/{job}/updates", memoryview(blob), headers)[2])
-        meta = self._pb.UpdateMeta(job=job, client=client, samples=samples, base_version=base_version, size=len(blob), lease=lease)
+        meta = self._pb.UpdateMeta(job=job, client=client or "", samples=samples, base_version=base_version, size=len(blob),
+                                   lease=lease)
         reply = self._pb.PushUpdateReply.FromString(self._upload_once("PushUpdate", meta.SerializeToString(), blob))
-        return {"key": reply.key, "version": reply.version}
+        return {"version": reply.version}
 
     def metrics(self) -> str:
         """The gateway's Prometheus exposition (HTTP only)."""
         return self._request("GET", "/metrics", idempotent=True)[2].decode()
 
-    # Lease calls are retried like reads: taking a second lease costs a place until it lapses,
-    # renewing or releasing twice changes nothing.
-    def take_lease(self, job: str, client: str) -> dict[str, Any]:
-        """A place in the current round: {"lease", "version", "round", "ttl_s"}."""
+    def jobs(self) -> list[str]:
+        """The names of the jobs the caller sees."""
         if self.protocol == "http":
-            return self._json("POST", f"/v1/jobs/{job}/leases", {"client": client}, idempotent=True)
-        return self._lease_rpc("TakeLease", self._pb.TakeLeaseRequest(job=job, client=client))
+            return self._json("GET", "/v1/jobs", idempotent=True)["jobs"]
+        reply = self._rpc("ListJobs", self._pb.JobList.FromString, self._pb.ListJobsRequest().SerializeToString(),
+                          idempotent=True)
+        return list(reply.jobs)
+
+    # -- tokens (docs/security.md) ----------------------------------------------------------------
+    def create_token(self, role: str, tenant: str, *, job: str = "", client: str = "", ttl_s: float | None = None) -> dict[str, Any]:
+        """A new tenant or client token: {"id", "token", "role", "tenant", "job", "client", "created",
+        "expires"}; the token itself is shown this once."""
+        body: dict[str, Any] = {"role": role, "tenant": tenant}
+        body.update({k: v for k, v in (("job", job), ("client", client), ("ttl_s", ttl_s)) if v})
+        if self.protocol == "http":
+            return self._json("POST", "/v1/tokens", body, idempotent=False)
+        return _dict(self._rpc("CreateToken", self._pb.Token.FromString,
+                               self._pb.CreateTokenRequest(**body).SerializeToString(), idempotent=False))
+
+    def tokens(self) -> list[dict[str, Any]]:
+        """The live tokens the caller manages, without their secrets."""
+        if self.protocol == "http":
+            return self._json("GET", "/v1/tokens", idempotent=True)["tokens"]
+        reply = self._rpc("ListTokens", self._pb.TokenList.FromString, self._pb.ListTokensRequest().SerializeToString(),
+                          idempotent=True)
+        return [{k: v for k, v in _dict(t).items() if k != "token"} for t in reply.tokens]
+
+    def revoke_token(self, token_id: str) -> None:
+        if self.protocol == "http":
+            self._request("DELETE", f"/v1/tokens/{urllib.parse.quote(token_id, safe='')}", idempotent=True)
+        else:
+            self._rpc("RevokeToken", self._pb.RevokeTokenReply.FromString,
+                      self._pb.RevokeTokenRequest(id=token_id).SerializeToString(), idempotent=True)
+
+    # Lease calls are retried like reads: a client holds one lease, so taking it again returns the
+    # same one; renewing or releasing twice changes nothing.
+    def take_lease(self, job: str, client: str | None = None) -> dict[str, Any]:
+        """A place in the current round: {"lease", "version", "round", "ttl_s"} (the client's one
+        lease: asking again renews it). ``client`` as in ``push``."""
+        if self.protocol == "http":
+            return self._json("POST", f"/v1/jobs/{job}/leases", {"client": client} if client else {}, idempotent=True)
+        return self._lease_rpc("TakeLease", self._pb.TakeLeaseRequest(job=job, client=client or ""))
 
     def heartbeat(self, job: str, lease: str) -> dict[str, Any]:
         if self.protocol == "http":
@@ -431,13 +499,14 @@ class Gateway:
         lease = self._rpc(method, self._pb.Lease.FromString, request.SerializeToString(), idempotent=True)
         return {"lease": lease.lease, "version": lease.version, "round": lease.round, "ttl_s": lease.ttl_s}
 
-    def assignment(self, job: str, client: str) -> dict[str, Any]:
+    def assignment(self, job: str, client: str | None = None) -> dict[str, Any]:
         """The node this client should send the current round's update to:
-        {"node", "http", "grpc", "round", "version", ...}; any gateway answers."""
+        {"node", "http", "grpc", "round", "version", ...}; any gateway answers. ``client`` as in ``push``."""
         if self.protocol == "http":
-            return self._json("GET", f"/v1/jobs/{job}/assignment?client={urllib.parse.quote(client, safe='')}", idempotent=True)
+            query = f"?client={urllib.parse.quote(client, safe='')}" if client else ""
+            return self._json("GET", f"/v1/jobs/{job}/assignment{query}", idempotent=True)
         reply = self._rpc("GetAssignment", self._pb.Assignment.FromString,
-                          self._pb.AssignmentRequest(job=job, client=client).SerializeToString(), idempotent=True)
+                          self._pb.AssignmentRequest(job=job, client=client or "").SerializeToString(), idempotent=True)
         return {**_dict(reply), "round": reply.round, "version": reply.version}
 
     def rounds(self, job: str, limit: int = 100) -> list[dict[str, Any]]:
@@ -525,7 +594,6 @@ def from_blob(blob: bytes | bytearray | memoryview, *, as_torch: bool = False) -
 class RoundResult:
     outcome: str  # "accepted", "stale" (pull and retrain), or "no_slot" (the round is full or closed)
     version: int  # the version trained from (accepted), or the current one
-    key: str = ""
 
 
 class Participant:
@@ -537,17 +605,26 @@ class Participant:
     thread heartbeats the lease, and pushes the update. Calls are retried by ``retry``
     (back-pressure, unreachable gateway: docs/client.md, "Faults"); a round that fails after
     taking its lease gives the lease back before the error propagates. ``address`` is the
-    gateway it starts from (and falls back to).
+    gateway it starts from (and falls back to). ``tls`` is as ``Gateway``'s, and holds for every
+    gateway the participant is sent to. ``token`` is the client's (default: LIFL_TOKEN);
+    ``client`` names the client only when an operator's token acts as one.
     """
 
-    def __init__(self, address: str, job: str, client: str, *, protocol: str = "http", as_torch: bool = False,
-                 retry: RetryPolicy = DEFAULT_RETRY) -> None:
+    def __init__(self, address: str, job: str, client: str | None = None, *, protocol: str = "http",
+                 as_torch: bool = False, retry: RetryPolicy = DEFAULT_RETRY, token: str | None = None,
+                 tls: ClientTls | bool | None = None) -> None:
         self.address, self.job, self.client, self.protocol = address, job, client, protocol
+        self.tls = client_settings(address, tls)[1]  # for every gateway it talks to: assigned ones too
         self.as_torch = as_torch
         self.retry = retry
-        self.bootstrap = Gateway(address, protocol, retry=retry)
+        self.token = token
+        self.bootstrap = self.connect(address, retry)
         self.gateway = self.bootstrap
         self.gateway_address = address  # the assigned node's, once known
+
+    def connect(self, address: str, retry: RetryPolicy) -> Gateway:
+        """A connection of this participant's to the gateway at ``address``."""
+        return Gateway(address, self.protocol, retry=retry, token=self.token, tls=self.tls)
 
     def close(self) -> None:
         if self.gateway is not self.bootstrap:
@@ -563,7 +640,7 @@ class Participant:
         if assigned != self.gateway_address:
             if self.gateway is not self.bootstrap:
                 self.gateway.close()
-            self.gateway = Gateway(assigned, self.protocol, retry=self.retry)
+            self.gateway = self.connect(assigned, self.retry)
             self.gateway_address = assigned
 
     def run_round(self, train: Callable[[dict[str, Any], int], tuple[Mapping[str, Any], int]]) -> RoundResult:
@@ -575,11 +652,11 @@ class Participant:
         try:
             version, blob = self.gateway.model(self.job)
             state = from_blob(blob, as_torch=self.as_torch)
-            with _Heartbeats(self.gateway_address, self.protocol, self.job, lease, self.retry):
+            with _Heartbeats(lambda retry: self.connect(self.gateway_address, retry), self.job, lease, self.retry):
                 trained, samples = train(state, version)
-            reply = self.gateway.push(self.job, to_blob(trained), client=self.client, samples=samples,
-                                      base_version=version, lease=lease["lease"])
-            return RoundResult("accepted", version, reply["key"])  # the update took the lease's place
+            self.gateway.push(self.job, to_blob(trained), client=self.client, samples=samples, base_version=version,
+                              lease=lease["lease"])
+            return RoundResult("accepted", version)  # the update took the lease's place
         except errors.Conflict as e:
             self._give_back(lease)
             return RoundResult("stale", e.extra.get("version", -1))
@@ -593,7 +670,7 @@ class Participant:
         has lapsed anyway), on a connection of its own (the round's may be what failed). If it
         cannot be released, ``failure`` (the round's error) says so."""
         retry = dataclasses.replace(self.retry, max_elapsed_s=min(self.retry.max_elapsed_s, lease["ttl_s"]))
-        gateway = Gateway(self.gateway_address, self.protocol, retry=retry)
+        gateway = self.connect(self.gateway_address, retry)
         try:
             gateway.release_lease(self.job, lease["lease"])
         except errors.NotFound:
@@ -620,16 +697,17 @@ class _Heartbeats:
     A renewal is retried until the next one is due; one that fails for good is left to the next
     (if the lease lapses meanwhile, the push finds out whether a place is still free)."""
 
-    def __init__(self, address: str, protocol: str, job: str, lease: dict[str, Any], retry: RetryPolicy) -> None:
+    def __init__(self, connect: Callable[[RetryPolicy], Gateway], job: str, lease: dict[str, Any], retry: RetryPolicy) -> None:
         every = max(0.05, lease["ttl_s"] / 3)
-        self._args = (address, protocol, job, lease["lease"], every)
+        self._connect = connect
+        self._args = (job, lease["lease"], every)
         self._retry = dataclasses.replace(retry, max_elapsed_s=min(retry.max_elapsed_s, every))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        address, protocol, job, lease, every = self._args
-        gateway = Gateway(address, protocol, retry=self._retry)
+        job, lease, every = self._args
+        gateway = self._connect(self._retry)
         try:
             while not self._stop.wait(every):
                 try:

@@ -33,6 +33,8 @@ from lifl.state import ClusterState
 from lifl.workload import MODELS, evaluate, load_digits_split, make_model
 
 JOB = "digits"
+TENANT = "demo"
+CLIENT_TOKEN_TTL_S = 86400.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,6 +79,7 @@ class Monitor:
 
     node: Node
     gateway_http: str
+    operator_token: str  # metrics are the operator's
     state: ClusterState
     t0: float
     samples: list[Sample] = field(default_factory=list)
@@ -97,7 +100,7 @@ class Monitor:
                 + procstat.cpu_seconds(pids["gateway"] + pids["aggregators"]))
 
     def _run(self) -> None:
-        gateway = Gateway(self.gateway_http)
+        gateway = Gateway(self.gateway_http, token=self.operator_token)
         try:
             while not self._stop.wait(0.5):
                 self.samples.append(self._sample(gateway))
@@ -137,7 +140,17 @@ class Progress:
             print(file=sys.stderr)
 
 
-def start_workers(args: argparse.Namespace, http: str, grpc: str) -> list[subprocess.Popen]:
+def enrol_clients(tenant: Gateway, clients: int, path: Path) -> None:
+    """A client token for each client of the population, written 0600 to ``path`` for the workers
+    (each client authenticates as itself, as on a real deployment)."""
+    tokens = {f"client-{c}": tenant.create_token("client", TENANT, job=JOB, client=f"client-{c}", ttl_s=CLIENT_TOKEN_TTL_S)["token"]
+              for c in range(clients)}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(tokens, f)
+
+
+def start_workers(args: argparse.Namespace, http: str, grpc: str, tokens: Path) -> list[subprocess.Popen]:
     workers = []
     n = max(1, min(args.workers, args.active))
     for w in range(n):
@@ -147,7 +160,7 @@ def start_workers(args: argparse.Namespace, http: str, grpc: str) -> list[subpro
             sys.executable, "-m", "lifl.workload", "--http", http, "--grpc", grpc, "--job", JOB, "--model", args.model,
             "--clients", str(args.clients), "--first-client", str(first), "--n-clients", str(count), "--slots", str(slots),
             "--alpha", str(args.alpha), "--hibernate", str(args.hibernate), "--protocol", args.protocol,
-            "--seed", str(args.seed), "--worker", str(w),
+            "--seed", str(args.seed), "--worker", str(w), "--tokens", str(tokens),
         ], stdout=subprocess.PIPE, text=True))
     for proc in workers:
         if proc.stdout.readline().strip() != "clients ready":
@@ -167,14 +180,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workers: list[subprocess.Popen] = []
     try:
         addresses = node.start()
-        gateway = Gateway(addresses.http)
+        # as a platform's users would: the operator makes a tenant, which makes the job and its clients' tokens
+        operator = Gateway(addresses.http, token=node.operator_token)
+        gateway = Gateway(addresses.http, token=operator.create_token("tenant", TENANT, ttl_s=CLIENT_TOKEN_TTL_S)["token"])
+        operator.close()
         gateway.create_job(JOB, args.goal, lease_ttl_s=10.0, round_deadline_s=args.deadline, min_updates=1)
         model = make_model(args.model, args.seed)
         gateway.set_model(JOB, to_blob(model.state_dict()))
         test = load_digits_split(args.clients, args.alpha, args.seed).test
-        workers = start_workers(args, addresses.http, addresses.grpc)
+        enrol_clients(gateway, args.clients, tmp / "client-tokens.json")
+        workers = start_workers(args, addresses.http, addresses.grpc, tmp / "client-tokens.json")
         t0 = time.monotonic()
-        monitor = Monitor(node, addresses.http, ClusterState(addresses.redis), t0)
+        monitor = Monitor(node, addresses.http, node.operator_token, ClusterState(addresses.redis), t0)
         monitor.start()
         evaluations = train_until_target(args, gateway, model, test, monitor, t0)
         wall = time.monotonic() - t0

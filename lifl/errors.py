@@ -43,6 +43,23 @@ class BadRequest(LiflError):
     """Malformed input: bad syntax, truncated or inconsistent bytes (HTTP 400)."""
 
 
+class Unauthenticated(LiflError):
+    """No credentials, or credentials that identify nobody: unknown, expired or revoked (HTTP 401)."""
+
+    status = 401
+    grpc_status = "UNAUTHENTICATED"
+    default_code = "unauthenticated"
+
+
+class Forbidden(LiflError):
+    """The caller is known, and its role may not do this in its scope (HTTP 403). Outside its
+    scope a resource does not exist for it (404), so names do not leak."""
+
+    status = 403
+    grpc_status = "PERMISSION_DENIED"
+    default_code = "forbidden"
+
+
 class NotFound(LiflError):
     status = 404
     grpc_status = "NOT_FOUND"

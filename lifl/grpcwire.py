@@ -6,17 +6,20 @@ into its own buffers, so an update is copied twice in user space before the kern
 ``UploadConnection`` hands the kernel gather lists that point into the caller's blob
 (``sendmsg``), as the HTTP client does. It speaks standard gRPC (client streaming, identity
 encoding), within the server's flow-control windows; tests check it against grpcio's server.
+Over TLS (ALPN ``h2``) the frames go through ``sendall`` instead (lifl.net.io).
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from lifl.net import h2
 from lifl.net.grpc import CONTENT_TYPE, GRPC_STATUS, STATUS_NAMES, GrpcStatusError, call_result, chunk_messages
 from lifl.net.io import MAX_FRAMES_PER_WRITE, sendmsg_all, take_views
+from lifl.net.tls import ALPN_H2, ClientTls, server_name
 
 __all__ = ["GRPC_STATUS", "STATUS_NAMES", "GrpcStatusError", "UploadConnection", "chunk_messages"]
 
@@ -37,27 +40,31 @@ class _Call:
 class UploadConnection:
     """One HTTP/2 connection for client-streaming gRPC calls, one call at a time. A connection
     the server has closed between calls (GOAWAY after its idle timeout) is replaced before the
-    next call is sent; failures during a call raise ConnectionError."""
+    next call is sent; failures during a call raise ConnectionError. With ``tls`` the
+    connection is TLS (ssl.SSLCertVerificationError if the server's certificate is not trusted)."""
 
-    def __init__(self, address: str, timeout: float = 300.0) -> None:
+    def __init__(self, address: str, timeout: float = 300.0, tls: ClientTls | None = None) -> None:
         host, _, port = address.rpartition(":")
         self._address = (host, int(port))
         self._authority = address
         self._timeout = timeout
+        self._tls = (tls.context(ALPN_H2), server_name(address, tls)) if tls is not None else None
         self._connect()
 
     def close(self) -> None:
         self.sock.close()
 
-    def call(self, method: str, messages: Iterator[list[bytes | memoryview]]) -> bytes:
-        """Send a client stream; returns the reply message, or raises GrpcStatusError."""
+    def call(self, method: str, messages: Iterator[list[bytes | memoryview]],
+             metadata: Sequence[tuple[str, str]] = ()) -> bytes:
+        """Send a client stream (with ``metadata``: custom headers, e.g. authorization); returns the
+        reply message, or raises GrpcStatusError."""
         if self._server_gone():
             self.close()
             self._connect()
         call = self._call = _Call(self._h2.new_stream_id())
         self._h2.send_headers(call.stream_id, [
-            (":method", "POST"), (":scheme", "http"), (":path", method), (":authority", self._authority),
-            ("content-type", CONTENT_TYPE), ("te", "trailers")])
+            (":method", "POST"), (":scheme", "https" if self._tls else "http"), (":path", method), (":authority", self._authority),
+            ("content-type", CONTENT_TYPE), ("te", "trailers"), *metadata])
         self._flush()
         for parts in messages:
             if call.trailers is not None:  # the server answered (refused) before the end: stop sending
@@ -78,6 +85,13 @@ class UploadConnection:
     def _connect(self) -> None:
         self.sock = socket.create_connection(self._address, timeout=self._timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._tls is not None:
+            context, name = self._tls
+            try:
+                self.sock = context.wrap_socket(self.sock, server_hostname=name)
+            except BaseException:
+                self.sock.close()
+                raise
         self._h2 = h2.Connection(h2.Side.CLIENT, CLIENT_LIMITS)
         self._h2.initiate()
         self._call: _Call | None = None
@@ -98,8 +112,8 @@ class UploadConnection:
                 if not data:
                     return True
                 self._handle(self._h2.receive_bytes(data))
-        except BlockingIOError:
-            pass  # nothing more to read
+        except (BlockingIOError, ssl.SSLWantReadError):
+            pass  # nothing more to read (over TLS: perhaps a record without data, a session ticket)
         except (OSError, h2.H2ConnectionError):
             return True
         finally:

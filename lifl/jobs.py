@@ -14,6 +14,7 @@ from lifl.errors import BadRequest
 JOB_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 TENANT_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,30}")
 DEFAULT_MAX_UPDATE_BYTES = 4 << 30
+MAX_SAMPLES = 1 << 53  # X-Lifl-Samples of any update: counts stay exact in float64 weights
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,11 @@ class JobSpec:
     min_updates: int = 1  # at the deadline, fewer updates than this abandon the round
     lease_ttl_s: float = 30.0  # a lease lapses without a heartbeat for this long
     over_selection: float = 1.3  # clients training at once, as a multiple of the goal
+    max_samples: int = 0  # the largest sample count one update may claim (its weight); 0: MAX_SAMPLES
+
+    @property
+    def sample_cap(self) -> int:
+        return self.max_samples or MAX_SAMPLES
 
     @property
     def inflight_budget(self) -> int:
@@ -55,6 +61,7 @@ class JobSpec:
             "max_update_bytes": (64, 1 << 40),
             "max_inflight": (0, 1_000_000),
             "min_updates": (1, 1_000_000),
+            "max_samples": (0, MAX_SAMPLES),
         }
         values: dict[str, int] = {}
         for key, (low, high) in ints.items():

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from lifl import format as fmt
-from lifl.channel import KeyMessage, UnixKeyChannel, now_ns
+from lifl.channel import KIND_KEY, KeyMessage, UnixKeyChannel, now_ns
 from lifl.protocol import Alloc, CancelTask, Done, Failed, Folded, Handoff, InstallResult, Invoke, Ready
 from lifl.rpc import Client, Connection
 from lifl.store import MappingCache, object_name
@@ -63,20 +63,37 @@ class Context:
         self.channel = channel
         self.mappings = MappingCache()
         self._stash: dict[int, deque[KeyMessage]] = defaultdict(deque)  # messages for later tasks
+        self._seen: dict[int, set[bytes]] = defaultdict(set)  # keys a task's run was given
         self._layouts: dict[bytes, fmt.Layout] = {}
 
     # -- inputs ------------------------------------------------------------------------------
     def receive(self, inv: Invocation) -> list[KeyMessage]:
-        """The task's next messages: blocks for one, then takes every other already waiting."""
-        first = self._next(inv.task)
+        """The task's next messages: blocks for one, then takes every other already waiting. A
+        key the run was given already is dropped: a task run again on this instance is sent its
+        inputs anew, and copies sent to the run that failed may still arrive."""
         while True:
-            msg = self.channel.recv(timeout=0)
-            if msg is None:
-                break
-            self._stash[msg.task].append(msg)
-        rest = list(self._stash[inv.task])
-        self._stash[inv.task].clear()
-        return [first, *rest]
+            first = self._next(inv.task)
+            while True:
+                msg = self.channel.recv(timeout=0)
+                if msg is None:
+                    break
+                self._stash[msg.task].append(msg)
+            messages = [first, *self._stash[inv.task]]
+            self._stash[inv.task].clear()
+            seen = self._seen[inv.task]
+            fresh = []
+            for m in messages:
+                if m.kind == KIND_KEY:
+                    if m.key in seen:
+                        continue
+                    seen.add(m.key)
+                fresh.append(m)
+            if fresh:
+                return fresh
+
+    def run_ended(self, task: int) -> None:
+        """A run of the task ended: if the task runs again here, it is sent its inputs anew."""
+        self._seen.pop(task, None)
 
     def _next(self, task: int) -> KeyMessage:
         while True:
@@ -175,6 +192,8 @@ def serve(ctx: Context, handler: Handler) -> None:
         except Exception as e:  # the agent decides what a failed task means for its round
             traceback.print_exc()
             ctx.client.call(Failed(task=inv.task, problem=f"{type(e).__name__}: {e}"))
+        finally:
+            ctx.run_ended(inv.task)
 
 
 def drop_privileges(uid: int) -> None:

@@ -1,14 +1,15 @@
 """Cluster state in Redis: the one truth that gateways, agents and the control plane share.
 
 Model bytes never go through Redis: only job specs, versions, rounds and their accounting,
-client leases and assignments, each round's shard plan, where each global model lives (node
+client leases and assignments, tokens (lifl.auth), each round's shard plan, where each global model lives (node
 and object key), what each node runs and how to reach its gateway.
 
 A job is the hash ``lifl:job:<name>``. Its rounds are numbered apart from its versions: a
 round that completes installs version v+1 and opens the next round; a round abandoned at its
 deadline opens the next round on the same version. Clients may hold leases (a sorted set by
 expiry, renewed by heartbeats) that keep them a place in the round while they train; up to
-``over_selection`` x goal clients may train at once, and the first ``goal`` updates win.
+``over_selection`` x goal clients may train at once, and the first ``goal`` updates win. A
+lease is bound to the client that took it, and a client holds one at most.
 
 A round is global: every node's gateway takes updates for it, and its goal counts the
 acknowledged updates of all nodes together. Its *shard* (``lifl:job:<name>:shard``, reset
@@ -58,11 +59,25 @@ local function field(h, f) return tonumber(redis.call('HGET', h, f)) end
 local function closed_status(h) if field(h, 'accepted') >= field(h, 'goal') then return -4 end return -5 end
 """
 
-# KEYS: job, leases, shard. ARGV: base version, lease ('' for none), node, client ('' for any).
-# -> {status, version, round}. A client whose update of the round was counted gets -6.
-# The slot is also counted against the node whose gateway receives the update, so that the
-# slots of a node that dies with uploads in progress can be given back.
-_RESERVE = _NOW + """
+# Leases are bound to the client that took them: the hash ``owners`` maps 'lease.<id>' to its
+# client and 'client.<id>' to the one lease a client may hold.
+_LEASES = """
+local function owns(owners, lease, client)
+  return client == '' or redis.call('HGET', owners, 'lease.' .. lease) == client
+end
+local function forget(owners, lease)
+  local client = redis.call('HGET', owners, 'lease.' .. lease)
+  redis.call('HDEL', owners, 'lease.' .. lease)
+  if client and redis.call('HGET', owners, 'client.' .. client) == lease then redis.call('HDEL', owners, 'client.' .. client) end
+end
+"""
+
+# KEYS: job, leases, shard, lease owners. ARGV: base version, lease ('' for none), node, client
+# ('' for any). -> {status, version, round}. A client whose update of the round was counted gets
+# -6. A lease that is not the client's is ignored. The slot is also counted against the node
+# whose gateway receives the update, so that the slots of a node that dies with uploads in
+# progress can be given back.
+_RESERVE = _NOW + _LEASES + """
 local h = KEYS[1]
 if redis.call('EXISTS', h) == 0 then return {-1, 0, 0} end
 local v, r = field(h, 'version'), field(h, 'round')
@@ -71,7 +86,10 @@ if v ~= tonumber(ARGV[1]) then return {-3, v, r} end
 if field(h, 'closed') == 1 then return {closed_status(h), v, r} end
 if ARGV[4] ~= '' and redis.call('HEXISTS', KEYS[3], 'client.' .. ARGV[4]) == 1 then return {-6, v, r} end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms())
-if ARGV[2] ~= '' then redis.call('ZREM', KEYS[2], ARGV[2]) end
+if ARGV[2] ~= '' and owns(KEYS[4], ARGV[2], ARGV[4]) then
+  redis.call('ZREM', KEYS[2], ARGV[2])
+  forget(KEYS[4], ARGV[2])
+end
 if field(h, 'reserved') >= field(h, 'goal') then return {-4, v, r} end
 redis.call('HINCRBY', h, 'reserved', 1)
 redis.call('HINCRBY', KEYS[3], 'inflight.' .. ARGV[3], 1)
@@ -86,30 +104,52 @@ redis.call('HINCRBY', KEYS[2], 'inflight.' .. ARGV[2], -1)
 return 1
 """
 
-# KEYS: job, leases. ARGV: lease id, ttl ms, max leases. -> {status, version, round}
-_TAKE_LEASE = _NOW + """
-local h = KEYS[1]
-if redis.call('EXISTS', h) == 0 then return {-1, 0, 0} end
+# KEYS: job, leases, shard, lease owners. ARGV: lease id, ttl ms, max leases, client.
+# -> {status, version, round, lease}. A client holds at most one lease: asking again renews and
+# returns the one it holds. A client whose update of the round was counted gets -6.
+_TAKE_LEASE = _NOW + _LEASES + """
+local h, owners, client = KEYS[1], KEYS[4], ARGV[4]
+if redis.call('EXISTS', h) == 0 then return {-1, 0, 0, ''} end
 local v, r = field(h, 'version'), field(h, 'round')
-if v < 0 then return {-2, v, r} end
-if field(h, 'closed') == 1 then return {closed_status(h), v, r} end
+if v < 0 then return {-2, v, r, ''} end
+if field(h, 'closed') == 1 then return {closed_status(h), v, r, ''} end
+if redis.call('HEXISTS', KEYS[3], 'client.' .. client) == 1 then return {-6, v, r, ''} end
 local now = now_ms()
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-if field(h, 'reserved') + redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[3]) then return {-4, v, r} end
+local held = redis.call('HGET', owners, 'client.' .. client)
+if held then
+  if redis.call('ZSCORE', KEYS[2], held) then
+    redis.call('ZADD', KEYS[2], 'XX', now + tonumber(ARGV[2]), held)
+    return {0, v, r, held}
+  end
+  forget(owners, held)
+end
+if field(h, 'reserved') + redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[3]) then return {-4, v, r, ''} end
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
-return {0, v, r}
+redis.call('HSET', owners, 'lease.' .. ARGV[1], client, 'client.' .. client, ARGV[1])
+return {0, v, r, ARGV[1]}
 """
 
-# KEYS: leases. ARGV: lease, ttl ms. -> 1 renewed, 0 expired or unknown
-_HEARTBEAT = _NOW + """
+# KEYS: leases, lease owners. ARGV: lease, ttl ms, client ('' for any). -> 1 renewed, 0 expired,
+# unknown or another client's
+_HEARTBEAT = _NOW + _LEASES + """
+if not owns(KEYS[2], ARGV[1], ARGV[3]) then return 0 end
 local now = now_ms()
 local expiry = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not expiry or tonumber(expiry) <= now then
   redis.call('ZREM', KEYS[1], ARGV[1])
+  forget(KEYS[2], ARGV[1])
   return 0
 end
 redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[2]), ARGV[1])
 return 1
+"""
+
+# KEYS: leases, lease owners. ARGV: lease, client ('' for any). -> 1 released, 0 unknown or another's
+_RELEASE_LEASE = _LEASES + """
+if not owns(KEYS[2], ARGV[1], ARGV[2]) then return 0 end
+forget(KEYS[2], ARGV[1])
+return redis.call('ZREM', KEYS[1], ARGV[1])
 """
 
 # KEYS: job. ARGV: round, field, delta. Counts only for the round it was meant for.
@@ -246,7 +286,7 @@ redis.call('PUBLISH', '""" + EVENTS + """', ARGV[3])
 return {1, remaining, closed and 1 or 0, top_lost}
 """
 
-# KEYS: job, leases, history, shard, assignments. ARGV: round expected, new version, model key
+# KEYS: job, leases, history, shard, assignments, lease owners. ARGV: round expected, new version, model key
 # ('' keeps it), node, summary json ('' records nothing), model spec json ('' keeps it),
 # history length, job name. -> opening time (ms), or -1.
 _NEXT_ROUND = _NOW + """
@@ -261,7 +301,7 @@ redis.call('HSET', h, 'version', ARGV[2], 'round', next_round, 'round_opened', n
            'reserved', 0, 'accepted', 0, 'aggregated', 0)
 if ARGV[3] ~= '' then redis.call('HSET', h, 'model_key', ARGV[3], 'model_node', ARGV[4]) end
 if ARGV[6] ~= '' then redis.call('HSET', h, 'model_spec', ARGV[6]) end
-redis.call('DEL', KEYS[2], KEYS[4], KEYS[5])
+redis.call('DEL', KEYS[2], KEYS[4], KEYS[5], KEYS[6])
 redis.call('HSET', KEYS[4], 'round', next_round, 'epoch', 0)
 if ARGV[5] ~= '' then
   redis.call('HSET', h, 'last_round', ARGV[5])
@@ -457,6 +497,14 @@ def assignments_key(name: str) -> str:
     return f"lifl:job:{name}:assign"
 
 
+def tenant_jobs_key(tenant: str) -> str:
+    return f"lifl:tenant:{tenant}:jobs"
+
+
+def lease_owners_key(name: str) -> str:
+    return f"lifl:job:{name}:lease-owners"
+
+
 def _ms(t: list[int]) -> int:
     return t[0] * 1000 + t[1] // 1000
 
@@ -483,7 +531,7 @@ def _unavailable_when_unreachable(method: F) -> F:
     return call  # type: ignore[return-value]
 
 
-def _dependency_errors(cls: type) -> type:
+def dependency_errors(cls: type) -> type:
     """Every public call of ``cls`` reports Redis being unreachable as Unavailable (generators
     excepted: their consumers handle a broken subscription)."""
     for name, member in list(vars(cls).items()):
@@ -492,7 +540,7 @@ def _dependency_errors(cls: type) -> type:
     return cls
 
 
-@_dependency_errors
+@dependency_errors
 class ClusterState:
     def __init__(self, url: str) -> None:
         self.url = url
@@ -504,6 +552,7 @@ class ClusterState:
         self._reserve = r.register_script(_RESERVE)
         self._take_lease = r.register_script(_TAKE_LEASE)
         self._heartbeat = r.register_script(_HEARTBEAT)
+        self._release_lease = r.register_script(_RELEASE_LEASE)
         self._count = r.register_script(_COUNT)
         self._unreserve = r.register_script(_UNRESERVE)
         self._accept = r.register_script(_ACCEPT)
@@ -534,6 +583,7 @@ class ClusterState:
             "accepted": 0, "aggregated": 0, "model_key": "", "model_node": "", "checkpoint": -1,
         })
         self.redis.sadd("lifl:jobs", spec.job)
+        self.redis.sadd(tenant_jobs_key(spec.tenant), spec.job)
 
     def job(self, name: str) -> Job:
         h = self.redis.hgetall(job_key(name))
@@ -568,8 +618,9 @@ class ClusterState:
             spec = self._specs[text] = ModelSpec.from_json(json.loads(text))
         return spec
 
-    def job_names(self) -> list[str]:
-        return sorted(self.redis.smembers("lifl:jobs"))
+    def job_names(self, tenant: str | None = None) -> list[str]:
+        """Every job's name, or those of ``tenant``."""
+        return sorted(self.redis.smembers("lifl:jobs" if tenant is None else tenant_jobs_key(tenant)))
 
     def version(self, name: str) -> int:
         v = self.redis.hget(job_key(name), "version")
@@ -587,29 +638,34 @@ class ClusterState:
     def reserve(self, name: str, base_version: int, node: str, lease: str = "", client: str = "") -> tuple[int, int, int]:
         """Take one of the round's ``goal`` slots for ``client``'s update arriving at ``node``:
         (status, version, round)."""
-        status, version, round_id = self._reserve(keys=[job_key(name), leases_key(name), shard_key(name)],
-                                                  args=[base_version, lease, node, client])
+        status, version, round_id = self._reserve(
+            keys=[job_key(name), leases_key(name), shard_key(name), lease_owners_key(name)],
+            args=[base_version, lease, node, client])
         return int(status), int(version), int(round_id)
 
     def unreserve(self, name: str, round_id: int, node: str) -> bool:
         """Give back the slot of an upload that will not be accepted."""
         return bool(self._unreserve(keys=[job_key(name), shard_key(name)], args=[round_id, node]))
 
-    def take_lease(self, spec: JobSpec) -> tuple[str, int, int]:
-        """A lease for a client about to train: (lease id, version, round); raises if refused."""
-        lease = secrets.token_hex(12)
+    def take_lease(self, spec: JobSpec, client: str) -> tuple[str, int, int]:
+        """``client``'s lease for training in the current round, bound to it: (lease id, version,
+        round); the one it holds already, renewed, if any; raises if refused."""
         limit = math.ceil(spec.goal * spec.over_selection)
-        status, version, round_id = self._take_lease(
-            keys=[job_key(spec.job), leases_key(spec.job)], args=[lease, int(spec.lease_ttl_s * 1000), limit])
+        keys = [job_key(spec.job), leases_key(spec.job), shard_key(spec.job), lease_owners_key(spec.job)]
+        status, version, round_id, lease = self._take_lease(
+            keys=keys, args=[secrets.token_hex(12), int(spec.lease_ttl_s * 1000), limit, client])
         if status != RESERVE_OK:
             raise refusal(int(status), spec.job, int(version), int(round_id), spec.goal)
-        return lease, int(version), int(round_id)
+        return str(lease), int(version), int(round_id)
 
-    def heartbeat(self, spec: JobSpec, lease: str) -> bool:
-        return bool(self._heartbeat(keys=[leases_key(spec.job)], args=[lease, int(spec.lease_ttl_s * 1000)]))
+    def heartbeat(self, spec: JobSpec, lease: str, client: str = "") -> bool:
+        """Renew ``lease`` if it is ``client``'s ('' for any client's)."""
+        return bool(self._heartbeat(keys=[leases_key(spec.job), lease_owners_key(spec.job)],
+                                    args=[lease, int(spec.lease_ttl_s * 1000), client]))
 
-    def release_lease(self, name: str, lease: str) -> bool:
-        return bool(self.redis.zrem(leases_key(name), lease))
+    def release_lease(self, name: str, lease: str, client: str = "") -> bool:
+        """Give back ``lease`` if it is ``client``'s ('' for any client's)."""
+        return bool(self._release_lease(keys=[leases_key(name), lease_owners_key(name)], args=[lease, client]))
 
     def active_leases(self, name: str) -> int:
         now = _ms(self.redis.time())
@@ -650,7 +706,8 @@ class ClusterState:
         """Finish round ``round_id`` (recording ``summary``) and open the next on ``version``;
         returns its opening time (s), or -1 if the round had moved on already."""
         opened = self._next_round(
-            keys=[job_key(name), leases_key(name), history_key(name), shard_key(name), assignments_key(name)],
+            keys=[job_key(name), leases_key(name), history_key(name), shard_key(name), assignments_key(name),
+                  lease_owners_key(name)],
             args=[round_id, version, key, node, json.dumps(summary) if summary else "",
                   json.dumps(spec.to_json()) if spec else "", HISTORY, name],
         )

@@ -16,11 +16,13 @@ seed, so no data is shipped around.
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -114,7 +116,8 @@ def evaluate(model: Any, data: tuple[np.ndarray, np.ndarray]) -> float:
 # -- client worker processes -----------------------------------------------------------------------
 
 
-def run_slot(slot: int, args: argparse.Namespace, digits: Digits, taken: set[int], lock: threading.Lock, stop: threading.Event) -> None:
+def run_slot(slot: int, args: argparse.Namespace, digits: Digits, tokens: dict[str, str], taken: set[int], lock: threading.Lock,
+             stop: threading.Event) -> None:
     """One active client slot: pick a client, hibernate, take part in a round, repeat."""
     from lifl.client import Participant
 
@@ -131,7 +134,7 @@ def run_slot(slot: int, args: argparse.Namespace, digits: Digits, taken: set[int
         try:
             if stop.wait(rng.uniform(0, args.hibernate)):
                 break
-            participant = Participant(address, args.job, f"client-{client}", protocol=protocol, as_torch=True)
+            participant = Participant(address, args.job, protocol=protocol, as_torch=True, token=tokens[f"client-{client}"])
 
             def train(state: dict[str, Any], version: int) -> tuple[dict[str, Any], int]:
                 model.load_state_dict(state)
@@ -170,7 +173,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--protocol", choices=("http", "grpc", "mixed"), default="mixed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--worker", type=int, default=0)
+    p.add_argument("--tokens", type=Path, required=True, help="JSON file: each client's token, by client name")
     args = p.parse_args(argv)
+    tokens = json.loads(args.tokens.read_text())
     import torch
 
     torch.set_num_threads(1)
@@ -182,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     taken: set[int] = set()
     lock = threading.Lock()
-    threads = [threading.Thread(target=run_slot, args=(i, args, digits, taken, lock, stop), daemon=True) for i in range(args.slots)]
+    threads = [threading.Thread(target=run_slot, args=(i, args, digits, tokens, taken, lock, stop), daemon=True) for i in range(args.slots)]
     for t in threads:
         t.start()
     print("clients ready", flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -13,12 +14,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import redis
 from hypothesis import HealthCheck, settings
 
 from lifl.node.agent import Agent, AgentConfig
 from lifl.state import ClusterState
+
+# The operator token of every node the tests start (in this process or as `lifl up`, clusters
+# included); SDK Gateways present it (LIFL_TOKEN) unless a test gives them another. Set for the
+# whole session: fixtures of any scope start nodes.
+OPERATOR_TOKEN = f"test-operator-{secrets.token_hex(16)}"
+os.environ["LIFL_OPERATOR_TOKEN"] = OPERATOR_TOKEN
+os.environ["LIFL_TOKEN"] = OPERATOR_TOKEN
 
 
 # Fuzz suites (marked `fuzz`) run a bounded number of examples in `make test`; `make fuzz` runs
@@ -43,17 +52,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def redis_server() -> Iterator[str]:
     """A real redis-server listening on a unix socket; yields its URL (database 0)."""
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.fail("redis-server is not installed; run `make test`, which installs it")
-    directory = tmp_path_factory.mktemp("redis")
+    # the service user's, as a node's embedded redis is: gateways that drop to that user reach it
+    from lifl.node.privilege import make_private_tree, popen_as, service_identity
+
+    service = service_identity()
+    directory = Path(tempfile.mkdtemp(prefix="lifl-redis-", dir="/tmp"))
+    make_private_tree(directory, service)
     sock = directory / "redis.sock"
     proc = subprocess.Popen(
         [exe, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700", "--save", "", "--appendonly", "no",
          "--dir", str(directory), "--databases", "64"],
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, **popen_as(service),
     )
     url = f"unix://{sock}"
     deadline = time.monotonic() + 60  # bounds a failure only: a loaded machine may start it slowly
@@ -69,6 +83,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     yield url
     proc.terminate()
     proc.wait(10)
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 _db_counter = itertools.cycle(range(1, 64))  # each test flushes its database first
@@ -136,6 +151,11 @@ def run_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def auth(token: str = OPERATOR_TOKEN) -> dict[str, str]:
+    """The Authorization header of a token."""
+    return {"Authorization": f"Bearer {token}"}
+
+
 @pytest.fixture
 def node(redis_url: str, run_dir: Path, shm_node: str) -> Iterator[RunningNode]:
     """A real node (agent, gateway and aggregator processes) on the session's redis-server."""
@@ -152,17 +172,22 @@ def node(redis_url: str, run_dir: Path, shm_node: str) -> Iterator[RunningNode]:
 
 
 class RunningNode:
+    """A started node, and helpers that call its gateway as the operator (unless told otherwise)."""
+
     def __init__(self, node, http: str, grpc: str, state: ClusterState) -> None:
         self.node, self.http, self.grpc, self.state = node, http, grpc, state
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
-        """(status, headers, body bytes) of one HTTP request."""
+        """(status, headers, body bytes) of one HTTP request; with the operator's token unless
+        ``headers`` has an Authorization of its own (None as its value: send none)."""
         import http.client
 
+        headers = {**auth(), **(headers or {})}
+        headers = {k: v for k, v in headers.items() if v is not None}
         host, port = self.http.rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
         try:
-            conn.request(method, path, body=body, headers=headers or {})
+            conn.request(method, path, body=body, headers=headers)
             r = conn.getresponse()
             return r.status, dict(r.getheaders()), r.read()
         finally:
@@ -180,12 +205,37 @@ class RunningNode:
             "X-Lifl-Client": client, "X-Lifl-Samples": str(samples), "X-Lifl-Base-Version": str(version),
         })
 
-    def grpc_stub(self):
-        import grpc
-
+    def grpc_stub(self, token: str | None = OPERATOR_TOKEN):
+        """A grpcio stub whose calls carry ``token`` (None: no token)."""
         from lifl.gateway import lifl_pb2_grpc
 
-        return lifl_pb2_grpc.GatewayStub(grpc.insecure_channel(self.grpc))
+        channel = grpc.insecure_channel(self.grpc)
+        if token is not None:
+            channel = grpc.intercept_channel(channel, WithMetadata([("authorization", f"Bearer {token}")]))
+        return lifl_pb2_grpc.GatewayStub(channel)
+
+
+class WithMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds fixed metadata (a token) to every call of a grpcio channel."""
+
+    def __init__(self, metadata: list[tuple[str, str]]) -> None:
+        self.metadata = metadata
+
+    def _details(self, details: Any) -> Any:
+        return details._replace(metadata=[*(details.metadata or ()), *self.metadata])
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
 
 
 @pytest.fixture

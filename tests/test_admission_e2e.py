@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import RunningNode, read_response, wait_for
+from conftest import OPERATOR_TOKEN, RunningNode, read_response, wait_for
 from lifl import format as fmt
 from lifl.node.admission import JobSizes, round_extra
 from lifl.node.supervisor import Node, NodeConfig
@@ -119,7 +119,8 @@ class HeldUpload:
     def __init__(self, node: RunningNode, job: str, client: str, blob: bytes, samples: int, version: int) -> None:
         host, port = node.http.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=120)
-        head = f"POST /v1/jobs/{job}/updates HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(blob)}\r\n"
+        head = (f"POST /v1/jobs/{job}/updates HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(blob)}\r\n"
+                f"Authorization: Bearer {OPERATOR_TOKEN}\r\n")
         head += "".join(f"{k}: {v}\r\n" for k, v in update_headers(client, samples, version).items()) + "\r\n"
         self.blob, self.sent = blob, fmt.PREFIX_BYTES + fmt.header_length(blob[: fmt.PREFIX_BYTES]) + KEEP_ALIVE_BYTES
         self.sock.sendall(head.encode() + blob[: self.sent])

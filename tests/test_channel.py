@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,37 @@ def test_endpoint_is_group_writable_only(tmp_path: Path) -> None:
     sock = UnixKeyChannel.provision(tmp_path, 8, os.getgid())
     assert (tmp_path / "8").stat().st_mode & 0o777 == 0o660
     sock.close()
+
+
+class _NoPushes:
+    """The agent's side of a runtime's connection, with nothing to say."""
+
+    def __init__(self) -> None:
+        self.pushes: list = []
+        self.conn, self._peer = socket.socketpair()
+
+
+def test_a_run_of_a_task_takes_each_key_once_and_a_run_again_takes_them_anew(tmp_path: Path) -> None:
+    """A task that failed on an instance runs again there with its inputs sent anew, while the
+    copies sent to the failed run may still wait: each key counts once per run."""
+    from lifl import format as fmt
+    from lifl.runtime import Context, Invocation
+
+    receiver = UnixKeyChannel(UnixKeyChannel.provision(tmp_path, 3, None), tmp_path)
+    sender = UnixKeyChannel.sender(tmp_path)
+    ctx = Context(3, "t", "n", _NoPushes(), receiver)  # type: ignore[arg-type]
+    inv = Invocation(1, "j", 0, "middle", 3, False, fmt.ModelSpec(()))
+    state, late = b"s" * 16, b"u" * 16
+    sender.send(KeyMessage(dest=3, task=1, key=late))  # sent to the run that failed, never read by it
+    sender.send(KeyMessage(dest=3, task=2, key=late))  # another task's: kept for it
+    for key in (state, late):  # the run again's inputs
+        sender.send(KeyMessage(dest=3, task=1, key=key))
+    sender.send(KeyMessage(dest=3, task=1, kind=KIND_CLOSE, count=2))
+    got = []
+    while len(got) < 3:
+        got += ctx.receive(inv)
+    assert [(m.kind, m.key if m.kind != KIND_CLOSE else m.count) for m in got] == [(1, late), (1, state), (KIND_CLOSE, 2)]
+    ctx.run_ended(1)
+    sender.send(KeyMessage(dest=3, task=1, key=late))  # a later run is given it again
+    assert [m.key for m in ctx.receive(inv)] == [late]
+    assert [m.key for m in ctx.receive(Invocation(2, "j", 0, "leaf", 1, False, fmt.ModelSpec(())))] == [late]

@@ -210,7 +210,7 @@ def scripted_http() -> Iterator[Any]:
 
 
 JOB = (200, {"Content-Type": "application/json"}, b'{"job": "j", "version": 3}')
-ACCEPTED = (202, {"Content-Type": "application/json"}, b'{"key": "k1", "version": 0}')
+ACCEPTED = (202, {"Content-Type": "application/json"}, b'{"version": 0}')
 
 
 def push(gw: Gateway, client: str = "c") -> dict[str, Any]:
@@ -227,7 +227,7 @@ def test_http_gateway_reconnects_after_a_refused_connect(scripted_http: Any) -> 
         assert info.value.code == "unreachable"
     server.serve()
     assert gw.job("j") == {"job": "j", "version": 3}
-    assert push(gw)["key"] == "k1"
+    assert push(gw) == {"version": 0}
     gw.close()
 
 
@@ -242,7 +242,7 @@ def test_back_pressure_is_retried_no_sooner_than_retry_after(scripted_http: Any,
     server = scripted_http([refusal, JOB if call == "read" else ACCEPTED])
     gw = Gateway(server.address)
     result = gw.job("j") if call == "read" else push(gw)
-    assert result == ({"job": "j", "version": 3} if call == "read" else {"key": "k1", "version": 0})
+    assert result == ({"job": "j", "version": 3} if call == "read" else {"version": 0})
     assert len(server.requests) == 2 and server.gap(0, 1) >= 1.0  # it waited as long as it was told
     gw.close()
 
@@ -306,14 +306,14 @@ def test_a_push_whose_answer_was_lost_is_sent_again(scripted_http: Any) -> None:
     """Safe because a round takes one update per client: the retry cannot count twice."""
     server = scripted_http([DROP, ACCEPTED])
     gw = Gateway(server.address)
-    assert push(gw)["key"] == "k1" and len(server.requests) == 2
+    assert push(gw) == {"version": 0} and len(server.requests) == 2
     gw.close()
 
 
 def test_a_push_whose_first_try_was_taken_reports_it_acknowledged(scripted_http: Any) -> None:
     server = scripted_http([DROP, ALREADY])
     gw = Gateway(server.address)
-    assert push(gw) == {"key": "", "version": 0, "acknowledged_earlier": True} and len(server.requests) == 2
+    assert push(gw) == {"version": 0, "acknowledged_earlier": True} and len(server.requests) == 2
     gw.close()
 
 
@@ -332,7 +332,7 @@ def test_a_push_does_not_go_on_a_connection_the_gateway_closed_while_idle(script
     gw = Gateway(server.address)
     gw.job("j")
     wait_for(lambda: server.closed_connections == 1, what="the server to close the connection")
-    assert push(gw)["key"] == "k1" and len(server.requests) == 2
+    assert push(gw) == {"version": 0} and len(server.requests) == 2
     gw.close()
 
 
@@ -349,7 +349,7 @@ class ScriptedGrpc:
                 lambda request, context: self._answer(context, pb.Rounds()),
                 request_deserializer=pb.GetRoundsRequest.FromString, response_serializer=pb.Rounds.SerializeToString),
             "PushUpdate": grpc.stream_unary_rpc_method_handler(
-                lambda requests, context: self._answer(context, pb.PushUpdateReply(key=f"{sum(len(c.data) for c in requests)}")),
+                lambda requests, context: self._answer(context, pb.PushUpdateReply(version=sum(len(c.data) for c in requests))),
                 request_deserializer=pb.UpdateChunk.FromString, response_serializer=pb.PushUpdateReply.SerializeToString),
         })
         self.server = grpc.server(futures.ThreadPoolExecutor(2), handlers=[handler])
@@ -387,7 +387,7 @@ def test_grpc_back_pressure_is_retried_no_sooner_than_the_pushback(scripted_grpc
     refusal = (status, {"lifl-error-code": cls.default_code, "grpc-retry-pushback-ms": "1000"})
     server = scripted_grpc([refusal, None])
     gw = Gateway(server.address, "grpc")
-    assert (gw.rounds("j") == []) if call == "read" else (push(gw)["key"] == str(len(UPDATE)))
+    assert (gw.rounds("j") == []) if call == "read" else (push(gw)["version"] == len(UPDATE))
     assert len(server.calls) == 2 and server.calls[1] - server.calls[0] >= 1.0
     server.script = [refusal]  # and once out of attempts, the gateway's error
     gw.retry = NO_RETRY
@@ -460,7 +460,7 @@ def test_grpc_push_does_not_go_on_an_upload_connection_the_gateway_closed_while_
     gw = Gateway(proxy.address, "grpc")
     push(gw)
     proxy.cut()  # the kept upload connection is closed while idle
-    assert push(gw)["key"] == str(len(UPDATE)) and len(server.calls) == 2  # sent on a new connection
+    assert push(gw)["version"] == len(UPDATE) and len(server.calls) == 2  # sent on a new connection
     gw.close()
     proxy.close()
 

@@ -30,6 +30,8 @@ from lifl import cli
 from lifl import format as fmt
 from lifl.client import Gateway
 from lifl.control.controller import ControlConfig
+from lifl.gateway.flags import limit_argv
+from lifl.gateway.stream import ConnectionLimits
 from lifl.node import netns
 from lifl.node.cluster import Cluster, ClusterAddresses, ClusterConfig, node_argv
 
@@ -119,6 +121,7 @@ def test_cluster_config_names_addresses_and_node_options(tmp_path: Path) -> None
     assert c.network.bridge == "lifltbr0" and str(c.network.bridge_address) == "10.78.0.1"
     assert (c.network.namespace("n3"), c.network.host_end("n3")) == ("liflt-n3", "liflt-n3h")
     argv = node_argv(dataclasses.replace(n3, redis="unix:///r.sock"))
+    limits = limit_argv(ConnectionLimits())
     assert "--no-reuse" in argv  # the agent's flags pass through to every node
     argv.remove("--no-reuse")
     options = dict(zip(argv[4::2], argv[5::2]))
@@ -128,6 +131,7 @@ def test_cluster_config_names_addresses_and_node_options(tmp_path: Path) -> None
         "--checkpoints": f"dir:{tmp_path / 'data/checkpoints'}",  # shared: any node can restore any job
         "--shm-limit": str(1 << 30), "--pool-limit": str(1 << 28), "--max-instances": "16", "--keep-warm": "5",
         "--placement": "worstfit", "--capacity": "20.0", "--ewma-alpha": "0.7", "--plan-period": "2.0",
+        **dict(zip(limits[::2], limits[1::2])),  # the gateway's connection limits too
     }
 
 

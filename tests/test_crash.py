@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import wait_for
+from conftest import OPERATOR_TOKEN, auth, wait_for
 from lifl import format as fmt
 from lifl import procstat
 from lifl.gateway import lifl_pb2, lifl_pb2_grpc
@@ -61,7 +61,7 @@ class Up:
 
     def exchange(self, method: str, path: str, body: bytes | None = None,
                  headers: dict | None = None) -> tuple[int, dict[str, str], dict]:
-        req = urllib.request.Request(self.http + path, data=body, method=method, headers=headers or {})
+        req = urllib.request.Request(self.http + path, data=body, method=method, headers={**auth(), **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=30) as r:
                 return r.status, dict(r.headers), json.loads(r.read())
@@ -201,7 +201,7 @@ def test_a_redis_outage_is_503_with_retry_after_and_the_node_carries_on_when_it_
         stub = lifl_pb2_grpc.GatewayStub(grpc.insecure_channel(up.grpc))
         for _ in range(2):  # the HTTP/2 connection survives the error
             with pytest.raises(grpc.RpcError) as info:
-                stub.GetJob(lifl_pb2.GetJobRequest(job="j"), timeout=30)
+                stub.GetJob(lifl_pb2.GetJobRequest(job="j"), timeout=30, metadata=[("authorization", f"Bearer {OPERATOR_TOKEN}")])
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         os.kill(pids["supervisor"], signal.SIGCONT)

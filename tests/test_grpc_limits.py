@@ -14,6 +14,7 @@ import hpack
 import pytest
 
 from conftest import wait_for
+from lifl.auth import OPERATOR, Principal
 from lifl.errors import Unavailable
 from lifl.gateway import lifl_pb2 as pb
 from lifl.gateway.grpc_server import SERVICE, GrpcLimits, GrpcServer
@@ -51,7 +52,7 @@ class FakeIngest:
 
     def finish(self) -> dict:
         assert self.sink.done
-        return {"key": "ab" * 16, "version": 0}
+        return {"version": 0}
 
     def abort(self, error) -> None:
         self.aborted.set()
@@ -81,11 +82,14 @@ class FakeService:
     def close_thread(self) -> None:  # the server calls it as a connection's thread ends
         self.connections_ended += 1
 
-    def begin_update(self, meta, protocol: str, size: int | None) -> FakeIngest:
+    def authenticate(self, authorization: str | None, certificate: dict | None) -> Principal:
+        return Principal(OPERATOR)  # the server's limits are the subject here, not who calls
+
+    def begin_update(self, caller: Principal, job: str, fields: dict, protocol: str, size: int | None) -> FakeIngest:
         self.ingests.append(FakeIngest(size or 16))
         return self.ingests[-1]
 
-    def rounds(self, job: str, limit: int) -> list:
+    def rounds(self, caller: Principal, job: str, limit: int) -> list:
         if job == "boom":
             raise RuntimeError("boom")
         if job == "agent-gone":
@@ -94,7 +98,7 @@ class FakeService:
             raise Unavailable("redis is down", retry_after=2.5)
         return []
 
-    def open_model(self, job: str) -> FakeView:
+    def open_model(self, caller: Principal, job: str) -> FakeView:
         return FakeView(self)
 
 

@@ -15,6 +15,9 @@ from lifl.grpcwire import GRPC_STATUS, GrpcStatusError, UploadConnection, chunk_
 from lifl.net.grpc import call_result, message_prefix, status_trailers
 
 
+RECEIVED: dict[str, tuple[int, int, str]] = {}  # by client: bytes, their sum, the authorization metadata
+
+
 @pytest.fixture
 def grpcio_server() -> Iterator[str]:
     def push(requests, context):
@@ -26,7 +29,9 @@ def grpcio_server() -> Iterator[str]:
         if meta.client == "refuse":
             context.set_trailing_metadata((("lifl-error-code", "non_finite"),))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tensor 'w' element 3 is NaN")
-        return pb.PushUpdateReply(key=f"{len(data)}:{meta.client}:{int(np.frombuffer(data, np.uint8).sum())}", version=meta.base_version)
+        RECEIVED[meta.client] = (len(data), int(np.frombuffer(data, np.uint8).sum()),
+                                 dict(context.invocation_metadata()).get("authorization", ""))
+        return pb.PushUpdateReply(version=meta.base_version)
 
     handler = grpc.method_handlers_generic_handler("lifl.v1.Gateway", {
         "PushUpdate": grpc.stream_unary_rpc_method_handler(
@@ -46,15 +51,18 @@ def test_client_streams_to_a_grpcio_server(grpcio_server: str) -> None:
     try:
         for i, chunk in enumerate((1 << 20, 4096, len(blob))):  # several calls on one connection
             meta = pb.UpdateMeta(client=f"c{i}", base_version=7).SerializeToString()
-            reply = pb.PushUpdateReply.FromString(conn.call("/lifl.v1.Gateway/PushUpdate", chunk_messages(meta, blob, chunk)))
-            assert reply.key == f"{len(blob)}:c{i}:{int(np.frombuffer(blob, np.uint8).sum())}" and reply.version == 7
+            reply = pb.PushUpdateReply.FromString(conn.call("/lifl.v1.Gateway/PushUpdate", chunk_messages(meta, blob, chunk),
+                                                            [("authorization", f"Bearer t{i}")]))
+            assert reply.version == 7
+            assert RECEIVED[f"c{i}"] == (len(blob), int(np.frombuffer(blob, np.uint8).sum()), f"Bearer t{i}")
         meta = pb.UpdateMeta(client="refuse").SerializeToString()
         with pytest.raises(GrpcStatusError) as info:
             conn.call("/lifl.v1.Gateway/PushUpdate", chunk_messages(meta, b"abc", 1024))
         e = info.value
         assert (e.status, e.message, e.trailers["lifl-error-code"]) == (GRPC_STATUS["INVALID_ARGUMENT"], "tensor 'w' element 3 is NaN", "non_finite")
         meta = pb.UpdateMeta(client="after").SerializeToString()
-        assert pb.PushUpdateReply.FromString(conn.call("/lifl.v1.Gateway/PushUpdate", chunk_messages(meta, b"xy", 1024))).key.startswith("2:after")
+        conn.call("/lifl.v1.Gateway/PushUpdate", chunk_messages(meta, b"xy", 1024))
+        assert RECEIVED["after"] == (2, ord("x") + ord("y"), "")
     finally:
         conn.close()
 

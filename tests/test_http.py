@@ -9,8 +9,9 @@ import struct
 import numpy as np
 import pytest
 
-from conftest import RunningNode, wait_for
+from conftest import OPERATOR_TOKEN, RunningNode, wait_for
 from lifl import format as fmt
+from lifl.auth import OPERATOR, Principal
 
 MODEL = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.zeros(4, np.float32)}
 UPDATE = fmt.encode({"w": np.ones((3, 4), np.float32), "b": np.ones(4, np.float32)})
@@ -53,7 +54,8 @@ def read_response(s: socket.socket) -> tuple[int, dict]:
 
 
 def update_head(job: str = "j", extra: str = "", length: int | None = len(UPDATE), **headers: str) -> bytes:
-    h = {"X-Lifl-Client": "c1", "X-Lifl-Samples": "5", "X-Lifl-Base-Version": "0", **headers}
+    h = {"Authorization": f"Bearer {OPERATOR_TOKEN}", "X-Lifl-Client": "c1", "X-Lifl-Samples": "5", "X-Lifl-Base-Version": "0",
+         **headers}
     lines = "".join(f"{k}: {v}\r\n" for k, v in h.items() if v is not None)
     if length is not None:
         lines += f"Content-Length: {length}\r\n"
@@ -226,15 +228,14 @@ def test_header_length_prefix_is_little_endian_u64() -> None:
     assert struct.unpack("<Q", UPDATE[:8])[0] + 8 < len(UPDATE)
 
 
-class _BrokenState:
-    def job_names(self) -> list[str]:
-        raise RuntimeError("a bug")
-
-
 class _BrokenService:
     """Just enough of GatewayService for GET /v1/jobs to hit a bug."""
 
-    state = _BrokenState()
+    def authenticate(self, authorization: str | None, certificate: dict | None) -> Principal:
+        return Principal(OPERATOR)
+
+    def job_names(self, caller: Principal) -> list[str]:
+        raise RuntimeError("a bug")
 
     def close_thread(self) -> None:
         pass

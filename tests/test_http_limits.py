@@ -20,13 +20,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import RunningNode, wait_for
+from conftest import OPERATOR_TOKEN, RunningNode, wait_for
 from lifl import format as fmt
+from lifl.auth import Tokens
 from lifl.errors import Conflict, Overloaded
 from lifl.gateway.http import MAX_CHUNK_LINE, MAX_HEAD, MAX_HEADER_FIELDS, MAX_HEADER_LINE
 from lifl.gateway.ingest import BlobSink, LayoutCache
 from lifl.gateway.stream import RateMeter
 from lifl.node.supervisor import Child
+from lifl.state import ClusterState
 from lifl.store import MappingCache
 from test_http import read_response, update_head
 
@@ -36,10 +38,14 @@ UPDATE = fmt.encode({"w": np.ones(4096, np.float32)})
 ATTACKERS = tuple(f"127.0.0.{i}" for i in range(2, 7))  # loopback source addresses other than the checker's
 
 
+AUTH = f"Authorization: Bearer {OPERATOR_TOKEN}\r\n".encode()  # a line of a request head
+
+
 class Gateway:
     """A gateway process of its own, with limits set by flags (the node's gateway keeps the defaults)."""
 
     def __init__(self, redis_url: str, agent_socket: str, flags: dict[str, object]) -> None:
+        Tokens(ClusterState(redis_url).redis).register_operator(OPERATOR_TOKEN)
         argv = [sys.executable, "-m", "lifl.gateway", "--node", "lim", "--redis", redis_url, "--agent-socket", agent_socket,
                 "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"]
         for flag, value in flags.items():
@@ -156,7 +162,7 @@ def test_chunk_size_line_limit(gateway, extension: int, status: int) -> None:
     body = b'{"job": "c", "goal": 1}'
     size_line = b"%x;" % len(body) + b"e" * extension  # hex size (2 digits), ';', then the extension
     assert len(size_line) == extension + 3
-    got, reply = g.exchange(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    got, reply = g.exchange(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Transfer-Encoding: chunked\r\n\r\n"
                             + size_line + b"\r\n" + body + b"\r\n0\r\n\r\n")
     assert got == status and (status == 201 or reply["error"]["code"] == "bad_chunk")
 
@@ -250,7 +256,7 @@ def test_rate_meter_at_the_minimum_rate_and_below_it() -> None:
 def _busy(g: Gateway, source: str) -> socket.socket:
     """A connection with a request in progress: a model upload waiting for its body (on a node)."""
     s = g.connect(source)
-    s.sendall(b"PUT /v1/jobs/m/model HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\nExpect: 100-continue\r\n\r\n")
+    s.sendall(b"PUT /v1/jobs/m/model HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Length: 1000\r\nExpect: 100-continue\r\n\r\n")
     assert s.recv(64).startswith(b"HTTP/1.1 100 Continue")  # the gateway is reading its body
     return s
 
@@ -283,20 +289,20 @@ def test_per_peer_limit_evicts_the_peers_oldest_idle_connection(gateway) -> None
 @pytest.mark.slow
 def test_peer_at_its_limit_with_requests_in_progress_gets_only_health_checks(node_gateway) -> None:
     g = node_gateway(max_connections_per_peer=4, max_connections=64, reserved_connections=2, min_body_rate=0)
-    assert g.exchange(b'POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 23\r\n\r\n{"job": "m", "goal": 1}')[0] == 201
+    assert g.exchange(b'POST /v1/jobs HTTP/1.1\r\nHost: x\r\n' + AUTH + b'Content-Length: 23\r\n\r\n{"job": "m", "goal": 1}')[0] == 201
     with contextlib.ExitStack() as stack:
         for _ in range(4):
             stack.enter_context(_busy(g, ATTACKERS[0]))
         assert g.exchange(HEALTH + b"\r\n", ATTACKERS[0])[0] == 200  # on a reserved connection
-        status, body = g.exchange(b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\n\r\n", ATTACKERS[0])
+        status, body = g.exchange(b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\n" + AUTH + b"\r\n", ATTACKERS[0])
         assert (status, body["error"]["code"]) == (503, "too_many_connections")
-        assert g.exchange(b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\n\r\n", ATTACKERS[1])[0] == 200
+        assert g.exchange(b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\n" + AUTH + b"\r\n", ATTACKERS[1])[0] == 200
 
 
 @pytest.mark.slow
 def test_total_limit_evicts_from_the_biggest_peer_and_health_checks_get_through(node_gateway) -> None:
     g = node_gateway(max_connections=8, max_connections_per_peer=6, reserved_connections=2, min_body_rate=0)
-    assert g.exchange(b'POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 23\r\n\r\n{"job": "m", "goal": 1}')[0] == 201
+    assert g.exchange(b'POST /v1/jobs HTTP/1.1\r\nHost: x\r\n' + AUTH + b'Content-Length: 23\r\n\r\n{"job": "m", "goal": 1}')[0] == 201
     with contextlib.ExitStack() as stack:
         big = [stack.enter_context(g.connect(ATTACKERS[0])) for _ in range(6)]
         small = [stack.enter_context(g.connect(ATTACKERS[1])) for _ in range(2)]
@@ -313,14 +319,14 @@ def test_total_limit_evicts_from_the_biggest_peer_and_health_checks_get_through(
             stack.enter_context(_busy(g, ATTACKERS[i % 2]))
         for _ in range(5):
             assert g.exchange(HEALTH + b"\r\n")[0] == 200
-        status, body = g.exchange(b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, body = g.exchange(b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\n" + AUTH + b"\r\n")
         assert (status, body["error"]["code"]) == (503, "too_many_connections")
 
 
 @pytest.mark.slow
 def test_over_every_limit_connections_are_refused_from_the_accept_loop(node_gateway) -> None:
     g = node_gateway(max_connections=2, max_connections_per_peer=2, reserved_connections=0, min_body_rate=0)
-    assert g.exchange(b'POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 23\r\n\r\n{"job": "m", "goal": 1}')[0] == 201
+    assert g.exchange(b'POST /v1/jobs HTTP/1.1\r\nHost: x\r\n' + AUTH + b'Content-Length: 23\r\n\r\n{"job": "m", "goal": 1}')[0] == 201
     with _busy(g, ATTACKERS[0]), _busy(g, ATTACKERS[1]), g.connect() as refused:
         status, body = read_response(refused)  # sent at once, before the client says anything
         assert (status, body["error"]["code"]) == (503, "too_many_connections")
@@ -355,7 +361,7 @@ def test_claimed_headers_do_not_grow_the_gateway(node_gateway) -> None:
     """30 model uploads whose 8-byte prefix claims a 16 MiB header, then nothing: the gateway
     allocates what arrives, not what is claimed (it grew by 460 MB before)."""
     g = node_gateway(min_body_rate=1000, body_grace=0.5, body_window=0.5)
-    assert g.exchange(b'POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 23\r\n\r\n{"job": "m", "goal": 1}')[0] == 201
+    assert g.exchange(b'POST /v1/jobs HTTP/1.1\r\nHost: x\r\n' + AUTH + b'Content-Length: 23\r\n\r\n{"job": "m", "goal": 1}')[0] == 201
     for _ in range(3):  # warm up: threads, buffers, the job's state
         assert g.exchange(HEALTH + b"\r\n")[0] == 200
     g.reset_peak_memory()
@@ -364,7 +370,7 @@ def test_claimed_headers_do_not_grow_the_gateway(node_gateway) -> None:
     with contextlib.ExitStack() as stack:
         conns = [stack.enter_context(g.connect()) for _ in range(30)]
         for s in conns:
-            s.sendall(b"PUT /v1/jobs/m/model HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (8 + claim + 64)
+            s.sendall(b"PUT /v1/jobs/m/model HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Length: %d\r\n\r\n" % (8 + claim + 64)
                       + claim.to_bytes(8, "little"))
         for s in conns:  # the gateway waited for each header until the body was too slow
             status, body = read_response(s)

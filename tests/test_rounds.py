@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import RunningNode, read_response, wait_for
+from conftest import OPERATOR_TOKEN, RunningNode, read_response, wait_for
 from lifl import format as fmt
 from lifl.client import Gateway
 from lifl.errors import Conflict, NotFound
@@ -82,7 +82,8 @@ def test_update_still_arriving_when_the_round_closes_is_refused(node: RunningNod
     host, port = node.http.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=60) as s:
         s.sendall(b"POST /v1/jobs/s/updates HTTP/1.1\r\nHost: x\r\nX-Lifl-Client: slow\r\nX-Lifl-Samples: 1\r\n"
-                  b"X-Lifl-Base-Version: 0\r\nContent-Length: %d\r\n\r\n" % len(blob) + blob[:-8])
+                  b"Authorization: Bearer %s\r\nX-Lifl-Base-Version: 0\r\nContent-Length: %d\r\n\r\n"
+                  % (OPERATOR_TOKEN.encode(), len(blob)) + blob[:-8])
         wait_for(lambda: gw.job("s")["round"]["in_progress"] == 1, what="the slow upload admitted to round 0")
         wait_for(lambda: gw.job("s")["version"] == 1, timeout=DEADLINE + 60, what="round closed at its deadline")
         s.sendall(blob[-8:])

@@ -13,10 +13,16 @@ For float32 updates of ResNet-18/34/152 sizes (44.7, 83.3, 230 MB), on a real no
   accumulate_single_ms: one update folded alone into a warm float64 accumulator;
 - memcpy_ms: a copy of the same size between two pre-faulted shared-memory buffers;
 - peak_rss_mb: proportional set size (shared pages counted once) of the gateway and the
-  aggregators while one 230 MB update is received and handed to its leaf.
+  aggregators while one 230 MB update is received and handed to its leaf;
+- tls: what user-space TLS costs (this kernel may have no kernel TLS): the same uploads to a
+  second node serving TLS (ingest_https_ms, ingest_grpcs_ms; TLS 1.3, AES-GCM as negotiated)
+  and the raw-socket reference over TLS (raw_tls_ms), each beside its plain twin, as throughput
+  (GB/s) and CPU seconds per GB on the client (this process) and the server (the gateway, or
+  the raw sink): ``cpu_s_per_gb`` for every path, ``tls`` for the pairs.
 
 Each figure is the median of --reps repetitions, interleaved (raw, HTTP, gRPC, ...) on a quiet
-node so that background work and drift hit all of them alike.
+node so that background work and drift hit all of them alike; CPU per GB is the sum over the
+repetitions (the server's is counted in clock ticks, 10 ms).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,6 +49,7 @@ import posix_ipc
 from lifl import format as fmt
 from lifl.client import Gateway
 from lifl.kernels import Tensors, fold
+from lifl.net.tls import ALPN_HTTP, ClientTls, ServerTls
 from lifl.node.supervisor import Node, NodeConfig
 from lifl.procstat import cpu_seconds, pss_mb
 
@@ -53,12 +61,15 @@ TARGETS = {
 }
 HANDOFF_TARGET_US = 1000.0
 MEMORY_TARGET = 1.3
+TLS_PAIRS = {"raw": ("raw_tcp_ms", "raw_tls_ms"), "http": ("ingest_http_ms", "ingest_https_ms"),
+             "grpc": ("ingest_grpc_ms", "ingest_grpcs_ms")}  # path -> (plain, TLS) measurements
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--reps", type=int, default=7, help="repetitions per measurement (default 7)")
     p.add_argument("--models", default=",".join(m[0] for m in MODELS), help="comma-separated subset of " + ", ".join(m[0] for m in MODELS))
+    p.add_argument("--no-tls", dest="tls", action="store_false", help="skip the cost of TLS (a second node, serving TLS)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -67,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
     if unknown:
         print(f"lifl bench: unknown model(s) {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
-    result = run([m for m in MODELS if m[0] in wanted], args.reps, log=not args.json)
+    result = run([m for m in MODELS if m[0] in wanted], args.reps, log=not args.json, tls=args.tls)
     if args.json:
         print(json.dumps(result))
     else:
@@ -86,6 +97,34 @@ def synthetic_shapes(total_bytes: float, n_tensors: int, rng: np.random.Generato
     shapes = [(f"layer{i}.weight", (n // 9, 9) if n % 9 == 0 else (n,)) for i, n in enumerate(large)]
     shapes += [(f"layer{i}.bn", (n,)) for i, n in enumerate(small)]
     return shapes
+
+
+def self_signed(directory: Path) -> tuple[Path, Path] | None:
+    """A certificate (and key) for 127.0.0.1, for the bench's TLS node; None without the
+    cryptography package (a development dependency)."""
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        return None
+    import datetime
+    import ipaddress
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "lifl bench")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = directory / "bench-cert.pem", directory / "bench-key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
 
 
 def make_blob(shapes: list[tuple[str, tuple[int, ...]]], rng: np.random.Generator) -> bytes:
@@ -109,43 +148,61 @@ class ShmBuffer:
 
 
 class Bench:
-    def __init__(self, reps: int, log: bool) -> None:
+    def __init__(self, reps: int, log: bool, tls: bool = True) -> None:
         self.reps = reps
         self.log = log
         self.tmp = Path(tempfile.mkdtemp(prefix="lifl-bench-", dir="/tmp"))
         os.chmod(self.tmp, 0o755)
-        self.node = Node(NodeConfig(
-            node=f"b{os.getpid() % 100000}", http="127.0.0.1:0", grpc="127.0.0.1:0", run_dir=self.tmp / "run",
-            data_dir=self.tmp / "data", shm_capacity=8 << 30, pool_limit=4 << 30, keep_warm=600,
-        ), log=sys.stderr)  # stdout carries the result alone
+        self.node = self.start_node("b", None)
         self.addresses = self.node.start()
-        self.http = Gateway(self.addresses.http)
-        self.grpc = Gateway(self.addresses.grpc, protocol="grpc")
+        self.http = Gateway(self.addresses.http, token=self.node.operator_token)
+        self.grpc = Gateway(self.addresses.grpc, protocol="grpc", token=self.node.operator_token)
         import grpc
 
         from lifl.gateway import lifl_pb2, lifl_pb2_grpc
 
         self._pb = lifl_pb2
         self._channel = grpc.insecure_channel(self.addresses.grpc)
+        self._metadata = [("authorization", f"Bearer {self.node.operator_token}")]
         self.stub = lifl_pb2_grpc.GatewayStub(self._channel)
-        self.warm_instances()
+        self.warm_instances(self.http)
+        # the cost of TLS: a second node serving TLS, for the same uploads
+        self.tls_files = self_signed(self.tmp) if tls else None
+        self.tls_node: Node | None = None
+        if self.tls_files is not None:
+            self.tls_node = self.start_node("s", ServerTls(*map(str, self.tls_files)))
+            secure, ca = self.tls_node.start(), ClientTls(ca=self.tls_files[0])
+            self.https = Gateway(secure.http, tls=ca, token=self.tls_node.operator_token)
+            self.grpcs = Gateway(secure.grpc, protocol="grpc", tls=ca, token=self.tls_node.operator_token)
+            self.warm_instances(self.https)
 
-    def warm_instances(self) -> None:
+    def start_node(self, stem: str, tls: ServerTls | None) -> Node:
+        name = f"{stem}{os.getpid() % 100000}"
+        return Node(NodeConfig(
+            node=name, http="127.0.0.1:0", grpc="127.0.0.1:0", run_dir=self.tmp / name / "run",
+            data_dir=self.tmp / name / "data", shm_capacity=8 << 30, pool_limit=4 << 30, keep_warm=600, tls=tls,
+        ), log=sys.stderr)  # stdout carries the result alone
+
+    def warm_instances(self, gw: Gateway) -> None:
         """Run one tiny round so the tenant's aggregator processes exist before anything is
         measured: instances are per tenant and reused by every job, so their memory and their
         start-up are per-instance costs, not per-update ones (reported under memory)."""
         blob = fmt.encode({"w": np.ones(16, np.float32)})
-        self.http.create_job("warmup", 4)
-        self.http.set_model("warmup", blob)
+        gw.create_job("warmup", 4)
+        gw.set_model("warmup", blob)
         for i in range(4):
-            self.ingest_http("warmup", blob, f"w{i}")
-        self.wait_for_version("warmup", 1)
+            gw.push("warmup", blob, client=f"w{i}", samples=10, base_version=0)
+        self.wait_for_version("warmup", 1, gw)
 
     def close(self) -> None:
         self.http.close()
         self.grpc.close()
         self._channel.close()
         self.node.stop()
+        if self.tls_node is not None:
+            self.https.close()
+            self.grpcs.close()
+            self.tls_node.stop()
         import shutil
 
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -156,13 +213,15 @@ class Bench:
 
     # -- clients ------------------------------------------------------------------------------
     def ingest_http(self, job: str, blob: bytes, client: str) -> float:
-        t0 = time.perf_counter()
-        self.http.push(job, blob, client=client, samples=10, base_version=0)
-        return (time.perf_counter() - t0) * 1e3
+        return self.ingest(self.http, job, blob, client)
 
     def ingest_grpc(self, job: str, blob: bytes, client: str) -> float:
+        return self.ingest(self.grpc, job, blob, client)
+
+    @staticmethod
+    def ingest(gw: Gateway, job: str, blob: bytes, client: str) -> float:
         t0 = time.perf_counter()
-        self.grpc.push(job, blob, client=client, samples=10, base_version=0)
+        gw.push(job, blob, client=client, samples=10, base_version=0)
         return (time.perf_counter() - t0) * 1e3
 
     def ingest_grpcio(self, job: str, blob: bytes, client: str) -> float:
@@ -174,15 +233,16 @@ class Bench:
                 yield pb.UpdateChunk(data=bytes(view[i : i + (1 << 20)]))
 
         t0 = time.perf_counter()
-        self.stub.PushUpdate(chunks())
+        self.stub.PushUpdate(chunks(), metadata=self._metadata)
         return (time.perf_counter() - t0) * 1e3
 
     def wait_quiet(self, timeout: float = 30.0) -> None:
         """Until the node's processes have used no CPU for 100 ms (aggregation done)."""
         deadline = time.monotonic() + timeout
         last = -1.0
+        nodes = [self.node] + ([self.tls_node] if self.tls_node is not None else [])
         while time.monotonic() < deadline:
-            pids = [p for group in self.node.pids().values() for p in group]
+            pids = [p for node in nodes for group in node.pids().values() for p in group]
             now = cpu_seconds(pids)
             if now - last < 0.005:
                 return
@@ -197,17 +257,26 @@ class Bench:
         nbytes = len(update)
         self.http.create_job(name, 2 + 3 * self.reps)
         self.http.set_model(name, model)
+        if self.tls_node is not None:
+            self.https.create_job(name, 2 * self.reps)
+            self.https.set_model(name, model)
         self.say(f"{name}: {nbytes / 1e6:.1f} MB, {len(shapes)} tensors")
 
-        sink = subprocess.Popen([sys.executable, "-m", "lifl.bench.rawsink", str(nbytes)], stdout=subprocess.PIPE, text=True)
-        raw = socket.create_connection(("127.0.0.1", int(sink.stdout.readline())))
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-        def raw_tcp() -> float:
-            t0 = time.perf_counter()
-            raw.sendall(update)
-            raw.recv(1)
-            return (time.perf_counter() - t0) * 1e3
+        sinks: list[subprocess.Popen] = []
+        raw, sink = self.raw_sink(nbytes, sinks, tls=False)
+        gateway = self.node.pids()["gateway"]
+        paths: dict[str, tuple[Callable[[int], float], list[int]]] = {  # measurement -> (one try, server processes)
+            "raw_tcp_ms": (lambda r: self.raw_send(raw, update), [sink]),
+            "ingest_http_ms": (lambda r: self.ingest_http(name, update, f"h{r}"), gateway),
+            "ingest_grpc_ms": (lambda r: self.ingest_grpc(name, update, f"g{r}"), gateway),
+            "ingest_grpcio_ms": (lambda r: self.ingest_grpcio(name, update, f"i{r}"), gateway),
+        }
+        if self.tls_node is not None:
+            raw_tls, tls_sink = self.raw_sink(nbytes, sinks, tls=True)
+            secure_gateway = self.tls_node.pids()["gateway"]
+            paths["raw_tls_ms"] = (lambda r: self.raw_send(raw_tls, update), [tls_sink])
+            paths["ingest_https_ms"] = (lambda r: self.ingest(self.https, name, update, f"hs{r}"), secure_gateway)
+            paths["ingest_grpcs_ms"] = (lambda r: self.ingest(self.grpcs, name, update, f"gs{r}"), secure_gateway)
 
         out: dict[str, Any] = {"size_mb": round(nbytes / 1e6, 1), "tensors": len(shapes)}
         try:
@@ -217,24 +286,52 @@ class Bench:
             out["memory"] = memory
             self.wait_quiet()
             out["ingest_grpc_cold_ms"] = round(self.ingest_grpc(name, update, "cold-grpc"), 2)
-            samples: dict[str, list[float]] = {"raw_tcp_ms": [], "ingest_http_ms": [], "ingest_grpc_ms": [], "ingest_grpcio_ms": []}
+            samples: dict[str, list[float]] = {key: [] for key in paths}
+            cpu: dict[str, list[float]] = {key: [0.0, 0.0] for key in paths}  # client, server seconds over all tries
             for r in range(self.reps):
-                for key, fn in (("raw_tcp_ms", raw_tcp), ("ingest_http_ms", lambda: self.ingest_http(name, update, f"h{r}")),
-                                ("ingest_grpc_ms", lambda: self.ingest_grpc(name, update, f"g{r}")),
-                                ("ingest_grpcio_ms", lambda: self.ingest_grpcio(name, update, f"i{r}"))):
+                for key, (attempt, server) in paths.items():
                     self.wait_quiet()
-                    samples[key].append(fn())
+                    client_cpu, server_cpu = time.process_time(), cpu_seconds(server)
+                    samples[key].append(attempt(r))
+                    cpu[key][0] += time.process_time() - client_cpu
+                    cpu[key][1] += cpu_seconds(server) - server_cpu
+            gigabytes = self.reps * nbytes / 1e9
+            out["cpu_s_per_gb"] = {key.removesuffix("_ms"): {"client": round(c / gigabytes, 3), "server": round(s / gigabytes, 3)}
+                                   for key, (c, s) in cpu.items()}
             for key, values in samples.items():
                 out[key] = round(statistics.median(values), 2)
                 out[key.replace("_ms", "_min_ms")] = round(min(values), 2)
         finally:
             raw.close()
-            sink.kill()
-            sink.wait()
+            for process in sinks:
+                process.kill()
+                process.wait()
         self.wait_for_version(name, 1)
+        if self.tls_node is not None:
+            out["tls"] = tls_cost(out, nbytes)
+            self.wait_for_version(name, 1, self.https)
         out.update(self.aggregator_figures(name))
         out.update(self.kernel_figures(update, nbytes))
         return out
+
+    def raw_sink(self, nbytes: int, sinks: list[subprocess.Popen], *, tls: bool) -> tuple[socket.socket, int]:
+        """A connection to a new raw sink (over TLS: the bench's certificate), and the sink's pid."""
+        files = list(map(str, self.tls_files)) if tls and self.tls_files else []
+        sink = subprocess.Popen([sys.executable, "-m", "lifl.bench.rawsink", str(nbytes), *files], stdout=subprocess.PIPE, text=True)
+        sinks.append(sink)
+        assert sink.stdout is not None
+        raw = socket.create_connection(("127.0.0.1", int(sink.stdout.readline())))
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls and self.tls_files:
+            raw = ClientTls(ca=self.tls_files[0]).context(ALPN_HTTP).wrap_socket(raw, server_hostname="127.0.0.1")
+        return raw, sink.pid
+
+    @staticmethod
+    def raw_send(raw: socket.socket, update: bytes) -> float:
+        t0 = time.perf_counter()
+        raw.sendall(update)
+        raw.recv(1)
+        return (time.perf_counter() - t0) * 1e3
 
     def cold_ingest_memory(self, job: str, update: bytes, nbytes: int) -> dict[str, Any]:
         """The first update of this size (no recycled buffer yet): peak memory while in flight."""
@@ -267,10 +364,10 @@ class Bench:
             "agent_mb": round(pss_mb(g["agent"]), 1),
         }
 
-    def wait_for_version(self, job: str, version: int, timeout: float = 120.0) -> None:
+    def wait_for_version(self, job: str, version: int, gw: Gateway | None = None, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.http.job(job)["version"] == version:
+            if (gw or self.http).job(job)["version"] == version:
                 return
             time.sleep(0.05)
         raise RuntimeError(f"{job} did not reach version {version}")
@@ -319,8 +416,18 @@ class Bench:
         return {"memcpy_ms": round(statistics.median(copies), 2), "accumulate_single_ms": round(statistics.median(single), 2)}
 
 
-def run(models: list[tuple[str, float, int]], reps: int, log: bool = False) -> dict[str, Any]:
-    bench = Bench(reps, log)
+def tls_cost(figures: dict[str, Any], nbytes: int) -> dict[str, Any]:
+    """Each path plain and over TLS: GB/s (of the medians), CPU s/GB, and TLS's time over plain's."""
+    out: dict[str, Any] = {}
+    for path, pair in TLS_PAIRS.items():
+        out[path] = {"time_ratio": round(figures[pair[1]] / figures[pair[0]], 3)}
+        for mode, key in zip(("plain", "tls"), pair):
+            out[path][mode] = {"gb_s": round(nbytes / 1e6 / figures[key], 3), "cpu_s_per_gb": figures["cpu_s_per_gb"][key.removesuffix("_ms")]}
+    return out
+
+
+def run(models: list[tuple[str, float, int]], reps: int, log: bool = False, tls: bool = True) -> dict[str, Any]:
+    bench = Bench(reps, log, tls)
     try:
         sizes = {name: bench.measure(name, size, n) for name, size, n in models}
     finally:
@@ -328,6 +435,10 @@ def run(models: list[tuple[str, float, int]], reps: int, log: bool = False) -> d
     for figures in sizes.values():
         ratios = {name: round(figures[a] / figures[b], 3) for name, (a, b, _) in TARGETS.items()}
         ratios["ingest_grpcio"] = round(figures["ingest_grpcio_ms"] / figures["raw_tcp_ms"], 3)  # informational
+        if "tls" in figures:  # informational: user-space TLS against the plain raw socket, and against raw TLS
+            for key in ("raw_tls", "ingest_https", "ingest_grpcs"):
+                ratios[key] = round(figures[f"{key}_ms"] / figures["raw_tcp_ms"], 3)
+            ratios["ingest_https_vs_raw_tls"] = round(figures["ingest_https_ms"] / figures["raw_tls_ms"], 3)
         figures["ratios"] = ratios
         figures["targets_met"] = {
             **{name: ratios[name] <= limit for name, (_, _, limit) in TARGETS.items()},
@@ -354,3 +465,11 @@ def print_table(result: dict[str, Any]) -> None:
     for name, f in result["sizes"].items():
         print(f"{name}: ratios {f['ratios']}, memory per in-flight update {f['memory']['per_update_ratio']}x, targets {f['targets_met']}")
     print(f"peak PSS (gateway + aggregators + agent) with one update of the largest size in flight: {result['peak_rss_mb']} MB")
+    if any("tls" in f for f in result["sizes"].values()):
+        print("\nthe cost of TLS (user space; GB/s of the median try; CPU s/GB client + server):")
+        print(f"{'model':<10}{'path':<6}{'plain GB/s':>12}{'TLS GB/s':>10}{'time x':>8}{'plain CPU s/GB':>22}{'TLS CPU s/GB':>22}")
+        for name, f in result["sizes"].items():
+            for path, cost in f.get("tls", {}).items():
+                plain, tls = cost["plain"], cost["tls"]
+                cpu = [f"{c['cpu_s_per_gb']['client']:.2f} + {c['cpu_s_per_gb']['server']:.2f}" for c in (plain, tls)]
+                print(f"{name:<10}{path:<6}{plain['gb_s']:>12}{tls['gb_s']:>10}{cost['time_ratio']:>8}{cpu[0]:>22}{cpu[1]:>22}")

@@ -205,7 +205,8 @@ class Round:
 
     def _measure(self, addresses: Any) -> dict[str, Any]:
         state = ClusterState(addresses.redis)
-        gateways = [Gateway(a.http) for a in addresses.nodes.values()]
+        token = self.cluster.operator_token
+        gateways = [Gateway(a.http, token=token) for a in addresses.nodes.values()]
         gw = gateways[0]
         job = "bench"
         gw.create_job(job, self.updates, leaf_fan_in=2, over_selection=1.0, max_inflight=self.updates,
@@ -219,7 +220,7 @@ class Round:
         errors: list[BaseException] = []
 
         def client(i: int) -> None:
-            g = Gateway(assigned[i])
+            g = Gateway(assigned[i], token=token)
             try:
                 start.wait()
                 g.push(job, self.blobs[i % len(self.blobs)], client=f"c{i}", samples=1 + i % 7, base_version=0)

@@ -1,10 +1,14 @@
 """The physical reference for ingest: receive N bytes from a loopback socket into a preallocated,
-pre-faulted buffer and acknowledge with one byte. Run as a separate process, like the gateway."""
+pre-faulted buffer and acknowledge with one byte. Run as a separate process, like the gateway.
+With a certificate and key (``rawsink N CERT KEY``) the socket is TLS: the reference for what
+user-space TLS costs by itself, records decrypted straight into the buffer."""
 
 from __future__ import annotations
 
 import socket
 import sys
+
+from lifl.net.tls import ALPN_HTTP, ServerTls
 
 
 def main() -> None:
@@ -17,6 +21,8 @@ def main() -> None:
     print(server.getsockname()[1], flush=True)
     conn, _ = server.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if len(sys.argv) > 2:
+        conn = ServerTls(sys.argv[2], sys.argv[3]).context(ALPN_HTTP).wrap_socket(conn, server_side=True)
     while True:
         got = 0
         while got < size:

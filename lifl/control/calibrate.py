@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from lifl import format as fmt
-from lifl.client import NO_RETRY, Gateway
+from lifl.client import NO_RETRY, TOKEN_ENV, Gateway
 from lifl.errors import LiflError
 from lifl.state import ClusterState
 
@@ -140,6 +141,7 @@ def calibrate_node(state: ClusterState, node: str, *, update_mb: float, step_sec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = f"Runs as the operator: ${TOKEN_ENV} must hold the operator's token."
     p.add_argument("--redis", required=True, metavar="URL", help="the cluster's Redis (as printed by `lifl up`)")
     p.add_argument("--node", action="append", help="node to calibrate (repeatable; default: every node that is up)")
     p.add_argument("--update-mb", type=float, default=4.0, help="size of the updates sent (default 4 MB)")
@@ -150,6 +152,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if not os.environ.get(TOKEN_ENV):  # it creates a job of its own and sends updates as several clients
+        raise SystemExit(f"lifl calibrate: set ${TOKEN_ENV} to the operator's token")
     state = ClusterState(args.redis)
     nodes = args.node or sorted(state.gateways())
     if not nodes:

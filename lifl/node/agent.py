@@ -91,6 +91,14 @@ def check_traversable(directory: Path) -> None:
             )
 
 
+def public_reason(error: BaseException) -> str:
+    """Why a checkpoint failed, as the job's status tells its tenant: the kind of failure without
+    paths, URLs or names of the node (its log has the whole message)."""
+    if isinstance(error, OSError) and error.strerror:
+        return f"{type(error).__name__}: {error.strerror}"
+    return f"{type(error).__name__} (the node's log has the details)"
+
+
 @dataclass
 class AgentConfig:
     node: str
@@ -107,6 +115,7 @@ class AgentConfig:
     reuse: bool = True  # warm instances take any role (§5.3); False: one task per instance (a baseline)
     lazy: bool = False  # aggregate only once every input arrived (a baseline; lifl is eager, §5.4)
     control: ControlConfig = field(default_factory=ControlConfig)
+    socket_group: int | None = None  # may connect too (the gateway's, when it runs as the service user)
 
     @property
     def socket_path(self) -> Path:
@@ -321,7 +330,9 @@ class Agent:
         path.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(path))
-        os.chmod(path, 0o600)
+        if self.config.socket_group is not None:
+            os.chown(path, -1, self.config.socket_group)
+        os.chmod(path, 0o600 if self.config.socket_group is None else 0o660)
         listener.listen(64)
         self._listener = listener
         threading.Thread(target=self._accept_loop, name="agent-accept", daemon=True).start()
@@ -1071,7 +1082,7 @@ class Agent:
         self.metrics.checkpoint_failures.labels(e.job).inc()
         print(f"lifl agent: checkpoint of {e.job} version {version} failed ({attempts} times), "
               f"trying again in {delay:g} s: {error}", file=sys.stderr)
-        self.state.set_checkpoint_error(e.job, version, f"{type(error).__name__}: {error}")
+        self.state.set_checkpoint_error(e.job, version, public_reason(error))
 
     def retry_checkpoints(self) -> None:
         """Write again the checkpoints whose back-off is over (the round's model waits meanwhile);
@@ -1499,11 +1510,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shm-capacity", type=int, required=True)
     p.add_argument("--pool-limit", type=int, required=True)
     p.add_argument("--checkpoints", default="")
+    p.add_argument("--socket-group", type=int, metavar="GID", help="this group may connect to the agent's socket too")
     add_agent_arguments(p)
     args = p.parse_args(argv)
     die_with_parent()
     config = AgentConfig(args.node, args.run_dir, args.redis, args.shm_capacity, args.pool_limit,
-                         checkpoints=args.checkpoints, data_dir=args.data_dir, **agent_options(args))
+                         checkpoints=args.checkpoints, data_dir=args.data_dir, socket_group=args.socket_group,
+                         **agent_options(args))
     agent = Agent(config, ClusterState(args.redis))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -10,6 +10,9 @@ The cluster supervisor reports a node that exits and does not restart it (whoeve
 meant to). Its children die with it (parent-death signal, which survives ip netns exec's execve);
 what a killed supervisor leaves behind (namespaces, links, processes, shared memory) is removed
 by the next start with the same prefix.
+
+The cluster's redis runs as the service user, as a node's embedded one does (lifl.node.privilege);
+the operator's token is resolved once, here, registered, and given to every node.
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ from urllib.parse import urlsplit
 import redis
 
 from lifl.control.controller import ControlConfig
+from lifl.gateway.flags import limit_argv, tls_argv
 from lifl.gateway.stream import ConnectionLimits
-from lifl.node import netns
+from lifl.net.tls import ServerTls
+from lifl.node import netns, operator_token
 from lifl.node.agent import agent_argv
+from lifl.node.privilege import current, popen_as, prepare_data_dir, secure_checkpoints, service_identity
 from lifl.node.supervisor import NodeConfig, default_data_dir, default_run_dir, default_shm_capacity, embedded_redis_argv
 from lifl.procs import die_with_parent
 from lifl.store import remove_node_objects
@@ -79,11 +85,15 @@ class ClusterConfig:
     lazy: bool = False
     control: ControlConfig = field(default_factory=ControlConfig)
     gateway_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    open_metrics: bool = False  # every node's GET /metrics without a token
+    tls: ServerTls | None = None  # every node's: nodes that share a certificate (or CA) trust each other (ServerTls.peer_context)
     netem: str | None = None  # shaping of every node's link, netem syntax (see netns)
     internode_rate: str | None = None  # a tc rate for traffic between nodes only (clients' is not shaped)
     http_port: int = 8080
     grpc_port: int = 50051
     start_timeout: float = 120.0
+    service_user: str | None = None  # who gateways and redis run as (see privilege.service_identity)
+    operator_token_file: Path | None = None  # None: $LIFL_OPERATOR_TOKEN, else DATA_DIR/operator-token
     network: netns.Network = field(init=False, repr=False)
     netem_spec: netns.NetemSpec | None = field(init=False, repr=False)
     node_configs: dict[str, NodeConfig] = field(init=False, repr=False)  # their redis is set at start
@@ -120,7 +130,7 @@ class ClusterConfig:
             run_dir=self.run_dir / node, data_dir=self.data_dir / node, checkpoints=self.checkpoints,
             shm_capacity=self.shm_capacity, pool_limit=self.pool_limit, max_instances=self.max_instances,
             keep_warm=self.keep_warm, reuse=self.reuse, lazy=self.lazy, control=self.control,
-            gateway_limits=self.gateway_limits,
+            gateway_limits=self.gateway_limits, service_user=self.service_user, tls=self.tls, open_metrics=self.open_metrics,
         )
 
 
@@ -138,10 +148,14 @@ class ClusterAddresses:
     nodes: dict[str, NodeAddresses]
     redis: str
     shaping: str  # the qdisc on every link ("" when not shaped)
+    operator_token_source: str = ""  # operator_token.OperatorToken.source
+    tls: bool = False  # the gateways serve TLS
 
     def summary(self) -> str:
         lines = [f"lifl cluster is up: {len(self.nodes)} nodes, redis {self.redis}"]
-        lines += [f"  {a.node}  http://{a.http}  grpc {a.grpc}" for a in self.nodes.values()]
+        scheme = "https" if self.tls else "http"
+        lines += [f"  {a.node}  {scheme}://{a.http}  grpc {a.grpc}" for a in self.nodes.values()]
+        lines.append(f"  operator token: {self.operator_token_source}")
         if self.shaping.startswith("tbf"):
             lines.append(f"  links shaped both ways: {self.shaping} (the kernel has no netem: its rate, with tbf)")
         elif self.shaping:
@@ -149,13 +163,16 @@ class ClusterAddresses:
         return "\n".join(lines)
 
 
-def node_argv(c: NodeConfig) -> list[str]:
-    """The `lifl up` of one node."""
+def node_argv(c: NodeConfig, operator_token_file: Path | None = None) -> list[str]:
+    """The `lifl up` of one node (a token from the environment reaches it through its environment)."""
     assert c.redis is not None
     return [
         sys.executable, "-m", "lifl", "up", "--node", c.node, "--http", c.http, "--grpc", c.grpc, "--redis", c.redis,
         "--run-dir", str(c.run_dir), "--data-dir", str(c.data_dir), "--checkpoints", c.checkpoints,
         "--shm-limit", str(c.shm_capacity), "--pool-limit", str(c.pool_limit), *agent_argv(c.agent_options()),
+        *(["--service-user", c.service_user] if c.service_user is not None else []), *tls_argv(c.tls),
+        *limit_argv(c.gateway_limits), *(["--open-metrics"] if c.open_metrics else []),
+        *(["--operator-token-file", str(operator_token_file)] if operator_token_file is not None else []),
     ]
 
 
@@ -163,7 +180,7 @@ class NodeProcess:
     """One node's `lifl up` in its namespace. Its stdout is read for the addresses it prints,
     then forwarded to the cluster's log, each line marked with the node's id."""
 
-    BANNER = ("  http:", "  grpc:", "  redis:")  # supervisor.run's, replaced by the cluster's summary
+    BANNER = ("  http:", "  grpc:", "  redis:", "  operator token:")  # supervisor.run's, replaced by the cluster's summary
 
     def __init__(self, node: str, argv: list[str], log: IO[str]) -> None:
         self.node, self.log = node, log
@@ -180,7 +197,7 @@ class NodeProcess:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith("  http:"):
-                self.http = line.split()[1].removeprefix("http://")
+                self.http = line.split()[1].removeprefix("http://").removeprefix("https://")
             elif line.startswith("  grpc:"):
                 self.grpc = line.split()[1]
                 self.ready.set()
@@ -225,6 +242,8 @@ class Cluster:
         self._redis_argv: list[str] = []
         self._lock_file: IO[str] | None = None
         self._stop = threading.Event()
+        self.service = current()  # who the redis and the nodes' gateways run as, once started
+        self.operator_token = ""  # once started
 
     @property
     def network(self) -> netns.Network:
@@ -255,6 +274,11 @@ class Cluster:
 
     def _start(self) -> ClusterAddresses:
         c = self.config
+        assert c.data_dir is not None
+        self.service = service_identity(c.service_user)
+        prepare_data_dir(c.data_dir, self.service, hosts_redis=c.redis is None)
+        secure_checkpoints(c.checkpoints, c.data_dir)
+        token = operator_token.resolve(c.data_dir, token_file=c.operator_token_file)
         self._remove_leftovers()
         qdisc = c.netem_spec.qdisc(netns.netem_available(c.prefix)) if c.netem_spec else []  # refuses before building
         netns.create_bridge(self.network)
@@ -269,15 +293,17 @@ class Cluster:
                 netns.shape_between_nodes(self.network, node, peers, netns.parse_rate(c.internode_rate))
             qdisc = ["htb", "between nodes", c.internode_rate]
         redis_url = c.redis or self._start_redis()
+        operator_token.register(redis_url, token)
+        self.operator_token = token.token
         for node, nc in c.node_configs.items():
-            argv = netns.exec_argv(self.network.namespace(node), node_argv(dataclasses.replace(nc, redis=redis_url)))
+            argv = netns.exec_argv(self.network.namespace(node), node_argv(dataclasses.replace(nc, redis=redis_url), token.path))
             self.nodes[node] = NodeProcess(node, argv, self.log)
         deadline = time.monotonic() + c.start_timeout
         addresses = {}
         for node, proc in self.nodes.items():
             http, grpc = proc.wait_ready(deadline - time.monotonic())
             addresses[node] = NodeAddresses(node, self.network.namespace(node), self.network.host_end(node), http, grpc)
-        return ClusterAddresses(addresses, redis_url, " ".join(qdisc))
+        return ClusterAddresses(addresses, redis_url, " ".join(qdisc), token.source, tls=c.tls is not None)
 
     def _remove_leftovers(self) -> None:
         """What a killed run with this prefix left: namespaces, links, processes, shared memory."""
@@ -293,14 +319,15 @@ class Cluster:
         assert self.config.data_dir is not None
         host = str(self.network.bridge_address)
         port = _free_port(host)
-        self._redis_argv = embedded_redis_argv(self.config.data_dir, ["--bind", host, "--port", str(port), "--protected-mode", "no"])
+        self._redis_argv = embedded_redis_argv(self.config.data_dir, ["--bind", host, "--port", str(port), "--protected-mode", "no"],
+                                               self.service)
         url = f"redis://{host}:{port}"
         self._start_redis_process(url)
         return url
 
     def _start_redis_process(self, url: str, timeout: float = 30.0) -> None:
         self._redis = subprocess.Popen(self._redis_argv, stdout=subprocess.DEVNULL, start_new_session=True,
-                                       preexec_fn=die_with_parent)
+                                       preexec_fn=die_with_parent, **popen_as(self.service))
         deadline = time.monotonic() + timeout
         with redis.Redis.from_url(url, socket_timeout=5) as client:
             while True:

@@ -5,6 +5,13 @@ the gateway, prints the gateway's addresses, and stops everything cleanly on Ctr
 SIGTERM. Its children die with it (parent-death signal). If the gateway or the embedded
 redis exits it is restarted; if the agent dies the node cannot go on: the supervisor
 removes the agent's shared memory, stops the rest and exits with an error.
+
+As root, only what needs root keeps it (see lifl.node.privilege): the supervisor (it restarts
+the gateway, which starts as root to bind its ports) and the agent (it creates every tenant's
+objects, chowns them and starts functions as the tenants' uids) stay root; the gateway drops
+to the service user once its sockets are bound, and the embedded redis runs as that user.
+
+Before the gateway starts, the operator's token (lifl.node.operator_token) is registered in Redis.
 """
 
 from __future__ import annotations
@@ -21,15 +28,21 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+from urllib.parse import urlsplit
 
 import redis
 
 from lifl import procstat
 from lifl.control.controller import ControlConfig
-from lifl.gateway.flags import limit_argv
+from lifl.gateway.flags import limit_argv, plaintext_warning, tls_argv
 from lifl.gateway.stream import ConnectionLimits
+from lifl.net.tls import ServerTls
+from lifl.node import operator_token
 from lifl.node.agent import agent_argv
+from lifl.node.privilege import (
+    Identity, can_connect, current, make_private_tree, popen_as, prepare_data_dir, secure_checkpoints, service_identity,
+)
 from lifl.procs import die_with_parent
 from lifl.store import SHM_DIR, remove_node_objects
 
@@ -72,6 +85,11 @@ class NodeConfig:
     lazy: bool = False
     control: ControlConfig = field(default_factory=ControlConfig)
     gateway_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    open_metrics: bool = False  # GET /metrics without a token
+    tls: ServerTls | None = None  # None: plain TCP (see gateway.flags.plaintext_warning)
+    service_user: str | None = None  # who the gateway and embedded redis run as (see privilege.service_identity)
+    operator_token: str | None = None  # None: $LIFL_OPERATOR_TOKEN, operator_token_file or DATA_DIR's (operator_token.resolve)
+    operator_token_file: Path | None = None
 
     def agent_options(self) -> dict[str, object]:
         return {"max_instances": self.max_instances, "keep_warm": self.keep_warm, "reuse": self.reuse, "lazy": self.lazy,
@@ -86,14 +104,15 @@ class NodeConfig:
         self.pool_limit = self.pool_limit if self.pool_limit is not None else self.shm_capacity // 4
 
 
-def embedded_redis_argv(data_dir: Path, listen: list[str]) -> list[str]:
-    """The redis-server `lifl up` starts when none is given: ``listen`` says where; its data
-    lives in DATA_DIR/redis, logged to an append-only file synced every second."""
+def embedded_redis_argv(data_dir: Path, listen: list[str], owner: Identity) -> list[str]:
+    """The redis-server `lifl up` starts when none is given, as ``owner`` (privilege.popen_as):
+    ``listen`` says where; its data lives in DATA_DIR/redis, ``owner``'s alone, logged to an
+    append-only file synced every second."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise SystemExit("lifl: redis-server is not installed (run `make install`, or pass --redis URL)")
     directory = data_dir / "redis"
-    directory.mkdir(parents=True, exist_ok=True)
+    make_private_tree(directory, owner)
     return [exe, *listen, "--dir", str(directory), "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
             "--logfile", str(directory / "redis.log")]
 
@@ -106,8 +125,10 @@ class Addresses:
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str], ready: str | None, log: IO[str], pdeathsig: bool = False) -> None:
+    def __init__(self, name: str, argv: list[str], ready: str | None, log: IO[str], pdeathsig: bool = False,
+                 popen_options: dict[str, Any] | None = None) -> None:
         self.name, self.argv, self.ready_prefix, self.log, self.pdeathsig = name, argv, ready, log, pdeathsig
+        self.popen_options = popen_options or {}  # e.g. the user to run as (privilege.popen_as)
         self.proc: subprocess.Popen | None = None
         self.ready_line = ""
         self.restarts = 0
@@ -115,7 +136,7 @@ class Child:
     def start(self, timeout: float = 30.0) -> None:
         self.proc = subprocess.Popen(
             self.argv, stdout=subprocess.PIPE, text=True, start_new_session=True,
-            preexec_fn=die_with_parent if self.pdeathsig else None,
+            preexec_fn=die_with_parent if self.pdeathsig else None, **self.popen_options,
         )
         if self.ready_prefix is None:
             threading.Thread(target=_forward, args=(self.proc.stdout, self.log), daemon=True).start()
@@ -160,33 +181,60 @@ class Node:
         self.addresses: Addresses | None = None
         self._stop = threading.Event()
         self._lock_file: IO[str] | None = None
+        self.service = current()  # who the gateway and embedded redis run as, once started
+        self.operator_token = ""  # once started
+        self.operator_token_source = ""  # where it came from (operator_token.OperatorToken.source)
 
     @property
     def run_dir(self) -> Path:
         assert self.config.run_dir is not None
         return self.config.run_dir
 
+    @property
+    def drops_privileges(self) -> bool:
+        """Whether the gateway runs as another user than the supervisor (the service user)."""
+        return self.service != current()
+
     def start(self) -> Addresses:
         c = self.config
         assert c.data_dir is not None
+        try:
+            self.service = service_identity(c.service_user)
+        except ValueError as e:
+            raise SystemExit(f"lifl: {e}") from None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._take_lock()
+        prepare_data_dir(c.data_dir, self.service, hosts_redis=c.redis is None)
+        secure_checkpoints(c.checkpoints, c.data_dir)
+        try:
+            token = operator_token.resolve(c.data_dir, given=c.operator_token, token_file=c.operator_token_file)
+        except ValueError as e:
+            raise SystemExit(f"lifl: {e}") from None
         stale = remove_node_objects(c.node)
         if stale:
             print(f"lifl: removed {stale} shared-memory objects left by a previous run of node {c.node}", file=sys.stderr)
         redis_url = c.redis or self._start_redis()
         self._wait_redis(redis_url)
+        if urlsplit(redis_url).scheme == "unix":
+            self._check_gateway_reaches(Path(urlsplit(redis_url).path), "Redis's socket")
+        operator_token.register(redis_url, token)
+        self.operator_token, self.operator_token_source = token.token, token.source
         py = sys.executable
+        socket_group = ["--socket-group", str(self.service.gid)] if self.drops_privileges else []
         self.children["agent"] = agent = Child("agent", [
             py, "-m", "lifl.node.agent", "--node", c.node, "--run-dir", str(self.run_dir), "--data-dir", str(c.data_dir),
             "--redis", redis_url, "--checkpoints", c.checkpoints,
-            "--shm-capacity", str(c.shm_capacity), "--pool-limit", str(c.pool_limit), *agent_argv(c.agent_options()),
+            "--shm-capacity", str(c.shm_capacity), "--pool-limit", str(c.pool_limit), *socket_group,
+            *agent_argv(c.agent_options()),
         ], ready="ready", log=self.log)
         agent.start()
+        self._check_gateway_reaches(self.run_dir / "agent.sock", "the agent's socket")
+        user = ["--user", self.service.spec] if self.drops_privileges else []
         self.children["gateway"] = gateway = Child("gateway", [
             py, "-m", "lifl.gateway", "--node", c.node, "--redis", redis_url,
             "--agent-socket", str(self.run_dir / "agent.sock"), "--http", c.http, "--grpc", c.grpc,
-            "--placement", c.control.placement, "--capacity", str(c.control.capacity), *limit_argv(c.gateway_limits),
+            "--placement", c.control.placement, "--capacity", str(c.control.capacity), *limit_argv(c.gateway_limits), *tls_argv(c.tls), *user,
+            *(["--open-metrics"] if c.open_metrics else []),
         ], ready="{", log=self.log)
         gateway.start()
         addresses = json.loads(gateway.ready_line)
@@ -203,11 +251,20 @@ class Node:
         except BlockingIOError:
             raise SystemExit(f"lifl: node {self.config.node} is already running (lock {self.run_dir / 'node.lock'})") from None
 
+    def _check_gateway_reaches(self, socket_path: Path, what: str) -> None:
+        if self.drops_privileges and not can_connect(socket_path, self.service):
+            raise SystemExit(f"lifl: the gateway runs as {self.service} and cannot connect to {what} {socket_path}: "
+                             "make it and its directories reachable by that user, or choose another with --service-user")
+
     def _start_redis(self) -> str:
         assert self.config.data_dir is not None
-        sock = self.run_dir / "redis.sock"
-        argv = embedded_redis_argv(self.config.data_dir, ["--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700"])
-        self.children["redis"] = child = Child("redis", argv, ready=None, log=self.log, pdeathsig=True)
+        sock_dir = self.run_dir / "redis"  # the service user's: redis makes its socket there
+        make_private_tree(sock_dir, self.service)
+        sock = sock_dir / "redis.sock"
+        argv = embedded_redis_argv(self.config.data_dir, ["--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700"],
+                                   self.service)
+        self.children["redis"] = child = Child("redis", argv, ready=None, log=self.log, pdeathsig=True,
+                                               popen_options=popen_as(self.service))
         child.start()
         return f"unix://{sock}"
 
@@ -262,7 +319,7 @@ class Node:
             if child:
                 child.stop()
         remove_node_objects(self.config.node)
-        for name in ("agent.sock", "redis.sock"):
+        for name in ("agent.sock", "redis/redis.sock"):
             (self.run_dir / name).unlink(missing_ok=True)
         if self._lock_file:
             self._lock_file.close()
@@ -279,7 +336,10 @@ def run(config: NodeConfig) -> int:
     except (RuntimeError, SystemExit):
         node.stop()
         raise
-    print(f"lifl node {config.node} is up\n  http: http://{a.http}\n  grpc: {a.grpc}\n  redis: {a.redis}", flush=True)
+    if config.tls is None:
+        print(plaintext_warning(a.http, a.grpc), file=sys.stderr, flush=True)
+    print(f"lifl node {config.node} is up\n  http: {'https' if config.tls else 'http'}://{a.http}\n  grpc: {a.grpc}\n  redis: {a.redis}\n"
+          f"  operator token: {node.operator_token_source}", flush=True)
     status = node.supervise()
     node.stop()
     print(f"lifl node {config.node} stopped", flush=True)
