@@ -329,10 +329,8 @@ class GatewayService:
         """A new tenant or client token: its record and, this once, the token itself."""
         spec = TokenSpec.from_request(body)
         may_issue(principal, spec)
-        if spec.role == CLIENT:
-            job = self.state.job(spec.job) if spec.job in self.state.job_names(spec.tenant) else None
-            if job is None or job.spec.tenant != spec.tenant:
-                raise NotFound(f"job {spec.job!r} does not exist", code="no_such_job")
+        if spec.role == CLIENT and self.state.job(spec.job).spec.tenant != spec.tenant:  # enrols in its tenant's jobs only
+            raise NotFound(f"job {spec.job!r} does not exist", code="no_such_job")
         record, token = self.tokens.create(spec)
         return {**record.public(), "token": token}
 
