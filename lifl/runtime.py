@@ -25,11 +25,10 @@ import traceback
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from lifl import format as fmt
-from lifl.channel import KIND_KEY, KeyMessage, UnixKeyChannel, now_ns
+from lifl.channel import KIND_KEY, KeyEndpoint, KeyMessage, attach, now_ns
 from lifl.protocol import Alloc, CancelTask, Done, Failed, Folded, Handoff, InstallResult, Invoke, Ready
 from lifl.rpc import Client, Connection
 from lifl.store import MappingCache, object_name
@@ -55,7 +54,7 @@ class Context:
     on. Where the result goes (a task on this instance, another instance, another node) is
     the agent's business: ``forward`` hands it over and sends the key where it is told to."""
 
-    def __init__(self, instance_id: int, tenant: str, node: str, client: Client, channel: UnixKeyChannel) -> None:
+    def __init__(self, instance_id: int, tenant: str, node: str, client: Client, channel: KeyEndpoint) -> None:
         self.instance_id = instance_id
         self.tenant = tenant
         self.node = node
@@ -212,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--instance", type=int, required=True)
     p.add_argument("--tenant", required=True)
     p.add_argument("--node", required=True)
-    p.add_argument("--chan-dir", type=Path, required=True)
+    p.add_argument("--channel", required=True, metavar="SPEC", help="the key endpoint's spec, from the agent")
     p.add_argument("--control-fd", type=int, required=True)
     p.add_argument("--channel-fd", type=int, required=True)
     p.add_argument("--handler", default="lifl.functions.aggregator.handler:handle")
@@ -222,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.user is not None:
         drop_privileges(args.user)
     client = Client(Connection(socket.socket(fileno=args.control_fd)))
-    channel = UnixKeyChannel(socket.socket(fileno=args.channel_fd), args.chan_dir)
+    channel = attach(args.channel, socket.socket(fileno=args.channel_fd))
     ctx = Context(args.instance, args.tenant, args.node, client, channel)
     client.call(Ready())
     serve(ctx, handler)

@@ -50,6 +50,7 @@ class Tenant:
     name: str
     uid: int | None = None  # None: not isolated (the agent is not root)
     gid: int | None = None
+    id: int = 0  # the same on every node (lifl.state.ClusterState.tenant_id): key messages carry it
 
 
 def object_name(node: str, tenant: str, key: bytes) -> str:

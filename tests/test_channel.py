@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
+import struct
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from lifl.channel import KIND_CLOSE, MESSAGE_BYTES, KeyMessage, UnixKeyChannel, now_ns
+from lifl.channel import (
+    KIND_CLOSE, MESSAGE_BYTES, RECORD_FIELDS, KeyMessage, UnixTransport, _RECORD, attach, now_ns, transport,
+)
+from lifl.store import Tenant
+
+ACME = Tenant("acme", id=610001)
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_message_round_trip_and_destination_first() -> None:
-    msg = KeyMessage(dest=7, task=99, key=os.urandom(16), samples=1234, count=3, partial=True, src=5, sent_ns=now_ns())
+    msg = KeyMessage(dest=7, task=99, key=os.urandom(16), samples=1234, count=3, partial=True, src=5, sent_ns=now_ns(),
+                     tenant=610001, agg_us=1500)
     data = msg.pack()
     assert len(data) == MESSAGE_BYTES == 64
     assert int.from_bytes(data[:4], "little") == 7  # what an SK_MSG program routes on
@@ -30,10 +40,41 @@ def test_malformed_messages_are_rejected(data: bytes, needle: str) -> None:
         KeyMessage.unpack(data)
 
 
+def test_the_record_is_the_one_bpf_keymsg_h_defines(tmp_path: Path) -> None:
+    """The Python layout pinned to the C struct, compiled: offsets and sizes of every field."""
+    program = tmp_path / "layout.c"
+    fields = ", ".join(f'"{name}"' for name in RECORD_FIELDS)
+    offsets = " ".join(f'printf("%zu %zu\\n", offsetof(struct keymsg, {f}), sizeof(((struct keymsg *)0)->{f}));'
+                       for f in RECORD_FIELDS)
+    program.write_text(f"""#include <linux/types.h>
+#include <stddef.h>
+#include <stdio.h>
+#include "keymsg.h"
+static const char *names[] = {{{fields}}};
+int main(void) {{ printf("%zu\\n", sizeof(struct keymsg)); {offsets} return names[0] == 0; }}
+""")
+    subprocess.run(["cc", "-std=c11", "-I", str(REPO / "bpf"), "-o", str(tmp_path / "layout"), str(program)], check=True)
+    lines = subprocess.run([str(tmp_path / "layout")], check=True, capture_output=True, text=True).stdout.split("\n")
+    c_layout = [tuple(map(int, line.split())) for line in lines[1:] if line]
+    assert int(lines[0]) == MESSAGE_BYTES == _RECORD.size
+    assert c_layout == _python_layout()
+
+
+def _python_layout() -> list[tuple[int, int]]:
+    """(offset, size) of each field of the packed record (no padding: each follows the last)."""
+    layout, offset = [], 0
+    for count, code in re.findall(r"(\d*)([a-zA-Z])", _RECORD.format):
+        size = struct.calcsize("<" + count + code)
+        layout.append((offset, size))
+        offset += size
+    return layout
+
+
 def test_unix_channel_delivers_and_reports_full_queues(tmp_path: Path) -> None:
-    sock = UnixKeyChannel.provision(tmp_path, 3, None)
-    receiver = UnixKeyChannel(sock, tmp_path)
-    sender = UnixKeyChannel.sender(tmp_path)
+    keys = UnixTransport(tmp_path)
+    sock, spec = keys.provision(ACME, 3)
+    receiver = attach(spec, sock)
+    sender = keys.sender(ACME)
     assert receiver.recv(timeout=0) is None
     sender.send(KeyMessage(dest=3, task=1, key=b"k" * 16))
     sender.send(KeyMessage(dest=3, task=1, kind=KIND_CLOSE, count=1))
@@ -46,16 +87,45 @@ def test_unix_channel_delivers_and_reports_full_queues(tmp_path: Path) -> None:
     assert sent >= 1
     with pytest.raises(FileNotFoundError):
         sender.send(KeyMessage(dest=4, task=1))  # no such instance
-    UnixKeyChannel.retire(tmp_path, 3)
-    assert not (tmp_path / "3").exists()
+    keys.retire(ACME, 3)
+    assert not (tmp_path / "acme" / "3").exists()
     receiver.close()
-    sender.close()
+    keys.close()
 
 
-def test_endpoint_is_group_writable_only(tmp_path: Path) -> None:
-    sock = UnixKeyChannel.provision(tmp_path, 8, os.getgid())
-    assert (tmp_path / "8").stat().st_mode & 0o777 == 0o660
+def test_endpoints_are_the_tenants_alone(tmp_path: Path) -> None:
+    keys = transport("unix", tmp_path)
+    tenant = Tenant("acme", os.getuid(), os.getgid(), 610001)
+    sock, _ = keys.provision(tenant, 8)
+    assert (tmp_path / "acme").stat().st_mode & 0o777 == 0o750
+    assert (tmp_path / "acme" / "8").stat().st_mode & 0o777 == 0o660
     sock.close()
+    with pytest.raises(ValueError, match="unknown key transport 'carrier-pigeon'"):
+        transport("carrier-pigeon", tmp_path)
+
+
+def test_a_message_speaks_for_its_senders_tenant_only(tmp_path: Path) -> None:
+    """Messages are stamped with the sending endpoint's tenant; one of another tenant is
+    neither sent nor taken."""
+    keys = UnixTransport(tmp_path)
+    sock, spec = keys.provision(ACME, 3)
+    receiver = attach(spec, sock)
+    keys.sender(ACME).send(KeyMessage(dest=3, task=1, key=b"k" * 16))
+    assert receiver.recv(timeout=30).tenant == ACME.id
+    with pytest.raises(ValueError, match="cannot be sent from tenant"):
+        keys.sender(ACME).send(KeyMessage(dest=3, task=1, tenant=ACME.id + 1))
+    forged = KeyMessage(dest=3, task=1, tenant=ACME.id + 1).pack()  # straight onto the socket
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as raw:
+        raw.sendto(forged, str(tmp_path / "acme" / "3"))
+    with pytest.raises(ValueError, match="reached an endpoint of tenant"):
+        receiver.recv(timeout=30)
+    keys.close()
+
+
+@pytest.mark.parametrize("spec", ["unix", "unix:x:/tmp", "unix:1:", "ebpf-nope:1", ""])
+def test_malformed_endpoint_specs_are_refused(spec: str) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock, pytest.raises(ValueError):
+        attach(spec, sock)
 
 
 class _NoPushes:
@@ -72,8 +142,10 @@ def test_a_run_of_a_task_takes_each_key_once_and_a_run_again_takes_them_anew(tmp
     from lifl import format as fmt
     from lifl.runtime import Context, Invocation
 
-    receiver = UnixKeyChannel(UnixKeyChannel.provision(tmp_path, 3, None), tmp_path)
-    sender = UnixKeyChannel.sender(tmp_path)
+    keys = UnixTransport(tmp_path)
+    sock, spec = keys.provision(ACME, 3)
+    receiver = attach(spec, sock)
+    sender = keys.sender(ACME)
     ctx = Context(3, "t", "n", _NoPushes(), receiver)  # type: ignore[arg-type]
     inv = Invocation(1, "j", 0, "middle", 3, False, fmt.ModelSpec(()))
     state, late = b"s" * 16, b"u" * 16

@@ -15,10 +15,9 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
-from lifl.channel import UnixKeyChannel
+from lifl.channel import KeyTransport
 from lifl.protocol import Message
 from lifl.rpc import Connection
 from lifl.store import Tenant
@@ -48,11 +47,11 @@ class _Process:
 class LocalProcesses:
     """Instances as processes of ``python -m lifl.runtime``, each with a control connection
     (served by ``serve(instance id, connection)`` on a thread of its own, which returns when the
-    process goes) and a key-channel endpoint in its tenant's directory."""
+    process goes) and an endpoint of the node's key transport."""
 
-    def __init__(self, node: str, chan_dir: Path, handler: str, serve: Callable[[int, Connection], None]) -> None:
+    def __init__(self, node: str, keys: KeyTransport, handler: str, serve: Callable[[int, Connection], None]) -> None:
         self.node = node
-        self.chan_dir = chan_dir
+        self.keys = keys
         self.handler = handler
         self._serve = serve
         self._procs: dict[int, _Process] = {}
@@ -63,12 +62,11 @@ class LocalProcesses:
         with self._lock:
             self._next_id += 1
             iid = self._next_id
-        directory = self.chan_dir / tenant.name
-        chan = UnixKeyChannel.provision(directory, iid, tenant.gid)
+        chan, spec = self.keys.provision(tenant, iid)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cmd = [
             sys.executable, "-m", "lifl.runtime", "--instance", str(iid), "--tenant", tenant.name,
-            "--node", self.node, "--chan-dir", str(directory),
+            "--node", self.node, "--channel", spec,
             "--control-fd", str(theirs.fileno()), "--channel-fd", str(chan.fileno()), "--handler", self.handler,
         ]
         if tenant.uid is not None:
@@ -92,7 +90,7 @@ class LocalProcesses:
             with self._lock:
                 p = self._procs.pop(iid, None)
             if p is not None:
-                UnixKeyChannel.retire(self.chan_dir / p.tenant.name, iid)
+                self.keys.retire(p.tenant, iid)
                 _reap(p.proc)
 
 

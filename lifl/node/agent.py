@@ -49,7 +49,7 @@ from typing import Any
 
 from lifl import checkpoints
 from lifl import format as fmt
-from lifl.channel import KIND_CLOSE, KeyMessage, UnixKeyChannel, now_ns
+from lifl.channel import KIND_CLOSE, TRANSPORTS, KeyMessage, now_ns, transport
 from lifl.control import rounds as cluster_rounds
 from lifl.control.controller import Controller, ControlConfig
 from lifl.control.planner import LEAF, ROLES, InstanceView, expired, pick_warm
@@ -116,6 +116,7 @@ class AgentConfig:
     lazy: bool = False  # aggregate only once every input arrived (a baseline; lifl is eager, §5.4)
     control: ControlConfig = field(default_factory=ControlConfig)
     socket_group: int | None = None  # may connect too (the gateway's, when it runs as the service user)
+    channel: str = "unix"  # the key transport (lifl.channel.TRANSPORTS)
 
     @property
     def socket_path(self) -> Path:
@@ -276,7 +277,8 @@ class Agent:
         data_dir = config.data_dir or config.run_dir
         self.checkpointer = Checkpointer(checkpoints.open_store(config.checkpoints, data_dir=data_dir, redis_url=config.redis_url))
         self.trees = tree.Trees(config.node)
-        self.actuator = LocalProcesses(config.node, config.chan_dir, config.handler, self._serve_instance)
+        self.transport = transport(config.channel, config.chan_dir)
+        self.actuator = LocalProcesses(config.node, self.transport, config.handler, self._serve_instance)
         self.controller = Controller(state, config.node, config.control, reuse=config.reuse)
         self.jobs: dict[str, JobRun] = {}
         self.instances: dict[int, Instance] = {}
@@ -285,7 +287,7 @@ class Agent:
         self.pending: dict[int, list[KeyMessage]] = {}  # inputs of tasks not running yet
         self.placed: dict[int, Instance] = {}  # running tasks
         self.progress: dict[int, TaskProgress] = {}  # tasks without a result yet (to run them again)
-        self.outbox: deque[tuple[str, KeyMessage]] = deque()  # (tenant, message) for full queues
+        self.outbox: deque[tuple[Tenant, KeyMessage]] = deque()  # (tenant, message) for full queues
         self.outgoing: dict[int, OutgoingPartial] = {}
         self.failed_checkpoints: dict[str, FailedCheckpoint] = {}  # by job
         self.local_updates: dict[bytes, str] = {}  # client updates admitted here and not yet aggregated, by key
@@ -293,7 +295,6 @@ class Agent:
         self.forwarder: Connection | None = None  # the gateway's connection taking ForwardPartial
         self.recent: deque[dict[str, Any]] = deque(maxlen=512)  # finished tasks' statistics
         self.started_at = time.time()
-        self._senders: dict[str, UnixKeyChannel] = {}
         self._tenants: dict[str, Tenant] = {}
         self._next_id = 0
         self._stopping = threading.Event()
@@ -350,6 +351,7 @@ class Agent:
             self.store.close()
             remove_node_objects(self.node)
         self.actuator.stop_all()
+        self.transport.close()
         self.checkpointer.stop()
         self.config.socket_path.unlink(missing_ok=True)
 
@@ -472,15 +474,10 @@ class Agent:
     def tenant(self, name: str) -> Tenant:
         t = self._tenants.get(name)
         if t is None:
-            uid = self.state.tenant_id(name) if self.config.isolate else None
-            t = Tenant(name, uid, uid)
-            directory = self.config.chan_dir / name
-            directory.mkdir(exist_ok=True)
-            os.chmod(directory, 0o750)
-            if t.gid is not None:
-                os.chown(directory, -1, t.gid)
+            tenant_id = self.state.tenant_id(name)
+            uid = tenant_id if self.config.isolate else None
+            t = Tenant(name, uid, uid, tenant_id)
             with self.lock:
-                self._senders.setdefault(name, UnixKeyChannel.sender(directory))
                 t = self._tenants.setdefault(name, t)
         return t
 
@@ -1006,9 +1003,9 @@ class Agent:
 
     def _send_key(self, inst: Instance, msg: KeyMessage) -> None:
         msg = KeyMessage(**{**msg.__dict__, "dest": inst.id})
-        sender = self._senders[inst.tenant.name]
+        sender = self.transport.sender(inst.tenant)
         if self.outbox or not sender.try_send(msg):
-            self.outbox.append((inst.tenant.name, msg))  # the instance's queue is full; the duty loop retries
+            self.outbox.append((inst.tenant, msg))  # the instance's queue is full; the duty loop retries
             self._wake.set()
 
     def _cancel(self, task_id: int, reason: str) -> None:
@@ -1353,7 +1350,7 @@ class Agent:
             while self.outbox:
                 tenant, msg = self.outbox[0]
                 # keys for an instance that died are dropped: its task runs again with all of them
-                if msg.dest in self.instances and not self._senders[tenant].try_send(msg):
+                if msg.dest in self.instances and not self.transport.sender(tenant).try_send(msg):
                     return
                 self.outbox.popleft()
 
@@ -1486,18 +1483,20 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-warm", type=float, default=60.0, help="seconds an idle aggregator stays warm (default 60)")
     p.add_argument("--no-reuse", action="store_true", help="baseline: one task per aggregator instance (no reuse, §5.3)")
     p.add_argument("--lazy", action="store_true", help="baseline: aggregate only once every input arrived (§5.4)")
+    p.add_argument("--channel", choices=sorted(TRANSPORTS), default="unix",
+                   help="how aggregators pass object keys to each other (default unix: datagram sockets)")
     ControlConfig.add_arguments(p)
 
 
 def agent_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"max_instances": args.max_instances, "keep_warm": args.keep_warm, "reuse": not args.no_reuse,
-            "lazy": args.lazy, "control": ControlConfig.from_arguments(args)}
+            "lazy": args.lazy, "control": ControlConfig.from_arguments(args), "channel": args.channel}
 
 
 def agent_argv(options: dict[str, Any]) -> list[str]:
     """The command-line spelling of ``agent_options`` (for starting the agent as a process)."""
     argv = ["--max-instances", str(options["max_instances"]), "--keep-warm", str(options["keep_warm"])]
-    argv += ["--no-reuse"] * (not options["reuse"]) + ["--lazy"] * options["lazy"]
+    argv += ["--no-reuse"] * (not options["reuse"]) + ["--lazy"] * options["lazy"] + ["--channel", options["channel"]]
     return argv + options["control"].argv()
 
 

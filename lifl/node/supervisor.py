@@ -83,6 +83,7 @@ class NodeConfig:
     checkpoints: str = ""  # "" = a directory under data_dir; see lifl.checkpoints
     reuse: bool = True  # see lifl.node.agent.AgentConfig
     lazy: bool = False
+    channel: str = "unix"  # the key transport (lifl.channel.TRANSPORTS)
     control: ControlConfig = field(default_factory=ControlConfig)
     gateway_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     open_metrics: bool = False  # GET /metrics without a token
@@ -93,7 +94,7 @@ class NodeConfig:
 
     def agent_options(self) -> dict[str, object]:
         return {"max_instances": self.max_instances, "keep_warm": self.keep_warm, "reuse": self.reuse, "lazy": self.lazy,
-                "control": self.control}
+                "control": self.control, "channel": self.channel}
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z0-9]{1,16}", self.node):  # no '-': it separates name parts in /dev/shm
