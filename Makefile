@@ -1,12 +1,16 @@
 # The two commands a newcomer runs (both install what they need first):
 #   make demo   - `lifl demo`: federated learning through a local node, to 90 % test accuracy
 #   make test   - the whole test suite, including the slow and root-only suites
-.PHONY: install demo test test-fast fuzz bench proto clean
+.PHONY: install bpf demo test test-fast fuzz bench proto clean
 
 PY := .venv/bin/python
 
 install:
 	@scripts/install.sh
+
+# The eBPF key channel (bpf/keychan.bpf.o); install builds it too.
+bpf:
+	$(MAKE) -s -C bpf
 
 demo: install
 	.venv/bin/lifl demo
@@ -31,3 +35,4 @@ proto: install
 
 clean:
 	rm -rf .venv build *.egg-info lifl/*.so .pytest_cache
+	$(MAKE) -s -C bpf clean

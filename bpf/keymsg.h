@@ -10,6 +10,7 @@
 #define KEYMSG_BYTES 64
 #define KEYMSG_KIND_KEY 1   /* an object to aggregate */
 #define KEYMSG_KIND_CLOSE 2 /* no more inputs: finish with what arrived (count: the new fan-in) */
+#define KEYMSG_KIND_ACK 3   /* the sender consumed `count` messages: its credits (eBPF flow control) */
 #define KEYMSG_FLAG_PARTIAL 1 /* the object holds a partial sum, not a client update */
 
 struct keymsg {

@@ -29,10 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from prometheus_client.registry import Collector
+
 from lifl.store import Tenant
 
 KIND_KEY = 1  # an object to aggregate
 KIND_CLOSE = 2  # no more inputs: finish with what arrived (count = the new fan-in)
+KIND_ACK = 3  # the sender read ``count`` messages: the credits of the eBPF transport's flow control
 
 FLAG_PARTIAL = 1  # the object holds a partial sum, not a client update
 
@@ -72,7 +75,7 @@ class KeyMessage:
         if len(data) != MESSAGE_BYTES:
             raise ValueError(f"key message must be {MESSAGE_BYTES} bytes, got {len(data)}")
         dest, src, kind, flags, count, task, samples, sent_ns, key, tenant, agg_us = _RECORD.unpack(data)
-        if kind not in (KIND_KEY, KIND_CLOSE):
+        if kind not in (KIND_KEY, KIND_CLOSE, KIND_ACK):
             raise ValueError(f"unknown key message kind {kind}")
         return cls(dest, task, kind, key, samples, count, bool(flags & FLAG_PARTIAL), src, sent_ns, tenant, agg_us)
 
@@ -119,6 +122,9 @@ class KeyTransport(Protocol):
 
     def close(self) -> None:
         """Shutdown: everything the transport set up goes."""
+
+    def collector(self) -> Collector | None:
+        """Its own metrics, read when Prometheus scrapes (None: it has none)."""
 
 
 class UnixEndpoint:
@@ -208,15 +214,34 @@ class UnixTransport:
             endpoint.close()
         self._senders.clear()
 
+    def collector(self) -> None:
+        return None  # the kernel counts nothing of unix datagrams for us
 
-TRANSPORTS = {UnixTransport.name: UnixTransport}
+
+CHANNELS = ("auto", "ebpf", "unix")  # what ``lifl up --channel`` takes
 
 
-def transport(name: str, directory: Path) -> KeyTransport:
-    """The transport ``lifl up --channel NAME`` runs, its endpoints under ``directory``."""
-    if name not in TRANSPORTS:
-        raise ValueError(f"unknown key transport {name!r}: one of {', '.join(TRANSPORTS)}")
-    return TRANSPORTS[name](directory)
+def transport(name: str, node: str, directory: Path) -> tuple[KeyTransport, str]:
+    """The transport ``lifl up --channel NAME`` runs (endpoints under ``directory``), and why it
+    is that one, for the node's log: ``auto`` takes eBPF when the kernel, the build and the
+    privileges allow, unix sockets otherwise."""
+    if name == UnixTransport.name:
+        return UnixTransport(directory), "asked for (--channel unix)"
+    if name not in CHANNELS:
+        raise ValueError(f"unknown key transport {name!r}: one of {', '.join(CHANNELS)}")
+    from lifl import ebpf  # loads only where eBPF may be used
+
+    why_not = ebpf.available()
+    if name == ebpf.EbpfTransport.name:
+        if why_not is not None:
+            raise RuntimeError(f"--channel ebpf: {why_not}")
+        return ebpf.EbpfTransport(node, directory), "asked for (--channel ebpf)"
+    if why_not is None:
+        try:
+            return ebpf.EbpfTransport(node, directory), "the kernel, the build and the privileges allow it"
+        except ebpf.EbpfError as e:
+            why_not = str(e)
+    return UnixTransport(directory), f"eBPF is not available: {why_not}"
 
 
 def attach(spec: str, sock: socket.socket) -> KeyEndpoint:
@@ -227,4 +252,10 @@ def attach(spec: str, sock: socket.socket) -> KeyEndpoint:
         if not tenant.isdecimal() or not directory:
             raise ValueError(f"bad unix endpoint spec {spec!r}: expected unix:TENANT:DIRECTORY")
         return UnixEndpoint(sock, Path(directory), int(tenant))
+    if name == "ebpf":
+        if not rest.isdecimal():
+            raise ValueError(f"bad ebpf endpoint spec {spec!r}: expected ebpf:TENANT")
+        from lifl.ebpf import EbpfEndpoint
+
+        return EbpfEndpoint(sock, int(rest))
     raise ValueError(f"unknown key transport {name!r} in endpoint spec {spec!r}")

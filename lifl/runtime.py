@@ -218,10 +218,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--user", type=int, help="drop to this uid (and gid) once the code is loaded")
     args = p.parse_args(argv)
     handler = load_handler(args.handler)
+    channel = attach(args.channel, socket.socket(fileno=args.channel_fd))  # imports its transport: before the drop
     if args.user is not None:
         drop_privileges(args.user)
     client = Client(Connection(socket.socket(fileno=args.control_fd)))
-    channel = attach(args.channel, socket.socket(fileno=args.channel_fd))
     ctx = Context(args.instance, args.tenant, args.node, client, channel)
     client.call(Ready())
     serve(ctx, handler)

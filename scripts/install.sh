@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(redis-server gcc libc6-dev python3-dev python3-venv iproute2 procps)
+packages=(redis-server gcc libc6-dev python3-dev python3-venv iproute2 procps
+          make clang bpftool libbpf-dev)  # the last three build and load the eBPF key channel (bpf/)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -43,6 +44,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
     exit 1
   fi
   touch "$stamp"
+fi
+# The eBPF key channel's object, compiled against this kernel's BTF (make rebuilds only what changed).
+if [ -r /sys/kernel/btf/vmlinux ]; then
+  make -s -C bpf
+else
+  echo "lifl: this kernel exposes no BTF (/sys/kernel/btf/vmlinux): the eBPF key channel is not built"
 fi
 go_suffices || { echo "lifl: building h2spec needs Go 1.18 or newer (found: $(go version 2>&1 || true))"; exit 1; }
 scripts/h2spec/build.sh

@@ -94,14 +94,15 @@ def test_unix_channel_delivers_and_reports_full_queues(tmp_path: Path) -> None:
 
 
 def test_endpoints_are_the_tenants_alone(tmp_path: Path) -> None:
-    keys = transport("unix", tmp_path)
+    keys, why = transport("unix", "n", tmp_path)
+    assert why == "asked for (--channel unix)"
     tenant = Tenant("acme", os.getuid(), os.getgid(), 610001)
     sock, _ = keys.provision(tenant, 8)
     assert (tmp_path / "acme").stat().st_mode & 0o777 == 0o750
     assert (tmp_path / "acme" / "8").stat().st_mode & 0o777 == 0o660
     sock.close()
     with pytest.raises(ValueError, match="unknown key transport 'carrier-pigeon'"):
-        transport("carrier-pigeon", tmp_path)
+        transport("carrier-pigeon", "n", tmp_path)
 
 
 def test_a_message_speaks_for_its_senders_tenant_only(tmp_path: Path) -> None:
@@ -122,7 +123,7 @@ def test_a_message_speaks_for_its_senders_tenant_only(tmp_path: Path) -> None:
     keys.close()
 
 
-@pytest.mark.parametrize("spec", ["unix", "unix:x:/tmp", "unix:1:", "ebpf-nope:1", ""])
+@pytest.mark.parametrize("spec", ["unix", "unix:x:/tmp", "unix:1:", "ebpf-nope:1", "ebpf:", "ebpf:x", ""])
 def test_malformed_endpoint_specs_are_refused(spec: str) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock, pytest.raises(ValueError):
         attach(spec, sock)

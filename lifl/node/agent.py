@@ -49,7 +49,7 @@ from typing import Any
 
 from lifl import checkpoints
 from lifl import format as fmt
-from lifl.channel import KIND_CLOSE, TRANSPORTS, KeyMessage, now_ns, transport
+from lifl.channel import CHANNELS, KIND_CLOSE, KeyMessage, now_ns, transport
 from lifl.control import rounds as cluster_rounds
 from lifl.control.controller import Controller, ControlConfig
 from lifl.control.planner import LEAF, ROLES, InstanceView, expired, pick_warm
@@ -116,7 +116,7 @@ class AgentConfig:
     lazy: bool = False  # aggregate only once every input arrived (a baseline; lifl is eager, §5.4)
     control: ControlConfig = field(default_factory=ControlConfig)
     socket_group: int | None = None  # may connect too (the gateway's, when it runs as the service user)
-    channel: str = "unix"  # the key transport (lifl.channel.TRANSPORTS)
+    channel: str = "auto"  # the key transport (lifl.channel.CHANNELS)
 
     @property
     def socket_path(self) -> Path:
@@ -277,7 +277,10 @@ class Agent:
         data_dir = config.data_dir or config.run_dir
         self.checkpointer = Checkpointer(checkpoints.open_store(config.checkpoints, data_dir=data_dir, redis_url=config.redis_url))
         self.trees = tree.Trees(config.node)
-        self.transport = transport(config.channel, config.chan_dir)
+        self.transport, why = transport(config.channel, config.node, config.chan_dir)
+        print(f"lifl agent: keys travel by {self.transport.name} ({why})", file=sys.stderr)
+        if (collector := self.transport.collector()) is not None:
+            self.metrics.registry.register(collector)
         self.actuator = LocalProcesses(config.node, self.transport, config.handler, self._serve_instance)
         self.controller = Controller(state, config.node, config.control, reuse=config.reuse)
         self.jobs: dict[str, JobRun] = {}
@@ -1483,8 +1486,9 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-warm", type=float, default=60.0, help="seconds an idle aggregator stays warm (default 60)")
     p.add_argument("--no-reuse", action="store_true", help="baseline: one task per aggregator instance (no reuse, §5.3)")
     p.add_argument("--lazy", action="store_true", help="baseline: aggregate only once every input arrived (§5.4)")
-    p.add_argument("--channel", choices=sorted(TRANSPORTS), default="unix",
-                   help="how aggregators pass object keys to each other (default unix: datagram sockets)")
+    p.add_argument("--channel", choices=CHANNELS, default="auto",
+                   help="how aggregators pass object keys to each other: ebpf (SK_MSG redirects in the kernel), "
+                        "unix (datagram sockets), or auto (default: ebpf where the kernel and privileges allow)")
     ControlConfig.add_arguments(p)
 
 

@@ -83,7 +83,7 @@ class ClusterConfig:
     keep_warm: float = 60.0
     reuse: bool = True  # see lifl.node.agent.AgentConfig
     lazy: bool = False
-    channel: str = "unix"  # every node's key transport
+    channel: str = "auto"  # every node's key transport
     control: ControlConfig = field(default_factory=ControlConfig)
     gateway_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     open_metrics: bool = False  # every node's GET /metrics without a token

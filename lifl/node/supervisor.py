@@ -83,7 +83,7 @@ class NodeConfig:
     checkpoints: str = ""  # "" = a directory under data_dir; see lifl.checkpoints
     reuse: bool = True  # see lifl.node.agent.AgentConfig
     lazy: bool = False
-    channel: str = "unix"  # the key transport (lifl.channel.TRANSPORTS)
+    channel: str = "auto"  # the key transport (lifl.channel.CHANNELS)
     control: ControlConfig = field(default_factory=ControlConfig)
     gateway_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     open_metrics: bool = False  # GET /metrics without a token
