@@ -99,9 +99,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from lifl.bench import dataplane, orchestration
+    from lifl.bench import channel, dataplane, orchestration
 
-    return {"dataplane": dataplane.main, "orchestration": orchestration.main}[args.bench](args)
+    return {"dataplane": dataplane.main, "orchestration": orchestration.main, "channel": channel.main}[args.bench](args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,8 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from lifl.bench import dataplane, orchestration
+    from lifl.bench import channel, dataplane, orchestration
 
+    channel.add_arguments(bench_sub.add_parser(
+        "channel", help="key hand-off between two processes: eBPF (SK_MSG), unix and TCP sockets (needs root)"))
     dataplane.add_arguments(bench_sub.add_parser("dataplane", help="ingest, hand-off, aggregation and memory of the data plane"))
     orchestration.add_arguments(bench_sub.add_parser(
         "orchestration", help="the control plane on emulated nodes: SL-H, +1, +123, +1234 (LIFL Fig. 8)"))

@@ -7,19 +7,29 @@
 
 Ping-pong: the sender stamps CLOCK_MONOTONIC into the record and sends; the receiver (a forked
 process) takes the difference on arrival and answers over the same transport, and only then
-does the next message go, so each figure is one hand-off, never a queue. Both processes are
-pinned to one CPU, as a node's aggregators often share one: a hand-off includes the wake-up
-of the receiver and the switch to it.
+does the next message go, so each figure is one hand-off, never a queue. Two placements:
+``same-cpu`` (both processes pinned to one CPU, as a node's aggregators often share one: a
+hand-off includes the wake-up of the receiver and the switch to it) and ``cross-cpu``. CPU per
+message is both processes' CPU time over the messages sent both ways.
+
+`lifl bench channel --json` runs every transport in both placements, and measures the CPU the
+eBPF transport's user-space side (the agent's fallback reader) spends over an idle interval:
+nothing polls, so it is zero but for noise.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
 import socket
 import statistics
 import struct
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import NamedTuple
 
 from lifl import ebpf
@@ -30,10 +40,16 @@ SENDER_ID, RECEIVER_ID, BENCH_TENANT = 1, 2, 1
 _LATENCY = struct.Struct("<q")  # one measured latency, ns, from the receiver to the parent
 
 
+PLACEMENTS = {"same-cpu": (0, 0), "cross-cpu": (0, 1)}  # (sender CPU, receiver CPU)
+MIN_MESSAGES = 10_000
+IDLE_SECONDS = 10.0
+
+
 class Latency(NamedTuple):
     messages: int
     p50_us: float
     p99_us: float
+    cpu_us_per_msg: float  # both processes, per one-way message
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes:
@@ -68,22 +84,24 @@ def _receiver(sock: socket.socket, messages: int, report: int, acknowledge: bool
         out.write(latencies)
 
 
-def _ping_pong(sender: socket.socket, receiver: socket.socket, messages: int, cpu: int, acknowledge: bool = False) -> Latency:
+def _ping_pong(sender: socket.socket, receiver: socket.socket, messages: int, cpus: tuple[int, int],
+               acknowledge: bool = False) -> Latency:
     original_affinity = os.sched_getaffinity(0)
     read_end, write_end = os.pipe()
+    started = time.process_time()
     pid = os.fork()
     if pid == 0:  # the child: never returns into the caller's code (pytest, the CLI)
         status = 1
         try:
             os.close(read_end)
-            os.sched_setaffinity(0, {cpu})
+            os.sched_setaffinity(0, {cpus[1]})
             _receiver(receiver, messages, write_end, acknowledge)
             status = 0
         finally:
             os._exit(status)
     os.close(write_end)
     try:
-        os.sched_setaffinity(0, {cpu})
+        os.sched_setaffinity(0, {cpus[0]})
         for n in range(1, messages + 1):
             sender.send(KeyMessage(dest=RECEIVER_ID, task=0, src=SENDER_ID, tenant=BENCH_TENANT, sent_ns=now_ns()).pack())
             _recv_exact(sender, MESSAGE_BYTES)
@@ -92,12 +110,13 @@ def _ping_pong(sender: socket.socket, receiver: socket.socket, messages: int, cp
             raw = report.read()
     finally:
         os.sched_setaffinity(0, original_affinity)
-        _, status = os.waitpid(pid, 0)
+        _, status, usage = os.wait4(pid, 0)
+    cpu_s = time.process_time() - started + usage.ru_utime + usage.ru_stime
     if status != 0 or len(raw) != messages * _LATENCY.size:
         raise RuntimeError(f"the receiver failed (status {status}, {len(raw) // _LATENCY.size} of {messages} latencies)")
     latencies_us = sorted(value / 1000 for (value,) in _LATENCY.iter_unpack(raw))
     percentiles = statistics.quantiles(latencies_us, n=100)
-    return Latency(messages, percentiles[49], percentiles[98])
+    return Latency(messages, percentiles[49], percentiles[98], cpu_s * 1e6 / (2 * messages))
 
 
 @contextlib.contextmanager
@@ -128,7 +147,7 @@ def _ebpf_pair(keymaps: ebpf.KeyMaps) -> Iterator[tuple[socket.socket, socket.so
                 keymaps.unregister(instance)
 
 
-def channel_latency(transport: str, messages: int = 10_000, cpu: int = 0,
+def channel_latency(transport: str, messages: int = MIN_MESSAGES, cpus: tuple[int, int] = PLACEMENTS["same-cpu"],
                     keymaps: ebpf.KeyMaps | None = None) -> Latency:
     """p50/p99 one-way latency of ``messages`` hand-offs over ``transport``. For ``ebpf``,
     pass a loaded channel's ``keymaps`` (its instances 1 and 2 are used), or one is loaded
@@ -136,23 +155,70 @@ def channel_latency(transport: str, messages: int = 10_000, cpu: int = 0,
     if transport == "unix":
         sender, receiver = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         with sender, receiver:
-            return _ping_pong(sender, receiver, messages, cpu)
+            return _ping_pong(sender, receiver, messages, cpus)
     if transport == "tcp":
         with _tcp_pair() as (sender, receiver):
-            return _ping_pong(sender, receiver, messages, cpu)
+            return _ping_pong(sender, receiver, messages, cpus)
     if transport != "ebpf":
         raise ValueError(f"unknown transport {transport!r}: one of {', '.join(TRANSPORTS)}")
     if keymaps is not None:
         with _ebpf_pair(keymaps) as (sender, receiver):
-            return _ping_pong(sender, receiver, messages, cpu, acknowledge=True)
+            return _ping_pong(sender, receiver, messages, cpus, acknowledge=True)
     own = ebpf.load(ebpf.BPFFS / f"lifl-bench-{os.getpid()}")
     try:
         with _ebpf_pair(own) as (sender, receiver):
-            return _ping_pong(sender, receiver, messages, cpu, acknowledge=True)
+            return _ping_pong(sender, receiver, messages, cpus, acknowledge=True)
     finally:
         own.close()
 
 
-def compare(messages: int = 10_000, cpu: int = 0, keymaps: ebpf.KeyMaps | None = None) -> dict[str, Latency]:
+def compare(messages: int = MIN_MESSAGES, cpus: tuple[int, int] = PLACEMENTS["same-cpu"],
+            keymaps: ebpf.KeyMaps | None = None) -> dict[str, Latency]:
     """Every transport, one after another, under the same conditions."""
-    return {transport: channel_latency(transport, messages, cpu, keymaps) for transport in TRANSPORTS}
+    return {transport: channel_latency(transport, messages, cpus, keymaps) for transport in TRANSPORTS}
+
+
+def sidecar_idle_cpu_s(seconds: float = IDLE_SECONDS) -> float:
+    """CPU the eBPF transport's user-space side spends over ``seconds`` with two registered,
+    silent instances: this process's CPU time while it only waits."""
+    from lifl.store import Tenant
+
+    keys = ebpf.EbpfTransport(f"bench{os.getpid()}", Path("/nonexistent"))
+    try:
+        for instance in (SENDER_ID, RECEIVER_ID):
+            keys.provision(Tenant("bench", id=BENCH_TENANT), instance)[0].close()
+        started = time.process_time()
+        time.sleep(seconds)  # the measurement is of what happens meanwhile: nothing should
+        return time.process_time() - started
+    finally:
+        keys.close()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--messages", type=int, default=MIN_MESSAGES, help=f"hand-offs per measurement (default {MIN_MESSAGES})")
+    p.add_argument("--idle-seconds", type=float, default=IDLE_SECONDS, help="the idle interval (default 10 s)")
+
+
+def main(args: argparse.Namespace) -> int:
+    if (why_not := ebpf.available()) is not None:
+        print(f"lifl bench channel: the eBPF transport cannot run here: {why_not}", file=sys.stderr)
+        return 2
+    if args.messages < MIN_MESSAGES or os.cpu_count() is None or os.cpu_count() < 2:  # type: ignore[operator]
+        print(f"lifl bench channel: needs --messages >= {MIN_MESSAGES} and two CPUs", file=sys.stderr)
+        return 2
+    results = []
+    for placement, cpus in PLACEMENTS.items():
+        for transport, latency in compare(args.messages, cpus).items():
+            results.append({"channel": transport, "placement": placement, "messages": latency.messages,
+                            "p50_us": round(latency.p50_us, 2), "p99_us": round(latency.p99_us, 2),
+                            "cpu_us_per_msg": round(latency.cpu_us_per_msg, 2)})
+    report = {"benchmark": "channel", "results": results, "sidecar_idle_cpu_s": round(sidecar_idle_cpu_s(args.idle_seconds), 4)}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for r in results:
+            print(f"{r['channel']:5} {r['placement']:9}  p50 {r['p50_us']:7.2f} µs  p99 {r['p99_us']:7.2f} µs  "
+                  f"{r['cpu_us_per_msg']:6.2f} CPU-µs per message")
+        print(f"eBPF sidecar idle CPU over {args.idle_seconds:g} s: {report['sidecar_idle_cpu_s']} s")
+    return 0
