@@ -382,7 +382,9 @@ class Bench:
         pairs = [t for t in tasks if t["role"] == "leaf" and t["inputs"] == 2]
         folds = [(t["agg_s"] - t["alloc_s"]) * 1e3 / 2 for t in pairs]
         handoffs = [us for t in tasks if t["role"] == "middle" for us in t["handoff_us"]]
+        forwards = [t["send_s"] * 1e6 for t in tasks if t["role"] == "leaf"]  # the hand-off's sending side
         return {
+            "handoff_forward_us": round(statistics.median(forwards), 1),
             "aggregate_ms": round(statistics.median(folds), 2),
             "aggregate_min_ms": round(min(folds), 2),
             "handoff_us": round(statistics.median(handoffs), 1),
