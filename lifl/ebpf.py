@@ -427,6 +427,11 @@ def cleanup_stale(pin_dir: Path) -> bool:
     return True
 
 
+def remove_node_channel(node: str) -> bool:
+    """Unload what node ``node``'s agent left pinned if it was killed; True if there was anything."""
+    return cleanup_stale(PIN_ROOT / node)
+
+
 def wait_unloaded(program: int, timeout_s: float) -> bool:
     """Whether the kernel freed program ``program`` within ``timeout_s``. Unload drops the last
     reference, but a socket that left the sockhash releases its copy in an RCU callback, so

@@ -19,6 +19,7 @@ import pytest
 import redis
 from hypothesis import HealthCheck, settings
 
+from lifl.ebpf import remove_node_channel
 from lifl.node.agent import Agent, AgentConfig
 from lifl.state import ClusterState
 
@@ -136,6 +137,7 @@ def shm_node(request: pytest.FixtureRequest) -> Iterator[str]:
     """A unique node id, and a check that nothing of it is left in /dev/shm afterwards."""
     node = f"t{abs(hash(request.node.nodeid)) % 10**8}"
     yield node
+    remove_node_channel(node)  # a node killed for good (its next start would have unloaded it)
     leftovers = sorted(p.name for p in Path("/dev/shm").glob(f"lifl-{node}-*"))
     for p in leftovers:
         (Path("/dev/shm") / p).unlink(missing_ok=True)

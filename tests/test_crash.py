@@ -21,8 +21,10 @@ import numpy as np
 import pytest
 
 from conftest import OPERATOR_TOKEN, auth, wait_for
+from lifl import ebpf
 from lifl import format as fmt
 from lifl import procstat
+from lifl.ebpf import PIN_ROOT
 from lifl.gateway import lifl_pb2, lifl_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -152,9 +154,11 @@ def test_clean_stop_leaves_nothing(up: Up, sig: int) -> None:
 
 def test_kill_agent_node_stops_and_cleans(up: Up) -> None:
     up.start_round()
+    assert (PIN_ROOT / up.node).exists()  # its key channel is eBPF (root, the object is built)
     os.kill(up.pids()["agent"], signal.SIGKILL)
     wait_for(lambda: not up.shm(), what="shared memory cleaned")
     assert up.proc.wait(30) == 1  # the node cannot go on without its agent
+    assert not (PIN_ROOT / up.node).exists()  # nor is its channel left loaded
 
 
 def test_kill_supervisor_children_stop_and_clean(up: Up) -> None:
@@ -216,11 +220,13 @@ def test_kill_everything_next_start_cleans_up(up: Up, shm_node: str, run_dir: Pa
     up.start_round()
     up.kill_all()
     stale = set(up.shm())
-    assert stale  # left behind: nobody was alive to clean
+    assert stale and (PIN_ROOT / up.node).exists()  # left behind: nobody was alive to clean
+    program = ebpf.program_id(PIN_ROOT / up.node)
     again = Up(shm_node, run_dir.parent)
     try:
         now = again.objects()
         assert not stale & set(again.shm()) and len(now) == 1  # only the model, restored from its checkpoint
+        assert ebpf.program_id(PIN_ROOT / up.node) != program  # the crashed run's channel unloaded, a new one loaded
     finally:
         again.proc.send_signal(signal.SIGTERM)
         again.proc.wait(30)

@@ -43,6 +43,7 @@ from lifl.node.agent import agent_argv
 from lifl.node.privilege import current, popen_as, prepare_data_dir, secure_checkpoints, service_identity
 from lifl.node.supervisor import NodeConfig, default_data_dir, default_run_dir, default_shm_capacity, embedded_redis_argv
 from lifl.procs import die_with_parent
+from lifl.ebpf import remove_node_channel
 from lifl.store import remove_node_objects
 
 MAX_NODES = 200
@@ -379,6 +380,7 @@ class Cluster:
         netns.cleanup(self.config.prefix)
         for node in self.config.node_configs:
             remove_node_objects(node)
+            remove_node_channel(node)
         if self._redis is not None:
             self._redis.terminate()
             self._redis.wait()

@@ -44,6 +44,7 @@ from lifl.node.privilege import (
     Identity, can_connect, current, make_private_tree, popen_as, prepare_data_dir, secure_checkpoints, service_identity,
 )
 from lifl.procs import die_with_parent
+from lifl.ebpf import remove_node_channel
 from lifl.store import SHM_DIR, remove_node_objects
 
 RESTART_BACKOFF = (0.2, 0.5, 1.0, 2.0, 5.0)
@@ -320,6 +321,7 @@ class Node:
             if child:
                 child.stop()
         remove_node_objects(self.config.node)
+        remove_node_channel(self.config.node)  # what a killed agent left pinned (a clean one unloads itself)
         for name in ("agent.sock", "redis/redis.sock"):
             (self.run_dir / name).unlink(missing_ok=True)
         if self._lock_file:
