@@ -352,6 +352,8 @@ class Invoke(Message):
     fan_in: int  # 0: open, a close message will tell
     lazy: bool = False  # fold only once every input has arrived (a baseline, not lifl's way)
     spec: list[Any] | None = None  # the job's model spec, the first time an instance works for the job
+    parent_instance: int = 0  # where the parent task ran when this one started (0: not placed yet)...
+    parent_task: int = 0  # ...so the result's key goes there first, before the agent hears of it
 
 
 @message("cancel")

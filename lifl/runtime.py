@@ -47,6 +47,7 @@ class Invocation:
     fan_in: int  # 0: open until a close message says how many inputs there are
     lazy: bool  # fold only once every input has arrived
     spec: fmt.ModelSpec
+    parent: tuple[int, int] = (0, 0)  # (instance, task) of the parent when this task started; (0, 0): unknown
 
 
 class Context:
@@ -146,14 +147,24 @@ class Context:
         self.client.call(Folded(task=inv.task, keys=keys, updates=updates, seconds=seconds, state=state))
 
     def forward(self, inv: Invocation, key: bytes, samples: int, updates: int, partial: bool) -> None:
-        """Pass the task's result on to its parent, wherever that is."""
+        """Pass the task's result on to its parent, wherever that is: to where it ran when this
+        task started, first (the parent may read the object before the agent seals it), then to
+        where the agent says if that is elsewhere (the parent moved)."""
         sent_ns = now_ns()
+
+        def send(instance: int, task: int) -> None:
+            self.channel.send(KeyMessage(dest=instance, task=task, key=key, samples=samples, count=updates,
+                                         partial=partial, src=self.instance_id, sent_ns=sent_ns))
+
+        early = inv.parent
+        if early[0]:
+            try:
+                send(*early)
+            except OSError:
+                early = (0, 0)  # it has gone: the agent routes the key
         route, _ = self.client.call(Handoff(task=inv.task, key=key, samples=samples, updates=updates, partial=partial))
-        if route.instance:
-            self.channel.send(KeyMessage(
-                dest=route.instance, task=route.task, key=key, samples=samples, count=updates, partial=partial,
-                src=self.instance_id, sent_ns=sent_ns,
-            ))
+        if route.instance and (route.instance, route.task) != early:
+            send(route.instance, route.task)
 
     def install(self, inv: Invocation, key: bytes, samples: int, updates: int) -> int:
         """The top's result, averaged: it becomes the next global version (returned)."""
@@ -180,7 +191,8 @@ def serve(ctx: Context, handler: Handler) -> None:
             continue  # a cancellation for a task that already finished
         if push.spec is not None:
             specs[push.job] = fmt.ModelSpec.from_json(push.spec)
-        inv = Invocation(push.task, push.job, push.version, push.role, push.fan_in, push.lazy, specs[push.job])
+        inv = Invocation(push.task, push.job, push.version, push.role, push.fan_in, push.lazy, specs[push.job],
+                         (push.parent_instance, push.parent_task))
         try:
             stats = handler(inv, ctx)
             ctx.client.call(Done(task=inv.task, stats=stats))

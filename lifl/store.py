@@ -41,7 +41,7 @@ from lifl.node.admission import JobSizes, MemoryLedger, RoundOf
 
 SHM_DIR = Path("/dev/shm")
 KEY_BYTES = 16
-WRITING_MODE = 0o600
+WRITING_MODE = 0o640  # the tenant's group reads it (a parent may open a result before it is sealed); only the agent's fd writes
 SEALED_MODE = 0o440
 
 

@@ -79,6 +79,7 @@ FORWARD_RETRY = (0.2, 0.5, 1.0, 2.0)  # seconds before resending a partial that 
 OUTBOX_RETRY = 0.005  # seconds between attempts to deliver keys to an instance whose queue was full
 CHECKPOINT_RETRY = (0.5, 1.0, 2.0, 5.0, 10.0)  # seconds before writing a failed checkpoint again; the last repeats
 MAX_TASK_ATTEMPTS = 3  # runs of one task (the first and two re-runs) before its round is abandoned
+HANDOFF_WAIT_S = 5.0  # how long a parent's report of folding a key sent ahead waits for that key's hand-off
 
 
 def check_traversable(directory: Path) -> None:
@@ -272,6 +273,7 @@ class Agent:
         self.node = config.node
         self.state = state
         self.lock = threading.RLock()
+        self._delivered = threading.Condition(self.lock)  # a task was given an input (Deliver)
         self.store = ObjectStore(config.node, config.shm_capacity, config.pool_limit)
         self.metrics = Metrics()
         data_dir = config.data_dir or config.run_dir
@@ -801,6 +803,9 @@ class Agent:
         with self.lock:
             task = self._task_of(iid, m.task)
             progress = self.progress[task.id]
+            # a leaf sends its result's key ahead of its hand-off (Invoke.parent_*): the parent may
+            # fold it before the hand-off reaches us; it comes within moments
+            self._delivered.wait_for(lambda: set(m.keys) <= {msg.key for msg in progress.inputs()}, timeout=HANDOFF_WAIT_S)
             previous = progress.state
             known = {msg.key for msg in progress.inputs()}
             if stray := [key.hex() for key in m.keys if key not in known]:  # checked before anything changes
@@ -967,6 +972,7 @@ class Agent:
                 msg = KeyMessage(dest=0, task=e.task, key=e.input.key, samples=e.input.samples, count=e.input.updates,
                                  partial=e.input.partial, sent_ns=now_ns())
                 self.progress.setdefault(e.task, TaskProgress()).unfolded.append(msg)
+                self._delivered.notify_all()
                 inst = self.placed.get(e.task)
                 if inst is not None and route is not None and not route:
                     route.append((inst.id, e.task))
@@ -1163,11 +1169,21 @@ class Agent:
             assert run.model_spec is not None
             spec = run.model_spec.to_json()
             inst.specs_sent.add(task.job)
+        parent = self._parent_placement(task)
         self.actuator.invoke(inst.id, Invoke(task.id, task.job, task.version, task.role, progress.fan_in(task.fan_in),
-                                             self.config.lazy, spec))
+                                             self.config.lazy, spec, *parent))
         for msg in self.pending.pop(task.id, []):
             self._send_key(inst, msg)
         self._refresh_instance_gauges()
+
+    def _parent_placement(self, task: tree.Task) -> tuple[int, int]:
+        """A leaf's middle, if it runs already: (instance, task), else (0, 0). The leaf sends its
+        result's key there itself, first: the hand-off no longer waits for the agent's reply."""
+        r = self.trees.rounds.get(task.job)
+        if task.role != tree.LEAF or r is None or r.round != task.round:
+            return 0, 0
+        inst = self.placed.get(r.middle.id)
+        return (inst.id, r.middle.id) if inst is not None else (0, 0)
 
     def _free(self, inst: Instance) -> None:
         """An instance finished its task: reuse it for a waiting task, or keep it warm (or, without
