@@ -80,6 +80,13 @@ class KeyMessage:
         return cls(dest, task, kind, key, samples, count, bool(flags & FLAG_PARTIAL), src, sent_ns, tenant, agg_us)
 
 
+def stamped(message: KeyMessage, tenant: int) -> bytes:
+    """The record as an endpoint of ``tenant`` sends it: an instance speaks for its own tenant only."""
+    if message.tenant not in (0, tenant):
+        raise ValueError(f"a message of tenant {message.tenant} cannot be sent from tenant {tenant}'s endpoint")
+    return dataclasses.replace(message, tenant=tenant).pack()
+
+
 def now_ns() -> int:
     return time.monotonic_ns()
 
@@ -137,20 +144,14 @@ class UnixEndpoint:
         self.tenant = tenant
 
     def send(self, message: KeyMessage) -> None:
-        self._sock.sendto(self._stamped(message), str(self._dir / str(message.dest)))
+        self._sock.sendto(stamped(message, self.tenant), str(self._dir / str(message.dest)))
 
     def try_send(self, message: KeyMessage) -> bool:
         try:
-            self._sock.sendto(self._stamped(message), socket.MSG_DONTWAIT, str(self._dir / str(message.dest)))
+            self._sock.sendto(stamped(message, self.tenant), socket.MSG_DONTWAIT, str(self._dir / str(message.dest)))
             return True
         except BlockingIOError:
             return False
-
-    def _stamped(self, message: KeyMessage) -> bytes:
-        """The record, with this endpoint's tenant: an instance speaks for its own tenant only."""
-        if message.tenant not in (0, self.tenant):
-            raise ValueError(f"a message of tenant {message.tenant} cannot be sent from tenant {self.tenant}'s endpoint")
-        return dataclasses.replace(message, tenant=self.tenant).pack()
 
     def recv(self, timeout: float | None = None) -> KeyMessage | None:
         if timeout is not None:

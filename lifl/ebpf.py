@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import errno
 import json
 import os
@@ -47,7 +46,7 @@ from typing import NamedTuple
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from lifl.channel import AGENT_ID, KIND_ACK, MESSAGE_BYTES, KeyMessage
+from lifl.channel import AGENT_ID, KIND_ACK, MESSAGE_BYTES, KeyMessage, stamped
 from lifl.store import Tenant
 
 BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"  # in a source checkout (make builds it)
@@ -451,7 +450,7 @@ def wait_unloaded(program: int, timeout_s: float) -> bool:
 AGENT_SENDER_BASE = 1 << 31  # the agent's sending sockets' ids: instance ids stay below
 CAP_NET_ADMIN, CAP_BPF = 12, 39  # capability numbers (linux/capability.h)
 MAX_FALLBACK_LOGGED = 16  # refused messages described in the log (then only counted)
-ACK_EVERY = 64  # a receiver gives back its credits this often (and whenever it has read all there was)
+ACK_EVERY = 64  # a receiver gives back its credits this often (and before it waits for more)
 MAX_PARKED = 1024  # messages the agent holds for one instance over its credits; then it stops reading their senders
 _KIND = struct.Struct("<H")  # a record's kind, at offset 8
 _KIND_OFFSET = 8
@@ -471,14 +470,14 @@ class EbpfEndpoint:
         self._send_lock = threading.Lock()  # one record per send(), never interleaved
 
     def send(self, message: KeyMessage) -> None:
-        self.send_record(self._stamped(message))
+        self.send_record(stamped(message, self.tenant))
 
     def send_record(self, record: bytes) -> None:
         with self._send_lock:
             self._sock.sendall(record)
 
     def try_send(self, message: KeyMessage) -> bool:
-        record = self._stamped(message)
+        record = stamped(message, self.tenant)
         with self._send_lock:
             try:
                 sent = self._sock.send(record, socket.MSG_DONTWAIT)
@@ -488,19 +487,19 @@ class EbpfEndpoint:
                 self._sock.sendall(record[sent:])
         return True
 
-    def _stamped(self, message: KeyMessage) -> bytes:
-        if message.tenant not in (0, self.tenant):
-            raise ValueError(f"a message of tenant {message.tenant} cannot be sent from tenant {self.tenant}'s endpoint")
-        return dataclasses.replace(message, tenant=self.tenant).pack()
-
     def recv(self, timeout: float | None = None) -> KeyMessage | None:
-        """The next message; when none is waiting, first the credits of those read go back."""
+        """The next message. Credits go back every ACK_EVERY messages read, and before waiting
+        for one; not when a poll (``timeout=0``) finds nothing, so that draining a queue right
+        after a wake-up costs no message to the agent (a receiver keeps at most ACK_EVERY - 1
+        credits, so senders always have more left than it holds)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while len(self._partial) < MESSAGE_BYTES:
             try:
                 chunk = self._sock.recv(MESSAGE_BYTES - len(self._partial), socket.MSG_DONTWAIT)
             except BlockingIOError:
-                self._acknowledge()  # all there was is read: every credit goes back before waiting
+                if timeout == 0:
+                    return None
+                self._acknowledge()
                 wait = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if not select.select([self._sock], [], [], wait)[0]:
                     return None

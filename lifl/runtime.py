@@ -146,15 +146,18 @@ class Context:
         their objects may go, and if this instance dies the task runs again from ``state``."""
         self.client.call(Folded(task=inv.task, keys=keys, updates=updates, seconds=seconds, state=state))
 
-    def forward(self, inv: Invocation, key: bytes, samples: int, updates: int, partial: bool) -> None:
+    def forward(self, inv: Invocation, key: bytes, samples: int, updates: int, partial: bool,
+                agg_seconds: float = 0.0) -> None:
         """Pass the task's result on to its parent, wherever that is: to where it ran when this
         task started, first (the parent may read the object before the agent seals it), then to
-        where the agent says if that is elsewhere (the parent moved)."""
+        where the agent says if that is elsewhere (the parent moved). ``agg_seconds``, the time
+        the task spent folding, travels in the message (the key channel's metrics count it)."""
         sent_ns = now_ns()
 
         def send(instance: int, task: int) -> None:
             self.channel.send(KeyMessage(dest=instance, task=task, key=key, samples=samples, count=updates,
-                                         partial=partial, src=self.instance_id, sent_ns=sent_ns))
+                                         partial=partial, src=self.instance_id, sent_ns=sent_ns,
+                                         agg_us=round(agg_seconds * 1e6)))
 
         early = inv.parent
         if early[0]:

@@ -52,7 +52,8 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
     spec = inv.spec
     model_header, partial_header = _spec_headers(spec)
     agg = StreamingFedAvg(inv.fan_in or None)
-    handoff_us: list[float] = []
+    delivery_us: list[float] = []  # sent -> the message in hand (the channel, and waking up)
+    handoff_us: list[float] = []  # sent -> a readable view of the object (delivery, then mapping it)
     recv_s = agg_s = alloc_s = 0.0
     folds = 0
     live: list[Tensors] = []
@@ -71,11 +72,14 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
         # Recv + Agg
         while not agg.complete:
             t0 = time.perf_counter()
-            for msg in ctx.receive(inv):
+            messages = ctx.receive(inv)
+            received_ns = now_ns()
+            for msg in messages:
                 if msg.kind == KIND_CLOSE:
                     agg.resize(msg.count)
                     continue
                 tensors = _mapped(ctx, ctx.open(msg.key), spec)
+                delivery_us.append((received_ns - msg.sent_ns) / 1e3)
                 handoff_us.append((now_ns() - msg.sent_ns) / 1e3)
                 live.append(tensors)
                 queued.append(Contribution(tensors, msg.samples, msg.count, msg.partial, msg.key))
@@ -100,7 +104,7 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
         # Send
         t3 = time.perf_counter()
         if inv.role != TOP:
-            ctx.forward(inv, result.token, result.samples, result.updates, result.partial)
+            ctx.forward(inv, result.token, result.samples, result.updates, result.partial, agg_s)
         else:
             key = result.token
             if result.partial:  # a single client update needs no averaging: it is the model
@@ -119,6 +123,7 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
         "folds": folds,  # passes over the accumulator (lazy: one)
         "updates": result.updates,
         "samples": result.samples,
+        "delivery_us": delivery_us,
         "handoff_us": handoff_us,
         "recv_s": recv_s,
         "agg_s": agg_s,

@@ -3,7 +3,7 @@
 - ``ebpf``: TCP sockets in the eBPF key channel's sockhash; the SK_MSG verdict redirects each
   message into the receiver's queue (lifl/ebpf.py; needs root and the built object);
 - ``tcp``: the same bytes over a plain loopback TCP connection (TCP_NODELAY);
-- ``unix``: an AF_UNIX datagram socket pair, what ``UnixTransport`` uses.
+- ``unix``: AF_UNIX datagram sockets bound to paths, each message addressed, as ``UnixTransport`` sends.
 
 Ping-pong: the sender stamps CLOCK_MONOTONIC into the record and sends; the receiver (a forked
 process) takes the difference on arrival and answers over the same transport, and only then
@@ -11,6 +11,10 @@ does the next message go, so each figure is one hand-off, never a queue. Two pla
 ``same-cpu`` (both processes pinned to one CPU, as a node's aggregators often share one: a
 hand-off includes the wake-up of the receiver and the switch to it) and ``cross-cpu``. CPU per
 message is both processes' CPU time over the messages sent both ways.
+
+The ``woken`` figures are the same hand-off to a receiver that sat idle for 20 ms before each
+message, as an aggregator waits between its inputs: on a virtual machine, waking an idle CPU
+dominates them, and they are the floor under the data plane's ``handoff_us``.
 
 `lifl bench channel --json` runs every transport in both placements, and measures the CPU the
 eBPF transport's user-space side (the agent's fallback reader) spends over an idle interval:
@@ -20,6 +24,7 @@ nothing polls, so it is zero but for noise.
 from __future__ import annotations
 
 import argparse
+import array
 import contextlib
 import json
 import os
@@ -27,8 +32,9 @@ import socket
 import statistics
 import struct
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -43,6 +49,9 @@ _LATENCY = struct.Struct("<q")  # one measured latency, ns, from the receiver to
 PLACEMENTS = {"same-cpu": (0, 0), "cross-cpu": (0, 1)}  # (sender CPU, receiver CPU)
 MIN_MESSAGES = 10_000
 IDLE_SECONDS = 10.0
+WOKEN_IDLE_S = 0.02  # how long a receiver sits idle before each message of the "woken" figures
+WOKEN_MESSAGES = 200
+TCP_TARGET = 0.7  # eBPF's p50 on one CPU against loopback TCP's
 
 
 class Latency(NamedTuple):
@@ -52,17 +61,20 @@ class Latency(NamedTuple):
     cpu_us_per_msg: float  # both processes, per one-way message
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
+def _recv_record(sock: socket.socket, buffer: memoryview) -> None:
+    """One whole record into ``buffer`` (a stream may deliver it in pieces)."""
+    got = 0
+    while got < MESSAGE_BYTES:
+        n = sock.recv_into(buffer[got:], MESSAGE_BYTES - got)
+        if not n:
             raise ConnectionError("the peer closed mid-message")
-        data += chunk
-    return data
+        got += n
 
 
 _ACK = KeyMessage(dest=0, task=0, kind=KIND_ACK, count=ebpf.ACK_EVERY, tenant=BENCH_TENANT).pack()
+_STAMP = 0x0102030405060708
+_SENT_NS = struct.Struct("<Q")
+_SENT_NS_AT = KeyMessage(dest=0, task=0, sent_ns=_STAMP).pack().index(_SENT_NS.pack(_STAMP))  # where the record has it
 
 
 def _received(sock: socket.socket, received: int, acknowledge: bool) -> None:
@@ -71,21 +83,31 @@ def _received(sock: socket.socket, received: int, acknowledge: bool) -> None:
         sock.send(_ACK)
 
 
-def _receiver(sock: socket.socket, messages: int, report: int, acknowledge: bool) -> None:
-    """The child: time each arrival, answer it, then report every latency to the parent."""
-    latencies = bytearray()
+def _send_to(sock: socket.socket, address: str | None) -> Callable[[bytes], int]:
+    """How a record goes out: on a connected socket, or addressed (as UnixEndpoint sends)."""
+    return sock.send if address is None else (lambda record: sock.sendto(record, address))
+
+
+def _receiver(sock: socket.socket, messages: int, report: int, acknowledge: bool, answer_to: str | None) -> None:
+    """The child: time each arrival, answer it, then report every latency to the parent. The
+    loop does no more than a receiver must (read the record, take its timestamp), so that the
+    figures are the transport's, not the interpreter's."""
+    latencies = array.array("q", bytes(_LATENCY.size * messages))
     answer = KeyMessage(dest=SENDER_ID, task=0, src=RECEIVER_ID, tenant=BENCH_TENANT).pack()
+    buffer = memoryview(bytearray(MESSAGE_BYTES))
+    send = _send_to(sock, answer_to)
     for n in range(1, messages + 1):
-        message = KeyMessage.unpack(_recv_exact(sock, MESSAGE_BYTES))
-        latencies += _LATENCY.pack(now_ns() - message.sent_ns)
-        sock.send(answer)
+        _recv_record(sock, buffer)
+        latencies[n - 1] = now_ns() - _SENT_NS.unpack_from(buffer, _SENT_NS_AT)[0]
+        send(answer)
         _received(sock, n, acknowledge)
     with open(report, "wb") as out:
-        out.write(latencies)
+        out.write(latencies.tobytes())
 
 
 def _ping_pong(sender: socket.socket, receiver: socket.socket, messages: int, cpus: tuple[int, int],
-               acknowledge: bool = False) -> Latency:
+               acknowledge: bool = False, idle_s: float = 0.0, addresses: tuple[str, str] | None = None) -> Latency:
+    """``addresses``: (the receiver's, the sender's) for sockets that are not connected."""
     original_affinity = os.sched_getaffinity(0)
     read_end, write_end = os.pipe()
     started = time.process_time()
@@ -95,16 +117,22 @@ def _ping_pong(sender: socket.socket, receiver: socket.socket, messages: int, cp
         try:
             os.close(read_end)
             os.sched_setaffinity(0, {cpus[1]})
-            _receiver(receiver, messages, write_end, acknowledge)
+            _receiver(receiver, messages, write_end, acknowledge, addresses[1] if addresses else None)
             status = 0
         finally:
             os._exit(status)
     os.close(write_end)
     try:
         os.sched_setaffinity(0, {cpus[0]})
+        record = bytearray(KeyMessage(dest=RECEIVER_ID, task=0, src=SENDER_ID, tenant=BENCH_TENANT).pack())
+        answer = memoryview(bytearray(MESSAGE_BYTES))
+        send = _send_to(sender, addresses[0] if addresses else None)
         for n in range(1, messages + 1):
-            sender.send(KeyMessage(dest=RECEIVER_ID, task=0, src=SENDER_ID, tenant=BENCH_TENANT, sent_ns=now_ns()).pack())
-            _recv_exact(sender, MESSAGE_BYTES)
+            if idle_s:
+                time.sleep(idle_s)
+            _SENT_NS.pack_into(record, _SENT_NS_AT, now_ns())
+            send(record)
+            _recv_record(sender, answer)
             _received(sender, n, acknowledge)
         with open(read_end, "rb") as report:  # to EOF before waiting: it may exceed a pipe's buffer
             raw = report.read()
@@ -148,28 +176,30 @@ def _ebpf_pair(keymaps: ebpf.KeyMaps) -> Iterator[tuple[socket.socket, socket.so
 
 
 def channel_latency(transport: str, messages: int = MIN_MESSAGES, cpus: tuple[int, int] = PLACEMENTS["same-cpu"],
-                    keymaps: ebpf.KeyMaps | None = None) -> Latency:
-    """p50/p99 one-way latency of ``messages`` hand-offs over ``transport``. For ``ebpf``,
-    pass a loaded channel's ``keymaps`` (its instances 1 and 2 are used), or one is loaded
-    into a private pin directory for the run."""
-    if transport == "unix":
-        sender, receiver = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-        with sender, receiver:
-            return _ping_pong(sender, receiver, messages, cpus)
+                    keymaps: ebpf.KeyMaps | None = None, idle_s: float = 0.0) -> Latency:
+    """p50/p99 one-way latency of ``messages`` hand-offs over ``transport``, each after the
+    receiver sat idle for ``idle_s`` (0: back to back). For ``ebpf``, pass a loaded channel's
+    ``keymaps`` (its instances 1 and 2 are used), or one is loaded into a private pin directory
+    for the run."""
+    if transport == "unix":  # as UnixTransport: datagram sockets bound to paths, each send addressed
+        with tempfile.TemporaryDirectory() as directory:
+            addresses = (f"{directory}/{RECEIVER_ID}", f"{directory}/{SENDER_ID}")
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender, \
+                    socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as receiver:
+                receiver.bind(addresses[0])
+                sender.bind(addresses[1])
+                return _ping_pong(sender, receiver, messages, cpus, idle_s=idle_s, addresses=addresses)
     if transport == "tcp":
         with _tcp_pair() as (sender, receiver):
-            return _ping_pong(sender, receiver, messages, cpus)
+            return _ping_pong(sender, receiver, messages, cpus, idle_s=idle_s)
     if transport != "ebpf":
         raise ValueError(f"unknown transport {transport!r}: one of {', '.join(TRANSPORTS)}")
-    if keymaps is not None:
+    with contextlib.ExitStack() as stack:
+        if keymaps is None:
+            keymaps = ebpf.load(ebpf.BPFFS / f"lifl-bench-{os.getpid()}")
+            stack.callback(keymaps.close)
         with _ebpf_pair(keymaps) as (sender, receiver):
-            return _ping_pong(sender, receiver, messages, cpus, acknowledge=True)
-    own = ebpf.load(ebpf.BPFFS / f"lifl-bench-{os.getpid()}")
-    try:
-        with _ebpf_pair(own) as (sender, receiver):
-            return _ping_pong(sender, receiver, messages, cpus, acknowledge=True)
-    finally:
-        own.close()
+            return _ping_pong(sender, receiver, messages, cpus, acknowledge=True, idle_s=idle_s)
 
 
 def compare(messages: int = MIN_MESSAGES, cpus: tuple[int, int] = PLACEMENTS["same-cpu"],
@@ -213,12 +243,24 @@ def main(args: argparse.Namespace) -> int:
             results.append({"channel": transport, "placement": placement, "messages": latency.messages,
                             "p50_us": round(latency.p50_us, 2), "p99_us": round(latency.p99_us, 2),
                             "cpu_us_per_msg": round(latency.cpu_us_per_msg, 2)})
-    report = {"benchmark": "channel", "results": results, "sidecar_idle_cpu_s": round(sidecar_idle_cpu_s(args.idle_seconds), 4)}
+    woken = []  # what a hand-off to an aggregator that sat idle costs: the wake-up of an idle CPU
+    for transport in TRANSPORTS:
+        latency = channel_latency(transport, WOKEN_MESSAGES, PLACEMENTS["cross-cpu"], idle_s=WOKEN_IDLE_S)
+        woken.append({"channel": transport, "idle_ms": WOKEN_IDLE_S * 1e3, "messages": latency.messages,
+                      "p50_us": round(latency.p50_us, 2), "p99_us": round(latency.p99_us, 2)})
+    same_cpu = {r["channel"]: r["p50_us"] for r in results if r["placement"] == "same-cpu"}
+    report = {"benchmark": "channel", "results": results, "woken": woken,
+              "sidecar_idle_cpu_s": round(sidecar_idle_cpu_s(args.idle_seconds), 4),
+              "targets_met": {"ebpf_vs_unix": same_cpu["ebpf"] <= same_cpu["unix"],
+                              "ebpf_vs_tcp": same_cpu["ebpf"] <= TCP_TARGET * same_cpu["tcp"]}}
     if args.json:
         print(json.dumps(report))
     else:
         for r in results:
             print(f"{r['channel']:5} {r['placement']:9}  p50 {r['p50_us']:7.2f} µs  p99 {r['p99_us']:7.2f} µs  "
                   f"{r['cpu_us_per_msg']:6.2f} CPU-µs per message")
+        for r in woken:
+            print(f"{r['channel']:5} woken after {r['idle_ms']:g} ms idle  p50 {r['p50_us']:7.2f} µs  p99 {r['p99_us']:7.2f} µs")
+        print(f"targets (same CPU, p50: eBPF <= unix, eBPF <= {TCP_TARGET} x TCP): {report['targets_met']}")
         print(f"eBPF sidecar idle CPU over {args.idle_seconds:g} s: {report['sidecar_idle_cpu_s']} s")
     return 0
