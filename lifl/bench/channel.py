@@ -34,7 +34,7 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -48,6 +48,7 @@ _LATENCY = struct.Struct("<q")  # one measured latency, ns, from the receiver to
 
 PLACEMENTS = {"same-cpu": (0, 0), "cross-cpu": (0, 1)}  # (sender CPU, receiver CPU)
 MIN_MESSAGES = 10_000
+COMPARE_ROUNDS = 5
 IDLE_SECONDS = 10.0
 WOKEN_IDLE_S = 0.02  # how long a receiver sits idle before each message of the "woken" figures
 WOKEN_MESSAGES = 200
@@ -59,6 +60,13 @@ class Latency(NamedTuple):
     p50_us: float
     p99_us: float
     cpu_us_per_msg: float  # both processes, per one-way message
+
+    @classmethod
+    def of(cls, runs: list[tuple[list[float], float]]) -> Latency:
+        """The figures of several runs' (latencies in µs, CPU seconds) together."""
+        latencies = sorted(us for run, _ in runs for us in run)
+        percentiles = statistics.quantiles(latencies, n=100)
+        return cls(len(latencies), percentiles[49], percentiles[98], sum(cpu for _, cpu in runs) * 1e6 / (2 * len(latencies)))
 
 
 def _recv_record(sock: socket.socket, buffer: memoryview) -> None:
@@ -106,8 +114,10 @@ def _receiver(sock: socket.socket, messages: int, report: int, acknowledge: bool
 
 
 def _ping_pong(sender: socket.socket, receiver: socket.socket, messages: int, cpus: tuple[int, int],
-               acknowledge: bool = False, idle_s: float = 0.0, addresses: tuple[str, str] | None = None) -> Latency:
-    """``addresses``: (the receiver's, the sender's) for sockets that are not connected."""
+               acknowledge: bool = False, idle_s: float = 0.0,
+               addresses: tuple[str, str] | None = None) -> tuple[list[float], float]:
+    """Each hand-off's latency (µs) and the CPU seconds both processes spent. ``addresses``:
+    (the receiver's, the sender's) for sockets that are not connected."""
     original_affinity = os.sched_getaffinity(0)
     read_end, write_end = os.pipe()
     started = time.process_time()
@@ -142,9 +152,7 @@ def _ping_pong(sender: socket.socket, receiver: socket.socket, messages: int, cp
     cpu_s = time.process_time() - started + usage.ru_utime + usage.ru_stime
     if status != 0 or len(raw) != messages * _LATENCY.size:
         raise RuntimeError(f"the receiver failed (status {status}, {len(raw) // _LATENCY.size} of {messages} latencies)")
-    latencies_us = sorted(value / 1000 for (value,) in _LATENCY.iter_unpack(raw))
-    percentiles = statistics.quantiles(latencies_us, n=100)
-    return Latency(messages, percentiles[49], percentiles[98], cpu_s * 1e6 / (2 * messages))
+    return [value / 1000 for (value,) in _LATENCY.iter_unpack(raw)], cpu_s
 
 
 @contextlib.contextmanager
@@ -175,12 +183,8 @@ def _ebpf_pair(keymaps: ebpf.KeyMaps) -> Iterator[tuple[socket.socket, socket.so
                 keymaps.unregister(instance)
 
 
-def channel_latency(transport: str, messages: int = MIN_MESSAGES, cpus: tuple[int, int] = PLACEMENTS["same-cpu"],
-                    keymaps: ebpf.KeyMaps | None = None, idle_s: float = 0.0) -> Latency:
-    """p50/p99 one-way latency of ``messages`` hand-offs over ``transport``, each after the
-    receiver sat idle for ``idle_s`` (0: back to back). For ``ebpf``, pass a loaded channel's
-    ``keymaps`` (its instances 1 and 2 are used), or one is loaded into a private pin directory
-    for the run."""
+def _run(transport: str, messages: int, cpus: tuple[int, int], keymaps: ebpf.KeyMaps | None,
+         idle_s: float) -> tuple[list[float], float]:
     if transport == "unix":  # as UnixTransport: datagram sockets bound to paths, each send addressed
         with tempfile.TemporaryDirectory() as directory:
             addresses = (f"{directory}/{RECEIVER_ID}", f"{directory}/{SENDER_ID}")
@@ -192,20 +196,47 @@ def channel_latency(transport: str, messages: int = MIN_MESSAGES, cpus: tuple[in
     if transport == "tcp":
         with _tcp_pair() as (sender, receiver):
             return _ping_pong(sender, receiver, messages, cpus, idle_s=idle_s)
-    if transport != "ebpf":
+    if transport != "ebpf" or keymaps is None:
         raise ValueError(f"unknown transport {transport!r}: one of {', '.join(TRANSPORTS)}")
-    with contextlib.ExitStack() as stack:
-        if keymaps is None:
-            keymaps = ebpf.load(ebpf.BPFFS / f"lifl-bench-{os.getpid()}")
-            stack.callback(keymaps.close)
-        with _ebpf_pair(keymaps) as (sender, receiver):
-            return _ping_pong(sender, receiver, messages, cpus, acknowledge=True, idle_s=idle_s)
+    with _ebpf_pair(keymaps) as (sender, receiver):
+        return _ping_pong(sender, receiver, messages, cpus, acknowledge=True, idle_s=idle_s)
+
+
+@contextlib.contextmanager
+def _keymaps(transports: Iterable[str], keymaps: ebpf.KeyMaps | None) -> Iterator[ebpf.KeyMaps | None]:
+    """The channel to register the eBPF pair in: the one given, or one loaded for the run."""
+    if keymaps is not None or "ebpf" not in transports:
+        yield keymaps
+        return
+    own = ebpf.load(ebpf.BPFFS / f"lifl-bench-{os.getpid()}")
+    try:
+        yield own
+    finally:
+        own.close()
+
+
+def channel_latency(transport: str, messages: int = MIN_MESSAGES, cpus: tuple[int, int] = PLACEMENTS["same-cpu"],
+                    keymaps: ebpf.KeyMaps | None = None, idle_s: float = 0.0) -> Latency:
+    """p50/p99 one-way latency of ``messages`` hand-offs over ``transport``, each after the
+    receiver sat idle for ``idle_s`` (0: back to back). For ``ebpf``, pass a loaded channel's
+    ``keymaps`` (its instances 1 and 2 are used), or one is loaded into a private pin directory
+    for the run."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r}: one of {', '.join(TRANSPORTS)}")
+    with _keymaps([transport], keymaps) as loaded:
+        return Latency.of([_run(transport, messages, cpus, loaded, idle_s)])
 
 
 def compare(messages: int = MIN_MESSAGES, cpus: tuple[int, int] = PLACEMENTS["same-cpu"],
-            keymaps: ebpf.KeyMaps | None = None) -> dict[str, Latency]:
-    """Every transport, one after another, under the same conditions."""
-    return {transport: channel_latency(transport, messages, cpus, keymaps) for transport in TRANSPORTS}
+            keymaps: ebpf.KeyMaps | None = None, rounds: int = COMPARE_ROUNDS) -> dict[str, Latency]:
+    """Every transport under the same conditions: ``messages`` hand-offs each, in ``rounds``
+    runs taken in turn (ebpf, tcp, unix, ebpf, ...), so that drift hits all alike."""
+    runs: dict[str, list[tuple[list[float], float]]] = {transport: [] for transport in TRANSPORTS}
+    with _keymaps(TRANSPORTS, keymaps) as loaded:
+        for r in range(rounds):
+            for transport in TRANSPORTS:
+                runs[transport].append(_run(transport, messages // rounds + (r < messages % rounds), cpus, loaded, 0.0))
+    return {transport: Latency.of(runs[transport]) for transport in TRANSPORTS}
 
 
 def sidecar_idle_cpu_s(seconds: float = IDLE_SECONDS) -> float:
