@@ -189,7 +189,7 @@ def sks_event(body: kopf.Body, type: str | None, **_: Any) -> None:
 def job_spec(name: str, spec: dict[str, Any]) -> JobSpec:
     """The lifl job an FLJob stands for, validated as the gateway validates one."""
     try:
-        return JobSpec.from_request({"job": name, **{k.replace("-", "_"): v for k, v in spec.items()}})
+        return JobSpec.from_request(resources.job_request(name, spec))
     except LiflError as e:
         raise kopf.PermanentError(f"FLJob {name}: {e}") from None
 

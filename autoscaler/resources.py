@@ -230,6 +230,18 @@ def deletion_costs(pods: Sequence[tuple[str, str, str | None]], chosen: set[str]
     return out
 
 
+# FLJob spec fields (Kubernetes' camelCase) -> lifl's job fields
+JOB_FIELDS = {"tenant": "tenant", "goal": "goal", "leafFanIn": "leaf_fan_in", "maxUpdateBytes": "max_update_bytes",
+              "maxInflight": "max_inflight", "roundDeadlineSeconds": "round_deadline_s", "minUpdates": "min_updates",
+              "leaseTTLSeconds": "lease_ttl_s", "overSelection": "over_selection", "maxSamples": "max_samples"}
+
+
+def job_request(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """An FLJob's spec as the body of lifl's job API (which validates it); unknown fields are
+    passed under their own names so that the API names them."""
+    return {"job": name, **{JOB_FIELDS.get(k, k): v for k, v in spec.items()}}
+
+
 def status_patch(pa: Object, status: Mapping[str, Any]) -> dict[str, Any] | None:
     """The status fields that differ from what the PA holds (None: nothing to write)."""
     old = pa.get("status") or {}

@@ -151,9 +151,9 @@ fake_nodes() {
 apiVersion: v1
 kind: Node
 metadata:
-  name: kwok-node-$i
+  name: kwok$i
   annotations: {kwok.x-k8s.io/node: fake, node.alpha.kubernetes.io/ttl: "0"}
-  labels: {type: kwok, kubernetes.io/hostname: kwok-node-$i, kubernetes.io/os: linux, kubernetes.io/arch: amd64}
+  labels: {type: kwok, kubernetes.io/hostname: kwok$i, kubernetes.io/os: linux, kubernetes.io/arch: amd64}
 status:
   allocatable: {cpu: "32", memory: 256Gi, pods: "110"}
   capacity: {cpu: "32", memory: 256Gi, pods: "110"}
