@@ -15,7 +15,7 @@
 # reaches whatever listens on it inside the namespace. No Knative networking layer can be
 # obtained here: KIngresses stay unready unless something marks them (tests/k8s/ does).
 #
-# Needs root (network namespaces), Go 1.24+, and etcd-server (installed if missing).
+# Needs root (network namespaces), Go 1.24+, etcd-server and openssl (scripts/install.sh installs them).
 # LIFL_TESTENV_CACHE (default ~/.cache/lifl-testenv) keeps the binaries; LIFL_TESTENV_DIR
 # (default /run/lifl-testenv) the running bed's state and logs; LIFL_TESTENV_NODES fake nodes (3).
 set -euo pipefail
@@ -85,11 +85,7 @@ build() {
 need_root() { [ "$(id -u)" -eq 0 ] || die "needs root (it makes a network namespace)"; }
 
 ensure_etcd() {
-  command -v etcd >/dev/null && return 0
-  say "installing etcd-server"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends etcd-server >/dev/null
-  # Debian starts a system-wide etcd where it can; the test bed runs its own
-  if command -v service >/dev/null; then service etcd stop >/dev/null 2>&1 || true; fi
+  command -v etcd >/dev/null || die "etcd is not installed (Debian's etcd-server; scripts/install.sh installs it)"
 }
 
 start() {  # name, command...: a daemon inside the namespace, logged and remembered
@@ -263,6 +259,8 @@ up() {
   start knative-autoscaler env $(knative_env autoscaler 9191) "$BIN/knative-autoscaler"
   wait_for "Knative's webhook" nonempty kubectl_ get mutatingwebhookconfiguration webhook.serving.knative.dev \
     -o 'jsonpath={.webhooks[0].clientConfig.caBundle}'
+  wait_for "Knative's autoscaler to lead its bucket" nonempty kubectl_ get lease autoscaler-bucket-00-of-01 \
+    -n knative-serving -o 'jsonpath={.spec.holderIdentity}'
   wait_for "the kwok nodes" kubectl_ wait --for=condition=Ready --timeout=5s node --all
   say "up: $NODES kwok nodes, Knative Serving v0.42.2 (logs in $STATE/logs)"
   echo "$KUBECONFIG_PATH"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -171,3 +172,51 @@ def test_a_bad_fljob_is_refused_with_its_reason(spec: dict[str, Any], problem: s
 
     with pytest.raises(kopf.PermanentError, match=problem):
         job_spec("mnist", spec)
+
+
+# -- lifl bench knative's pure parts: Knative's stat.proto encoding, and the traces ------------------------
+def _stat_classes() -> tuple[Any, Any]:
+    """Knative's metrics.Stat and WireStatMessages, built from stat.proto's definition."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    f = descriptor_pb2.FileDescriptorProto(name="knative_stat_test.proto", package="metrics", syntax="proto3")
+    stat = f.message_type.add(name="Stat")
+    t = descriptor_pb2.FieldDescriptorProto
+    for number, (name, kind) in enumerate([("pod_name", t.TYPE_STRING), ("average_concurrent_requests", t.TYPE_DOUBLE),
+                                           ("average_proxied_concurrent_requests", t.TYPE_DOUBLE), ("request_count", t.TYPE_DOUBLE),
+                                           ("proxied_request_count", t.TYPE_DOUBLE), ("process_uptime", t.TYPE_DOUBLE),
+                                           ("timestamp", t.TYPE_INT64)], start=1):
+        stat.field.add(name=name, number=number, type=kind, label=t.LABEL_OPTIONAL)
+    wire = f.message_type.add(name="WireStatMessage")
+    wire.field.add(name="namespace", number=1, type=t.TYPE_STRING, label=t.LABEL_OPTIONAL)
+    wire.field.add(name="name", number=2, type=t.TYPE_STRING, label=t.LABEL_OPTIONAL)
+    wire.field.add(name="stat", number=3, type=t.TYPE_MESSAGE, type_name=".metrics.Stat", label=t.LABEL_OPTIONAL)
+    wires = f.message_type.add(name="WireStatMessages")
+    wires.field.add(name="messages", number=1, type=t.TYPE_MESSAGE, type_name=".metrics.WireStatMessage", label=t.LABEL_REPEATED)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(f)
+    return (message_factory.GetMessageClass(pool.FindMessageTypeByName("metrics.Stat")),
+            message_factory.GetMessageClass(pool.FindMessageTypeByName("metrics.WireStatMessages")))
+
+
+def test_stats_are_encoded_as_knatives_stat_proto() -> None:
+    from lifl.bench.knative import encode_stat, encode_wire
+
+    stat_class, wire_class = _stat_classes()
+    stat = stat_class.FromString(encode_stat("pod-1", 3.5, 7.0, 12.25, 1_790_000_000))
+    assert (stat.pod_name, stat.average_concurrent_requests, stat.request_count, stat.process_uptime, stat.timestamp) == \
+        ("pod-1", 3.5, 7.0, 12.25, 1_790_000_000)
+    wire = wire_class.FromString(encode_wire("default", "kpa-00001", encode_stat("activator", 40.0, 40.0, 0.0, 1)))
+    assert [(m.namespace, m.name, m.stat.pod_name, m.stat.average_concurrent_requests) for m in wire.messages] == \
+        [("default", "kpa-00001", "activator", 40.0)]
+
+
+def test_the_traces() -> None:
+    from lifl.bench import knative
+
+    bursty = knative.bursty(bursts=2, size=4, spread_s=2.0, gap_s=10.0)
+    assert bursty.arrivals == [8.0, 8.5, 9.0, 9.5, 18.0, 18.5, 19.0, 19.5] and bursty.goal == 4
+    demo = knative.demo()
+    recorded = json.loads(knative.DEMO_TRACE.read_text())
+    assert len(demo.arrivals) == recorded["arrivals"][-1] and demo.arrivals == sorted(demo.arrivals)
+    assert demo.goal == recorded["goal"] and min(demo.arrivals) >= knative.TRAINING_S

@@ -1,0 +1,441 @@
+"""`lifl bench knative`: lifl's autoscaler class against Knative's own (KPA), on the real test bed.
+
+The same aggregator Service is deployed twice on scripts/k8s-testenv.sh's cluster: once with
+stock KPA (its default concurrency target and windows) and once with lifl's class, and the same
+arrival trace is replayed into both at once:
+
+- ``demo``: the updates a `lifl demo` run received, every half second (lifl/bench/traces/demo.json,
+  recorded with `lifl demo`, which writes results/arrivals.json);
+- ``bursty``: the paper's pattern, bursts of updates with idle gaps between them.
+
+Every update is a request that occupies an aggregator for ``SERVICE_S``. Knative's real
+autoscaler decides for KPA from the metrics it scrapes from each pod (served here on the pod's
+IP, port 9090, in Knative's own protobuf ``Stat`` format, as queue-proxy would) and from what an
+activator reports while there are no pods (requests it holds, over the autoscaler's websocket).
+lifl's operator decides from its agents' metrics: a real lifl node (named as the kwok node it
+stands for) gets each client's assignment when its training starts and its update when it
+arrives. Reported per autoscaler and trace: pods over time, pod-seconds, scale-up latency to the
+first burst, cold starts (pods created) and time at zero; a PNG of both timelines per trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+TESTENV = ROOT / "scripts" / "k8s-testenv.sh"
+INSIDE_ENV = "LIFL_BENCH_INSIDE_TESTBED"
+TRACES = ("demo", "bursty")
+AUTOSCALERS = ("kpa", "lifl")
+SAMPLE_S = 0.5  # how often pods are counted
+SERVICE_S = 2.0  # how long one update occupies an aggregator (its upload and its folds)
+TRAINING_S = 8.0  # how long before its update a client is assigned (it trains meanwhile)
+ACTIVATOR_PERIOD_S = 1.0  # how often the emulated activator reports what it holds
+SETTLE_S = 90.0  # after the trace: time for both to scale down (KPA: 60 s window + grace)
+NAMESPACE = "default"
+NODE = "kwok1"  # the lifl node: its id is the kwok node its metrics stand for
+AUTOSCALER_STATS = "http://10.200.0.1:8080/"  # Knative autoscaler's stat server (the test bed's address)
+DEMO_TRACE = Path(__file__).resolve().parent / "traces" / "demo.json"
+
+
+# -- Knative's stat.proto, encoded by hand (proto3: fields by number and wire type) ------------------
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _bytes(number: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _double(number: int, value: float) -> bytes:
+    return _varint(number << 3 | 1) + struct.pack("<d", value)
+
+
+def encode_stat(pod: str, concurrency: float, requests: float, uptime: float, timestamp: int) -> bytes:
+    """metrics.Stat: pod_name 1, average_concurrent_requests 2, request_count 4, process_uptime 6, timestamp 7."""
+    return (_bytes(1, pod.encode()) + _double(2, concurrency) + _double(4, requests) + _double(6, uptime)
+            + _varint(7 << 3) + _varint(timestamp))
+
+
+def encode_wire(namespace: str, revision: str, stat: bytes) -> bytes:
+    """metrics.WireStatMessages{messages: [WireStatMessage{namespace 1, name 2, stat 3}]}."""
+    return _bytes(1, _bytes(1, namespace.encode()) + _bytes(2, revision.encode()) + _bytes(3, stat))
+
+
+# -- traces -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Trace:
+    name: str
+    arrivals: list[float]  # seconds from the start at which each update arrives
+    goal: int  # updates per round
+
+    @property
+    def duration(self) -> float:
+        return max(self.arrivals, default=0.0) + SERVICE_S
+
+
+def bursty(bursts: int = 4, size: int = 40, spread_s: float = 3.0, gap_s: float = 25.0) -> Trace:
+    """The paper's bursty arrivals: ``size`` updates within ``spread_s``, then nothing for ``gap_s``."""
+    start = TRAINING_S  # the first clients are assigned at 0 and train first
+    arrivals = [start + b * gap_s + spread_s * i / size for b in range(bursts) for i in range(size)]
+    return Trace("bursty", arrivals, size)
+
+
+def demo(path: Path = DEMO_TRACE) -> Trace:
+    """A `lifl demo` run's arrivals (cumulative, every ``interval_s``), each spread over its interval."""
+    recorded = json.loads(path.read_text())
+    step, counts = float(recorded["interval_s"]), recorded["arrivals"]
+    arrivals: list[float] = []
+    for i, (before, after) in enumerate(zip([0, *counts], counts)):
+        n = max(0, int(after) - int(before))
+        arrivals += [TRAINING_S + (i + k / max(n, 1)) * step for k in range(n)]
+    return Trace("demo", arrivals, int(recorded["goal"]))
+
+
+def trace(name: str) -> Trace:
+    return {"demo": demo, "bursty": bursty}[name]()
+
+
+# -- figures ------------------------------------------------------------------------------------------
+@dataclass
+class Timeline:
+    samples: list[tuple[float, int]] = field(default_factory=list)  # (seconds from start, running pods)
+    created: set[str] = field(default_factory=set)  # every pod seen
+
+    def figures(self, first_arrival: float) -> dict[str, Any]:
+        pod_seconds = sum(pods * SAMPLE_S for _, pods in self.samples)
+        zero_s = sum(SAMPLE_S for _, pods in self.samples if pods == 0)
+        ready = next((t for t, pods in self.samples if t >= first_arrival - SAMPLE_S and pods > 0), None)
+        # a pod already running when the first update arrives: no wait at all
+        scale_up = None if ready is None else max(0.0, ready - first_arrival)
+        return {"pod_seconds": round(pod_seconds, 1), "scale_up_s": None if scale_up is None else round(scale_up, 1),
+                "cold_starts": len(self.created), "zero_s": round(zero_s, 1),
+                "timeline": [[round(t, 1), pods] for t, pods in self.samples]}
+
+
+# -- the KPA side: queue-proxy's metrics and the activator, emulated ----------------------------------------
+class KpaLoad:
+    """Requests of the trace for the KPA Service: each goes to its least-busy running pod (or
+    waits at the activator while none runs) and occupies it for SERVICE_S. Each pod's load is
+    served as queue-proxy serves it, on the pod's IP, port 9090."""
+
+    def __init__(self, revision: str) -> None:
+        self.revision = revision
+        self.lock = threading.Lock()
+        self.pods: dict[str, str] = {}  # running pod -> its IP
+        self.busy: dict[str, list[float]] = {}  # pod -> end times of its requests
+        self.held: list[float] = []  # arrival times of requests waiting for a pod
+        self.counted: dict[str, int] = {}  # requests per pod since its last scrape
+        self.started: dict[str, float] = {}
+        self.servers: dict[str, ThreadingHTTPServer] = {}
+
+    def arrive(self, now: float) -> None:
+        with self.lock:
+            self.held.append(now)
+            self._dispatch(now)
+
+    def _dispatch(self, now: float) -> None:
+        for pod in self.busy:
+            self.busy[pod] = [end for end in self.busy[pod] if end > now]
+        while self.held and self.pods:
+            pod = min(self.pods, key=lambda p: len(self.busy[p]))
+            self.held.pop(0)
+            self.busy[pod].append(now + SERVICE_S)
+            self.counted[pod] = self.counted.get(pod, 0) + 1
+
+    def set_pods(self, running: dict[str, str], now: float) -> None:
+        with self.lock:
+            for pod in set(self.pods) - set(running):
+                self.pods.pop(pod)
+                self.busy.pop(pod, None)
+                server = self.servers.pop(pod, None)
+                if server is not None:
+                    threading.Thread(target=server.shutdown, daemon=True).start()
+            for pod, ip in running.items():
+                if pod not in self.pods and ip:
+                    self.pods[pod], self.busy[pod], self.started[pod] = ip, [], now
+                    self.servers[pod] = self._serve(pod, ip)
+            self._dispatch(now)
+
+    def stat(self, pod: str) -> bytes:
+        now = time.monotonic()
+        with self.lock:
+            self._dispatch(now)
+            concurrency = float(len(self.busy.get(pod, [])))
+            requests = float(self.counted.pop(pod, 0))
+            uptime = now - self.started.get(pod, now)
+        return encode_stat(pod, concurrency, requests, uptime, int(time.time()))
+
+    def activator_stat(self) -> bytes | None:
+        """What the activator holds for the revision (None: nothing to report)."""
+        with self.lock:
+            self._dispatch(time.monotonic())
+            if not self.held:
+                return None
+            stat = encode_stat("activator", float(len(self.held)), float(len(self.held)), 0.0, int(time.time()))
+        return encode_wire(NAMESPACE, self.revision, stat)
+
+    def _serve(self, pod: str, ip: str) -> ThreadingHTTPServer:
+        load = self
+
+        class Metrics(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                body = load.stat(pod)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/protobuf")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_: Any) -> None:
+                pass
+
+        server = ThreadingHTTPServer((ip, 9090), Metrics)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+    def close(self) -> None:
+        self.set_pods({}, time.monotonic())
+
+
+def report_activator(load: KpaLoad, stop: threading.Event) -> None:
+    """The activator's side: while requests wait for a pod, say so to the autoscaler (which is
+    what scales a KPA revision from zero)."""
+    import aiohttp
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            while not stop.is_set():
+                try:
+                    async with session.ws_connect(AUTOSCALER_STATS) as ws:
+                        while not stop.is_set():
+                            message = load.activator_stat()
+                            if message is not None:
+                                await ws.send_bytes(message)
+                            await asyncio.sleep(ACTIVATOR_PERIOD_S)
+                except aiohttp.ClientError:
+                    await asyncio.sleep(ACTIVATOR_PERIOD_S)
+
+    asyncio.run(run())
+
+
+# -- one run ------------------------------------------------------------------------------------------------
+def _service(name: str, tenant: str, klass: str) -> dict[str, Any]:
+    annotations = {"autoscaling.knative.dev/class": klass}
+    labels = {"lifl.dev/tenant": tenant}
+    spec: dict[str, Any] = {"containers": [{"image": "dev.local/lifl/lifl:0.1.0", "ports": [{"containerPort": 8080}]}]}
+    if klass == "hierarchy.lifl.dev":
+        spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": f"aggregators.lifl.dev/{tenant}", "operator": "In", "values": ["true"]}]}]}}}
+    return {"apiVersion": "serving.knative.dev/v1", "kind": "Service",
+            "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels},
+            "spec": {"template": {"metadata": {"labels": labels, "annotations": annotations}, "spec": spec}}}
+
+
+class Run:
+    def __init__(self, tr: Trace, redis_url: str, gateway: Any, log: bool) -> None:
+        from kubernetes import client, config
+
+        config.load_kube_config()
+        self.core, self.custom = client.CoreV1Api(), client.CustomObjectsApi()
+        self.trace, self.gateway, self.log = tr, gateway, log
+        self.tenant = f"b{tr.name}"
+        self.names = {"kpa": f"kpa-{tr.name}", "lifl": f"lifl-{tr.name}"}
+        self.timelines = {a: Timeline() for a in AUTOSCALERS}
+        self.redis_url = redis_url
+
+    def say(self, text: str) -> None:
+        if self.log:
+            print(f"lifl bench knative: {text}", file=sys.stderr, flush=True)
+
+    def running(self, service: str) -> dict[str, str]:
+        pods = self.core.list_namespaced_pod(NAMESPACE, label_selector=f"serving.knative.dev/service={service}").items
+        return {p.metadata.name: p.status.pod_ip or "" for p in pods
+                if p.status.phase == "Running" and p.metadata.deletion_timestamp is None}
+
+    def all_pods(self, service: str) -> set[str]:
+        pods = self.core.list_namespaced_pod(NAMESPACE, label_selector=f"serving.knative.dev/service={service}").items
+        return {p.metadata.name for p in pods}
+
+    def revision(self, service: str) -> str:
+        while True:
+            svc = self.custom.get_namespaced_custom_object("serving.knative.dev", "v1", NAMESPACE, "services", service)
+            name = (svc.get("status") or {}).get("latestCreatedRevisionName")
+            if name:
+                return name
+            time.sleep(0.2)
+
+    def execute(self) -> dict[str, dict[str, Any]]:
+        tr, gw, job = self.trace, self.gateway, f"bench-{self.trace.name}"
+        from lifl import format as fmt
+
+        self.custom.create_namespaced_custom_object("lifl.dev", "v1alpha1", NAMESPACE, "fljobs", {
+            "apiVersion": "lifl.dev/v1alpha1", "kind": "FLJob", "metadata": {"name": job},
+            "spec": {"tenant": self.tenant, "goal": tr.goal, "leafFanIn": 2, "roundDeadlineSeconds": 30, "minUpdates": 1}})
+        while True:
+            try:
+                gw.job(job)
+                break
+            except Exception:  # the operator creates it
+                time.sleep(0.2)
+        blob = fmt.encode({"w": np.zeros(256, np.float32)})
+        gw.set_model(job, blob)
+        for autoscaler, klass in (("kpa", "kpa.autoscaling.knative.dev"), ("lifl", "hierarchy.lifl.dev")):
+            self.custom.create_namespaced_custom_object("serving.knative.dev", "v1", NAMESPACE, "services",
+                                                        _service(self.names[autoscaler], self.tenant, klass))
+        kpa = KpaLoad(self.revision(self.names["kpa"]))
+        stop = threading.Event()
+        activator = threading.Thread(target=report_activator, args=(kpa, stop), daemon=True)
+        activator.start()
+        events = sorted([(t - TRAINING_S, "assign", i) for i, t in enumerate(tr.arrivals)]
+                        + [(t, "arrive", i) for i, t in enumerate(tr.arrivals)])
+        t0 = time.monotonic()
+        end = tr.duration + SETTLE_S
+        self.say(f"{tr.name}: {len(tr.arrivals)} updates over {tr.duration:.0f} s, then {SETTLE_S:.0f} s to settle")
+        next_sample = 0.0
+        pending = list(events)
+        try:
+            while (now := time.monotonic() - t0) < end:
+                while pending and pending[0][0] <= now:
+                    _, what, i = pending.pop(0)
+                    if what == "assign":
+                        gw.assignment(job, client=f"c{i}")
+                    else:
+                        kpa.arrive(time.monotonic())
+                        try:
+                            gw.push(job, blob, client=f"c{i}", samples=1, base_version=gw.job(job)["version"])
+                        except Exception as e:  # a round that closed meanwhile: the update waits for the next
+                            self.say(f"update {i}: {e}")
+                if now >= next_sample:
+                    for autoscaler in AUTOSCALERS:
+                        running = self.running(self.names[autoscaler])
+                        self.timelines[autoscaler].samples.append((now, len(running)))
+                        self.timelines[autoscaler].created |= self.all_pods(self.names[autoscaler])
+                        if autoscaler == "kpa":
+                            kpa.set_pods(running, time.monotonic())
+                    next_sample += SAMPLE_S
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            kpa.close()
+            for autoscaler in AUTOSCALERS:
+                self.custom.delete_namespaced_custom_object("serving.knative.dev", "v1", NAMESPACE, "services",
+                                                            self.names[autoscaler])
+            self.custom.delete_namespaced_custom_object("lifl.dev", "v1alpha1", NAMESPACE, "fljobs", job)
+        return {a: self.timelines[a].figures(tr.arrivals[0]) for a in AUTOSCALERS}
+
+
+def plot(results: Path, name: str, figures: dict[str, dict[str, Any]], tr: Trace) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    for autoscaler, f in figures.items():
+        t, pods = zip(*f["timeline"]) if f["timeline"] else ((), ())
+        ax.step(t, pods, where="post", label=f"{autoscaler} ({f['pod_seconds']} pod-s)")
+    ax.eventplot([tr.arrivals], lineoffsets=-0.5, linelengths=0.4, colors="grey")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("aggregator pods")
+    ax.set_title(f"{name} trace: KPA against lifl's autoscaler (grey: update arrivals)")
+    ax.legend()
+    path = results / f"knative_{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--traces", default=",".join(TRACES), help=f"comma-separated subset of {', '.join(TRACES)}")
+    p.add_argument("--results", type=Path, default=Path("results"), help="where the plots go (default results/)")
+
+
+def inside(args: argparse.Namespace) -> dict[str, Any]:
+    """The bench proper, inside the test bed's network namespace."""
+    from lifl.client import Gateway
+    from lifl.node.supervisor import Node, NodeConfig
+
+    names = [n for n in args.traces.split(",") if n]
+    unknown = sorted(set(names) - set(TRACES))
+    if unknown:
+        raise SystemExit(f"lifl bench knative: unknown trace(s) {', '.join(unknown)}: choose from {', '.join(TRACES)}")
+    args.results.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="lifl-bench-knative-", dir="/tmp"))
+    os.chmod(tmp, 0o755)
+    node = Node(NodeConfig(node=NODE, http="127.0.0.1:0", grpc="127.0.0.1:0", run_dir=tmp / "run", data_dir=tmp / "data",
+                           keep_warm=30), log=sys.stderr)
+    addresses = node.start()
+    subprocess.run(["kubectl", "apply", "-k", str(ROOT / "manifests")], check=True, capture_output=True)
+    helpers = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "k8s" / "kingress_standin.py")], stderr=subprocess.DEVNULL),
+               subprocess.Popen([sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces", "-m", "lifl.autoscaler.handlers"],
+                                env={**os.environ, "LIFL_REDIS": addresses.redis}, stderr=subprocess.DEVNULL)]
+    gw = Gateway(addresses.http, token=node.operator_token)
+    runs, plots = [], []
+    try:
+        for name in names:
+            tr = trace(name)
+            figures = Run(tr, addresses.redis, gw, log=True).execute()
+            for autoscaler, f in figures.items():
+                runs.append({"autoscaler": autoscaler, "trace": name, **{k: v for k, v in f.items()}})
+            plots.append(plot(args.results, name, figures, tr))
+    finally:
+        gw.close()
+        for helper in helpers:
+            helper.terminate()
+            helper.wait(30)
+        node.stop()
+    by = {(r["trace"], r["autoscaler"]): r for r in runs}
+    met = {name: {"fewer_pod_seconds": by[(name, "lifl")]["pod_seconds"] < by[(name, "kpa")]["pod_seconds"],
+                  "scale_up_no_slower": (by[(name, "lifl")]["scale_up_s"] or 0) <= (by[(name, "kpa")]["scale_up_s"] or float("inf"))}
+           for name in names}
+    return {"benchmark": "knative", "service_s": SERVICE_S, "training_s": TRAINING_S, "runs": runs, "plots": plots,
+            "targets_met": met, "all_targets_met": all(all(m.values()) for m in met.values())}
+
+
+def main(args: argparse.Namespace) -> int:
+    if os.environ.get(INSIDE_ENV):
+        report = inside(args)
+        if args.json:
+            print(json.dumps(report))
+        else:
+            for r in report["runs"]:
+                print(f"{r['trace']:7} {r['autoscaler']:5} pod-s {r['pod_seconds']:7.1f}  scale-up {r['scale_up_s']} s  "
+                      f"cold starts {r['cold_starts']:3}  at zero {r['zero_s']:6.1f} s")
+            print(f"targets: {report['targets_met']}; plots: {', '.join(report['plots'])}")
+        return 0
+    if os.geteuid() != 0:
+        print("lifl bench knative: needs root (the Kubernetes test bed runs in a network namespace)", file=sys.stderr)
+        return 2
+    kubeconfig = Path(os.environ.get("LIFL_TESTENV_DIR", "/run/lifl-testenv")) / "kubeconfig"
+    started = not kubeconfig.exists()
+    if started:
+        subprocess.run([str(TESTENV), "up"], check=True, stdout=subprocess.DEVNULL)
+    try:
+        argv = [sys.executable, "-m", "lifl", "bench", "knative", "--traces", args.traces, "--results", str(args.results.resolve())]
+        return subprocess.run([str(TESTENV), "exec", "env", f"{INSIDE_ENV}=1", *argv, *(["--json"] if args.json else [])]).returncode
+    finally:
+        if started:
+            subprocess.run([str(TESTENV), "down"], check=True)
