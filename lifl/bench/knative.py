@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -239,6 +240,45 @@ def report_activator(load: KpaLoad, stop: threading.Event) -> None:
     asyncio.run(run())
 
 
+# -- the lifl side: clients of the trace, in lifl's rounds -----------------------------------------------
+class LiflClients:
+    """The trace's clients as lifl sees them. A client is assigned to the round when its training
+    starts, at most the round's goal of them (the others wait for the next round, as
+    over-selected clients are told to); it sends its update when the trace says it arrives. An
+    update a round no longer takes (full, or closed on the version it was trained from) goes
+    again in the next round, as its client would after pulling the new model."""
+
+    def __init__(self, gateway: Any, job: str, goal: int, blob: bytes) -> None:
+        self.gateway, self.job, self.goal, self.blob = gateway, job, goal, blob
+        self.to_assign: deque[str] = deque()
+        self.to_send: deque[str] = deque()
+        self.version, self.assigned, self.blocked = 0, 0, False
+
+    def progress(self) -> None:
+        from lifl.errors import LiflError
+
+        if not (self.to_assign or self.to_send):
+            return
+        version = self.gateway.job(self.job)["version"]
+        if version != self.version:
+            self.version, self.assigned, self.blocked = version, 0, False
+        if self.blocked:  # the round refused an update: wait for the next one
+            return
+        while self.to_assign and self.assigned < self.goal:
+            self.gateway.assignment(self.job, client=self.to_assign.popleft())
+            self.assigned += 1
+        while self.to_send:
+            try:
+                self.gateway.push(self.job, self.blob, client=self.to_send[0], samples=1, base_version=self.version)
+            except LiflError as e:
+                if e.code in ("round_full", "version_conflict"):
+                    self.blocked = True  # this round takes no more: these go in the next one
+                    return
+                if e.code != "already_acknowledged":
+                    raise
+            self.to_send.popleft()
+
+
 # -- one run ------------------------------------------------------------------------------------------------
 def _service(name: str, tenant: str, klass: str) -> dict[str, Any]:
     annotations = {"autoscaling.knative.dev/class": klass}
@@ -314,18 +354,17 @@ class Run:
         self.say(f"{tr.name}: {len(tr.arrivals)} updates over {tr.duration:.0f} s, then {SETTLE_S:.0f} s to settle")
         next_sample = 0.0
         pending = list(events)
+        clients = LiflClients(gw, job, tr.goal, blob)
         try:
             while (now := time.monotonic() - t0) < end:
                 while pending and pending[0][0] <= now:
                     _, what, i = pending.pop(0)
                     if what == "assign":
-                        gw.assignment(job, client=f"c{i}")
+                        clients.to_assign.append(f"c{i}")
                     else:
                         kpa.arrive(time.monotonic())
-                        try:
-                            gw.push(job, blob, client=f"c{i}", samples=1, base_version=gw.job(job)["version"])
-                        except Exception as e:  # a round that closed meanwhile: the update waits for the next
-                            self.say(f"update {i}: {e}")
+                        clients.to_send.append(f"c{i}")
+                clients.progress()
                 if now >= next_sample:
                     for autoscaler in AUTOSCALERS:
                         running = self.running(self.names[autoscaler])
