@@ -10,7 +10,7 @@ from kubernetes.client.rest import ApiException
 
 from lifl.autoscaler import names
 
-NOT_FOUND, CONFLICT = 404, 409
+NOT_FOUND = 404
 
 
 def connect() -> client.ApiClient:
@@ -30,13 +30,16 @@ class Kube:
         self.custom = client.CustomObjectsApi(api)
 
     # -- ServerlessServices and PodAutoscalers ------------------------------------------------------
-    def sks(self, namespace: str, name: str) -> dict[str, Any] | None:
+    def _custom(self, group: str, version: str, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return self.custom.get_namespaced_custom_object(names.SKS_GROUP, names.SKS_VERSION, namespace, names.SKS_PLURAL, name)
+            return self.custom.get_namespaced_custom_object(group, version, namespace, plural, name)
         except ApiException as e:
             if e.status == NOT_FOUND:
                 return None
             raise
+
+    def sks(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._custom(names.SKS_GROUP, names.SKS_VERSION, names.SKS_PLURAL, namespace, name)
 
     def create_sks(self, body: dict[str, Any]) -> dict[str, Any]:
         meta = body["metadata"]
@@ -47,12 +50,7 @@ class Kube:
                                                           {"spec": spec})
 
     def pa(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return self.custom.get_namespaced_custom_object(names.PA_GROUP, names.PA_VERSION, namespace, names.PA_PLURAL, name)
-        except ApiException as e:
-            if e.status == NOT_FOUND:
-                return None
-            raise
+        return self._custom(names.PA_GROUP, names.PA_VERSION, names.PA_PLURAL, namespace, name)
 
     def pas(self) -> list[dict[str, Any]]:
         return self.custom.list_cluster_custom_object(names.PA_GROUP, names.PA_VERSION, names.PA_PLURAL)["items"]
