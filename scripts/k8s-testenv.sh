@@ -239,7 +239,8 @@ up() {
     --bind-address=127.0.0.1 --secure-port=10259 --profiling=false
   start kwok "$BIN/kwok" --kubeconfig="$KUBECONFIG_PATH" \
     --manage-all-nodes=false --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
-    --cidr="${POD_CIDR%.0/16}.1/16" --node-ip="$ADDR" --node-port=10247 --server-address=127.0.0.1:10247
+    --cidr="${POD_CIDR%.0/16}.1/16" --node-ip="$ADDR" --node-port=10247 --server-address=127.0.0.1:10247 \
+    --node-lease-duration-seconds=40  # kwok renews the nodes' leases: without them a node goes NotReady (and its pods unready) after 40 s
   wait_for "the default service account" kubectl_ get serviceaccount default
   fake_nodes | kubectl_ apply -f - >/dev/null
 

@@ -123,7 +123,10 @@ def revision_pa(svc: str) -> dict[str, Any]:
 
 
 def ready_pa(svc: str) -> dict[str, Any] | None:
-    pa = revision_pa(svc)
+    """The Service's latest PA once it is ready (None before: no revision yet, or not ready)."""
+    service = maybe("ksvc", svc)
+    revision = ((service or {}).get("status") or {}).get("latestCreatedRevisionName")
+    pa = maybe("podautoscaler", revision) if revision else None
     return pa if condition(pa, "Ready") == "True" else None
 
 
@@ -249,3 +252,18 @@ def test_a_restarted_operator_converges_with_no_duplicate_pods(operator: Backgro
     after = sorted(p["metadata"]["name"] for p in pods_of("restart1-aggregators"))
     assert after == before
     assert len(get("sks", "-l", "serving.knative.dev/service=restart1-aggregators")["items"]) == 1
+
+
+def test_a_new_revision_takes_over_and_the_old_one_goes_to_zero(operator: Background) -> None:
+    kubectl("apply", "-f", "-", stdin=service("rev1", **{names.MIN_SCALE_ANNOTATION: "1"}))
+    wait_for(lambda: ready_pa("rev1-aggregators"), READY_TIMEOUT_S, 0.5, "the first revision ready")
+    first = revision_pa("rev1-aggregators")
+    # a changed template is a new revision; the old one stops being routed to (Unreachable)
+    kubectl("apply", "-f", "-", stdin=service("rev1", **{names.MIN_SCALE_ANNOTATION: "2"}))
+    wait_for(lambda: revision_pa("rev1-aggregators")["metadata"]["name"] != first["metadata"]["name"], READY_TIMEOUT_S, 0.5,
+             "a second revision")
+    wait_for(lambda: ready_pa("rev1-aggregators"), READY_TIMEOUT_S, 0.5, "the second revision ready")
+    old = wait_for(lambda: (pa := get("podautoscaler", first["metadata"]["name"]))["spec"].get("reachability") == "Unreachable" and pa,
+                   READY_TIMEOUT_S, 0.5, "the old revision unreachable")
+    wait_for(lambda: replicas(get("podautoscaler", old["metadata"]["name"])) == 0, READY_TIMEOUT_S, 0.5, "the old revision at zero")
+    assert get("podautoscaler", old["metadata"]["name"])["status"]["desiredScale"] == 0  # despite its min-scale
