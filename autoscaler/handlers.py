@@ -8,8 +8,8 @@ else: this operator creates and owns its ServerlessService, scales the Deploymen
 scale subresource (from zero too: Knative gives a custom class no activator), places the pods
 by moving the tenant's placement label between nodes (BestFit, as the planner decided), and
 writes the PA's status. The numbers come from the same planner ``lifl up`` runs
-(``lifl.control``), ticked by a timer on lifl's own FLJob objects, which also put the jobs into
-Redis and report their versions and plans.
+(``lifl.control``), re-run every period by the operator's own control loop for the FLJobs that
+exist; FLJobs put the jobs into Redis, and a timer on them reports their versions and plans.
 
 Everything is level-based: a handler reads what is there, computes what should be, and writes
 the difference, so a restarted operator converges from what it finds. Handlers on objects
@@ -23,7 +23,7 @@ import datetime
 import logging
 import os
 import threading
-import time
+from collections.abc import Collection
 from typing import Any
 
 import kopf
@@ -36,7 +36,7 @@ from lifl.jobs import JobSpec
 from lifl.state import NO_MODEL, ClusterState
 
 PLAN_PERIOD_S = 2.0  # how often the planner re-plans (the agents publish their metrics as often)
-OPERATOR_NODE = "k8s-operator"  # who holds the controller lease while the operator plans
+OPERATOR_NODE = "k8s-operator"  # the planner's name for itself
 REVISION_LABEL = "serving.knative.dev/revision"
 
 log = logging.getLogger("lifl.autoscaler")
@@ -47,35 +47,52 @@ def now() -> str:
 
 
 class Planner:
-    """The control plane's plan, per tenant and node. Without Redis there is no demand: PAs go
-    to their initial scale and then to zero (or their min-scale)."""
+    """The control plane's plan, per tenant and node, made by the operator itself: the agents'
+    controller (one node's, by lease) keeps its round duties and the nodes' own pre-warming.
+    Without Redis there is no demand: PAs go to their initial scale and then to zero (or their
+    min-scale)."""
 
     def __init__(self, state: ClusterState | None, period: float = PLAN_PERIOD_S) -> None:
         self.state = state
         self.controller = Controller(state, OPERATOR_NODE, ControlConfig(period=period)) if state else None
-        self.period = period
-        self._last = 0.0
+        self.warm: dict[str, dict[str, int]] = {}  # node -> tenant -> aggregators
         self._lock = threading.Lock()
 
-    def tick(self) -> None:
-        """Re-plan, at most once a period, however many timers ask."""
-        if self.controller is None:
-            return
-        with self._lock:
-            if time.monotonic() - self._last < self.period:
-                return
-            self._last = time.monotonic()
-            self.controller.tick()
+    def tick(self, jobs: Collection[str]) -> None:
+        """Re-plan for ``jobs``, the FLJobs that exist (a deleted one wants no aggregators)."""
+        if self.controller is not None:
+            warm = self.controller.plan(only=jobs)[0]
+            with self._lock:
+                self.warm = warm
 
     def nodes(self, tenant: str) -> dict[str, int]:
         """Aggregators the plan gives ``tenant`` on each node."""
-        if self.state is None:
-            return {}
-        return {node: per_tenant[tenant] for node, per_tenant in self.state.warm_plan().items() if per_tenant.get(tenant, 0) > 0}
+        with self._lock:
+            return {node: per_tenant[tenant] for node, per_tenant in self.warm.items() if per_tenant.get(tenant, 0) > 0}
+
+
+def plan_and_scale(kube: Kube, planner: Planner) -> None:
+    """One round of the control loop: re-plan for the FLJobs there are, and bring every PA of
+    lifl's class to the plan (reading everything afresh: level-based)."""
+    planner.tick(kube.fljob_names())
+    for pa in kube.pas():
+        if resources.is_ours(pa):
+            reconcile_pa(pa, kube, planner)
+
+
+def control_loop(stop: threading.Event) -> None:
+    """The operator's own loop, not tied to any object: Knative's objects must not carry a kopf
+    timer (its finalizer), and a tenant whose FLJobs are all deleted must still go to zero."""
+    while not stop.wait(PLAN_PERIOD_S):
+        try:
+            plan_and_scale(_kube(), PLANNER)
+        except Exception:  # the API server or Redis may be away for a while: the next round retries
+            log.exception("re-planning failed; trying again in %g s", PLAN_PERIOD_S)
 
 
 KUBE: Kube | None = None
 PLANNER = Planner(None)
+STOP = threading.Event()  # ends the control loop
 
 
 @kopf.on.startup()
@@ -91,6 +108,13 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     PLANNER = Planner(ClusterState(url) if url else None)
     if not url:
         log.warning("LIFL_REDIS is not set: no plans, so lifl-class PAs keep their initial and then minimum scale")
+    STOP.clear()
+    threading.Thread(target=control_loop, args=(STOP,), name="lifl-control-loop", daemon=True).start()
+
+
+@kopf.on.cleanup()
+def stop_control_loop(**_: Any) -> None:
+    STOP.set()
 
 
 def _kube() -> Kube:
@@ -218,14 +242,9 @@ def job_spec_changed(name: str, spec: dict[str, Any], patch: kopf.Patch, **_: An
 
 
 @kopf.timer(names.JOB_GROUP, names.JOB_VERSION, names.JOB_PLURAL, interval=PLAN_PERIOD_S, initial_delay=0)
-def job_tick(name: str, spec: dict[str, Any], status: dict[str, Any], patch: kopf.Patch, **_: Any) -> None:
-    """Re-plan, apply the plan to the tenant's PAs, and report the job."""
-    PLANNER.tick()
-    kube = _kube()
+def job_status(name: str, spec: dict[str, Any], status: dict[str, Any], patch: kopf.Patch, **_: Any) -> None:
+    """Report the job's version, round and plan (the control loop does the planning)."""
     tenant = job_spec(name, dict(spec)).tenant
-    for pa in kube.pas():
-        if resources.is_ours(pa) and resources.tenant_of(pa) == tenant:
-            reconcile_pa(pa, kube, PLANNER)
     state = PLANNER.state
     if state is None:
         return

@@ -55,6 +55,10 @@ class Kube:
     def pas(self) -> list[dict[str, Any]]:
         return self.custom.list_cluster_custom_object(names.PA_GROUP, names.PA_VERSION, names.PA_PLURAL)["items"]
 
+    def fljob_names(self) -> set[str]:
+        items = self.custom.list_cluster_custom_object(names.JOB_GROUP, names.JOB_VERSION, names.JOB_PLURAL)["items"]
+        return {job["metadata"]["name"] for job in items if not job["metadata"].get("deletionTimestamp")}
+
     def patch_pa_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.custom.patch_namespaced_custom_object_status(names.PA_GROUP, names.PA_VERSION, namespace, names.PA_PLURAL, name,
                                                           {"status": status})

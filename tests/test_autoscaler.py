@@ -216,7 +216,65 @@ def test_the_traces() -> None:
 
     bursty = knative.bursty(bursts=2, size=4, spread_s=2.0, gap_s=10.0)
     assert bursty.arrivals == [8.0, 8.5, 9.0, 9.5, 18.0, 18.5, 19.0, 19.5] and bursty.goal == 4
+    assert bursty.first_burst_s == 18.0
     demo = knative.demo()
     recorded = json.loads(knative.DEMO_TRACE.read_text())
     assert len(demo.arrivals) == recorded["arrivals"][-1] and demo.arrivals == sorted(demo.arrivals)
     assert demo.goal == recorded["goal"] and min(demo.arrivals) >= knative.TRAINING_S
+
+
+def test_a_kpa_pod_takes_at_most_its_container_concurrency_and_the_rest_wait_at_the_activator() -> None:
+    import urllib.request
+
+    from lifl.bench.knative import SERVICE_S, KpaLoad
+
+    stat_class, wire_class = _stat_classes()
+    now = [0.0]
+    load = KpaLoad("kpa-00001", concurrency=2, port=0, clock=lambda: now[0])
+    for _ in range(5):
+        load.arrive(0.0)
+    # no pod yet: the activator holds all five and says so
+    assert wire_class.FromString(load.activator_stat()).messages[0].stat.average_concurrent_requests == 5.0
+    pods = {"p1": "127.0.0.1", "p2": "127.0.0.1"}
+    load.set_pods(pods, 0.0)
+    try:
+        assert sorted(len(ends) for ends in load.busy.values()) == [2, 2] and len(load.held) == 1
+        scraped = {}
+        for pod in pods:  # each pod's metrics, as Knative's autoscaler scrapes them
+            port = load.servers[pod].server_address[1]
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+                assert r.headers["Content-Type"] == "application/protobuf"
+                stat = stat_class.FromString(r.read())
+            scraped[stat.pod_name] = (stat.average_concurrent_requests, stat.request_count)
+        assert scraped == {"p1": (2.0, 2.0), "p2": (2.0, 2.0)}
+        # the first requests end SERVICE_S after they started: the waiting one takes a freed slot
+        now[0] = SERVICE_S + 0.01
+        load.set_pods(pods, now[0])
+        assert sorted(len(ends) for ends in load.busy.values()) == [0, 1] and not load.held
+    finally:
+        load.close()
+    assert not load.servers
+
+
+@pytest.mark.parametrize("samples, first, burst_end, expected", [
+    ([], 5.0, 9.0, {"pod_seconds": 0.0, "scale_up_s": None, "zero_s": 0.0}),
+    # from the first update (0.5 s) to the first burst's most pods (3, at 1.5 s); a later peak is another burst's
+    ([(0.0, 0), (0.5, 1), (1.0, 2), (1.5, 3), (2.0, 3), (2.5, 5)], 0.5, 2.5,
+     {"pod_seconds": 7.0, "scale_up_s": 1.0, "zero_s": 0.5}),
+    ([(0.0, 4), (0.5, 4), (1.0, 2)], 0.5, 9.0, {"pod_seconds": 5.0, "scale_up_s": 0.0, "zero_s": 0.0}),  # ready ahead
+])
+def test_timeline_figures(samples: list[tuple[float, int]], first: float, burst_end: float, expected: dict[str, Any]) -> None:
+    from lifl.bench.knative import Timeline
+
+    figures = Timeline(samples, {"a", "b"}).figures(first, burst_end)
+    assert {k: figures[k] for k in expected} == expected and figures["cold_starts"] == 2
+
+
+@pytest.mark.parametrize("traces", ["nope", "demo,nope", ","])
+def test_bench_knative_refuses_unknown_traces_before_starting_anything(traces: str) -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "lifl", "bench", "knative", "--traces", traces],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "unknown trace" in r.stderr and "choose from demo, bursty" in r.stderr

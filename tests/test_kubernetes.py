@@ -6,6 +6,7 @@ test bed's first build takes about 15 minutes (`make test` builds it first)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -194,26 +195,38 @@ def _model() -> bytes:
     return fmt.encode({"w": np.zeros(64, np.float32)})
 
 
-@pytest.mark.timeout(900)  # the smoothed queue decays by 0.7 a period after the load stops
-def test_load_grows_the_tenants_aggregators_on_the_bestfit_node_and_their_absence_shrinks_them_to_zero(
-        operator: Background, redis_url: str, run_dir: Path) -> None:
+@contextlib.contextmanager
+def fl_job(tenant: str, node_id: str, goal: int, redis_url: str, run_dir: Path) -> Iterator[Any]:
+    """The tenant's Service ready, a real lifl node whose id is the kwok node it stands for (on
+    the operator's Redis), and an accepted FLJob of the tenant's name with its model set: the
+    node's gateway client."""
     from lifl.client import Gateway
     from lifl.node.supervisor import Node, NodeConfig
 
-    kubectl("apply", "-f", "-", stdin=service("load1"))
-    wait_for(lambda: condition(maybe("ksvc", "load1-aggregators"), "Ready") == "True", READY_TIMEOUT_S, 0.5, "Ready")
-    wait_for(lambda: not pods_of("load1-aggregators"), READY_TIMEOUT_S, 0.5, "no pods while there is no demand")
-    # a real lifl node, whose id is the kwok node it stands for, on the operator's Redis
-    node = Node(NodeConfig(node="kwok2", http="127.0.0.1:0", grpc="127.0.0.1:0", redis=redis_url, run_dir=run_dir,
+    kubectl("apply", "-f", "-", stdin=service(tenant))
+    wait_for(lambda: condition(maybe("ksvc", f"{tenant}-aggregators"), "Ready") == "True", READY_TIMEOUT_S, 0.5, "Ready")
+    node = Node(NodeConfig(node=node_id, http="127.0.0.1:0", grpc="127.0.0.1:0", redis=redis_url, run_dir=run_dir,
                            data_dir=run_dir.parent / "data", shm_capacity=1 << 30, keep_warm=30))
     addresses = node.start()
     gw = Gateway(addresses.http, token=OPERATOR_TOKEN)
     try:
         kubectl("apply", "-f", "-", stdin=json.dumps({
-            "apiVersion": "lifl.dev/v1alpha1", "kind": "FLJob", "metadata": {"name": "load1", "namespace": "default"},
-            "spec": {"tenant": "load1", "goal": 12, "leafFanIn": 2}}))
-        wait_for(lambda: condition(maybe("fljob", "load1"), "Accepted") == "True", READY_TIMEOUT_S, 0.5, "the job accepted")
-        gw.set_model("load1", _model())
+            "apiVersion": "lifl.dev/v1alpha1", "kind": "FLJob", "metadata": {"name": tenant, "namespace": "default"},
+            "spec": {"tenant": tenant, "goal": goal, "leafFanIn": 2}}))
+        wait_for(lambda: condition(maybe("fljob", tenant), "Accepted") == "True", READY_TIMEOUT_S, 0.5, "the job accepted")
+        gw.set_model(tenant, _model())
+        yield gw
+    finally:
+        gw.close()
+        node.stop()
+        inside("kubectl", "delete", "fljob", tenant, "--ignore-not-found", "--wait=false")
+
+
+@pytest.mark.timeout(900)  # the smoothed queue decays by 0.7 a period after the load stops
+def test_load_grows_the_tenants_aggregators_on_the_bestfit_node_and_their_absence_shrinks_them_to_zero(
+        operator: Background, redis_url: str, run_dir: Path) -> None:
+    with fl_job("load1", "kwok2", 12, redis_url, run_dir) as gw:
+        wait_for(lambda: not pods_of("load1-aggregators"), READY_TIMEOUT_S, 0.5, "no pods while there is no demand")
         # rising load: twelve clients are assigned to the node and have not sent their updates yet
         for i in range(12):
             assert gw.assignment("load1", client=f"c{i}")["node"] == "kwok2"
@@ -232,10 +245,18 @@ def test_load_grows_the_tenants_aggregators_on_the_bestfit_node_and_their_absenc
         wait_for(lambda: replicas(revision_pa("load1-aggregators")) == 0, 600, 0.5, "scale to zero")
         wait_for(lambda: not pods_of("load1-aggregators"), READY_TIMEOUT_S, 0.5, "the pods to go")
         wait_for(lambda: get("fljob", "load1")["status"].get("version") == 1, READY_TIMEOUT_S, 0.5, "the job's version reported")
-    finally:
-        gw.close()
-        node.stop()
-        inside("kubectl", "delete", "fljob", "load1", "--wait=false")
+
+
+def test_deleting_an_fljob_takes_its_tenants_aggregators_to_zero(operator: Background, redis_url: str, run_dir: Path) -> None:
+    with fl_job("gone1", "kwok3", 6, redis_url, run_dir) as gw:
+        for i in range(6):  # clients are training: the tenant wants aggregators
+            gw.assignment("gone1", client=f"c{i}")
+        wait_for(lambda: running("gone1-aggregators") and replicas(revision_pa("gone1-aggregators")) >= 1, READY_TIMEOUT_S, 0.5,
+                 "aggregators for the waiting clients")
+        # the job is deleted while its clients still train: nothing wants the aggregators any more
+        kubectl("delete", "fljob", "gone1")
+        wait_for(lambda: replicas(revision_pa("gone1-aggregators")) == 0, READY_TIMEOUT_S, 0.5, "scale to zero")
+        wait_for(lambda: not pods_of("gone1-aggregators"), READY_TIMEOUT_S, 0.5, "the pods to go")
 
 
 def test_a_restarted_operator_converges_with_no_duplicate_pods(operator: Background) -> None:

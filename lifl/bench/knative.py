@@ -8,14 +8,18 @@ arrival trace is replayed into both at once:
   recorded with `lifl demo`, which writes results/arrivals.json);
 - ``bursty``: the paper's pattern, bursts of updates with idle gaps between them.
 
-Every update is a request that occupies an aggregator for ``SERVICE_S``. Knative's real
-autoscaler decides for KPA from the metrics it scrapes from each pod (served here on the pod's
+Every update is a request that occupies an aggregator for ``SERVICE_S``. Both Services declare
+``containerConcurrency`` = the job's leaf fan-in (an aggregator takes that many updates at once,
+and a pod's CPU is no larger for KPA than for lifl), so KPA's default target follows from it
+(70 % of it) and a pod holds no more requests than that: the rest wait, as queue-proxy and the
+activator would make them. Knative's real autoscaler decides for KPA from the metrics it scrapes from each pod (served here on the pod's
 IP, port 9090, in Knative's own protobuf ``Stat`` format, as queue-proxy would) and from what an
 activator reports while there are no pods (requests it holds, over the autoscaler's websocket).
 lifl's operator decides from its agents' metrics: a real lifl node (named as the kwok node it
 stands for) gets each client's assignment when its training starts and its update when it
 arrives. Reported per autoscaler and trace: pods over time, pod-seconds, scale-up latency to the
-first burst, cold starts (pods created) and time at zero; a PNG of both timelines per trace.
+first burst (from its first update to the most pods the autoscaler gives it), cold starts (pods
+created) and time at zero; a PNG of both timelines per trace.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -45,6 +50,7 @@ TRACES = ("demo", "bursty")
 AUTOSCALERS = ("kpa", "lifl")
 SAMPLE_S = 0.5  # how often pods are counted
 SERVICE_S = 2.0  # how long one update occupies an aggregator (its upload and its folds)
+LEAF_FAN_IN = 2  # updates an aggregator takes at once: the job's leaf fan-in, the Service's containerConcurrency
 TRAINING_S = 8.0  # how long before its update a client is assigned (it trains meanwhile)
 ACTIVATOR_PERIOD_S = 1.0  # how often the emulated activator reports what it holds
 SETTLE_S = 90.0  # after the trace: time for both to scale down (KPA: 60 s window + grace)
@@ -89,6 +95,7 @@ class Trace:
     name: str
     arrivals: list[float]  # seconds from the start at which each update arrives
     goal: int  # updates per round
+    first_burst_s: float  # when the first burst is over (the next one starts): scale-up is measured within it
 
     @property
     def duration(self) -> float:
@@ -99,7 +106,7 @@ def bursty(bursts: int = 4, size: int = 40, spread_s: float = 3.0, gap_s: float 
     """The paper's bursty arrivals: ``size`` updates within ``spread_s``, then nothing for ``gap_s``."""
     start = TRAINING_S  # the first clients are assigned at 0 and train first
     arrivals = [start + b * gap_s + spread_s * i / size for b in range(bursts) for i in range(size)]
-    return Trace("bursty", arrivals, size)
+    return Trace("bursty", arrivals, size, start + gap_s)
 
 
 def demo(path: Path = DEMO_TRACE) -> Trace:
@@ -110,7 +117,7 @@ def demo(path: Path = DEMO_TRACE) -> Trace:
     for i, (before, after) in enumerate(zip([0, *counts], counts)):
         n = max(0, int(after) - int(before))
         arrivals += [TRAINING_S + (i + k / max(n, 1)) * step for k in range(n)]
-    return Trace("demo", arrivals, int(recorded["goal"]))
+    return Trace("demo", arrivals, int(recorded["goal"]), max(arrivals, default=0.0) + SERVICE_S)
 
 
 def trace(name: str) -> Trace:
@@ -123,12 +130,15 @@ class Timeline:
     samples: list[tuple[float, int]] = field(default_factory=list)  # (seconds from start, running pods)
     created: set[str] = field(default_factory=set)  # every pod seen
 
-    def figures(self, first_arrival: float) -> dict[str, Any]:
+    def figures(self, first_arrival: float, first_burst_end: float) -> dict[str, Any]:
+        """Scale-up: from the first update to the most pods the autoscaler gives the first burst
+        (0 if it had them before the update came)."""
         pod_seconds = sum(pods * SAMPLE_S for _, pods in self.samples)
         zero_s = sum(SAMPLE_S for _, pods in self.samples if pods == 0)
-        ready = next((t for t, pods in self.samples if t >= first_arrival - SAMPLE_S and pods > 0), None)
-        # a pod already running when the first update arrives: no wait at all
-        scale_up = None if ready is None else max(0.0, ready - first_arrival)
+        burst = [(t, pods) for t, pods in self.samples if t < first_burst_end]
+        peak = max((pods for _, pods in burst if pods > 0), default=0)
+        reached = next((t for t, pods in burst if pods == peak), None) if peak else None
+        scale_up = None if reached is None else max(0.0, reached - first_arrival)
         return {"pod_seconds": round(pod_seconds, 1), "scale_up_s": None if scale_up is None else round(scale_up, 1),
                 "cold_starts": len(self.created), "zero_s": round(zero_s, 1),
                 "timeline": [[round(t, 1), pods] for t, pods in self.samples]}
@@ -136,12 +146,14 @@ class Timeline:
 
 # -- the KPA side: queue-proxy's metrics and the activator, emulated ----------------------------------------
 class KpaLoad:
-    """Requests of the trace for the KPA Service: each goes to its least-busy running pod (or
-    waits at the activator while none runs) and occupies it for SERVICE_S. Each pod's load is
-    served as queue-proxy serves it, on the pod's IP, port 9090."""
+    """Requests of the trace for the KPA Service: each goes to its least-busy running pod with a
+    free slot (of ``concurrency``) and occupies it for SERVICE_S, or waits (at the activator, which
+    reports it) until one frees. Each pod's load is served as queue-proxy serves it, on the pod's
+    IP, port ``port``."""
 
-    def __init__(self, revision: str) -> None:
-        self.revision = revision
+    def __init__(self, revision: str, concurrency: int = LEAF_FAN_IN, port: int = 9090,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.revision, self.concurrency, self.port, self.clock = revision, concurrency, port, clock
         self.lock = threading.Lock()
         self.pods: dict[str, str] = {}  # running pod -> its IP
         self.busy: dict[str, list[float]] = {}  # pod -> end times of its requests
@@ -158,8 +170,11 @@ class KpaLoad:
     def _dispatch(self, now: float) -> None:
         for pod in self.busy:
             self.busy[pod] = [end for end in self.busy[pod] if end > now]
-        while self.held and self.pods:
-            pod = min(self.pods, key=lambda p: len(self.busy[p]))
+        while self.held:
+            free = [p for p in self.pods if len(self.busy[p]) < self.concurrency]
+            if not free:
+                return
+            pod = min(free, key=lambda p: len(self.busy[p]))
             self.held.pop(0)
             self.busy[pod].append(now + SERVICE_S)
             self.counted[pod] = self.counted.get(pod, 0) + 1
@@ -179,7 +194,7 @@ class KpaLoad:
             self._dispatch(now)
 
     def stat(self, pod: str) -> bytes:
-        now = time.monotonic()
+        now = self.clock()
         with self.lock:
             self._dispatch(now)
             concurrency = float(len(self.busy.get(pod, [])))
@@ -190,7 +205,7 @@ class KpaLoad:
     def activator_stat(self) -> bytes | None:
         """What the activator holds for the revision (None: nothing to report)."""
         with self.lock:
-            self._dispatch(time.monotonic())
+            self._dispatch(self.clock())
             if not self.held:
                 return None
             stat = encode_stat("activator", float(len(self.held)), float(len(self.held)), 0.0, int(time.time()))
@@ -206,17 +221,20 @@ class KpaLoad:
                 self.send_header("Content-Type", "application/protobuf")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the scraper gave up on this pod (its timeout): it scrapes again next tick
 
             def log_message(self, *_: Any) -> None:
                 pass
 
-        server = ThreadingHTTPServer((ip, 9090), Metrics)
+        server = ThreadingHTTPServer((ip, self.port), Metrics)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         return server
 
     def close(self) -> None:
-        self.set_pods({}, time.monotonic())
+        self.set_pods({}, self.clock())
 
 
 def report_activator(load: KpaLoad, stop: threading.Event) -> None:
@@ -283,7 +301,8 @@ class LiflClients:
 def _service(name: str, tenant: str, klass: str) -> dict[str, Any]:
     annotations = {"autoscaling.knative.dev/class": klass}
     labels = {"lifl.dev/tenant": tenant}
-    spec: dict[str, Any] = {"containers": [{"image": "dev.local/lifl/lifl:0.1.0", "ports": [{"containerPort": 8080}]}]}
+    spec: dict[str, Any] = {"containerConcurrency": LEAF_FAN_IN,
+                            "containers": [{"image": "dev.local/lifl/lifl:0.1.0", "ports": [{"containerPort": 8080}]}]}
     if klass == "hierarchy.lifl.dev":
         spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
             {"matchExpressions": [{"key": f"aggregators.lifl.dev/{tenant}", "operator": "In", "values": ["true"]}]}]}}}
@@ -331,7 +350,7 @@ class Run:
 
         self.custom.create_namespaced_custom_object("lifl.dev", "v1alpha1", NAMESPACE, "fljobs", {
             "apiVersion": "lifl.dev/v1alpha1", "kind": "FLJob", "metadata": {"name": job},
-            "spec": {"tenant": self.tenant, "goal": tr.goal, "leafFanIn": 2, "roundDeadlineSeconds": 30, "minUpdates": 1}})
+            "spec": {"tenant": self.tenant, "goal": tr.goal, "leafFanIn": LEAF_FAN_IN, "roundDeadlineSeconds": 30, "minUpdates": 1}})
         while True:
             try:
                 gw.job(job)
@@ -381,7 +400,7 @@ class Run:
                 self.custom.delete_namespaced_custom_object("serving.knative.dev", "v1", NAMESPACE, "services",
                                                             self.names[autoscaler])
             self.custom.delete_namespaced_custom_object("lifl.dev", "v1alpha1", NAMESPACE, "fljobs", job)
-        return {a: self.timelines[a].figures(tr.arrivals[0]) for a in AUTOSCALERS}
+        return {a: self.timelines[a].figures(tr.arrivals[0], tr.first_burst_s) for a in AUTOSCALERS}
 
 
 def plot(results: Path, name: str, figures: dict[str, dict[str, Any]], tr: Trace) -> str:
@@ -412,15 +431,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", type=Path, default=Path("results"), help="where the plots go (default results/)")
 
 
+def trace_names(text: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    unknown = sorted(set(names) - set(TRACES))
+    if unknown or not names:
+        raise SystemExit(f"lifl bench knative: unknown trace(s) {', '.join(unknown) or '(none given)'}: "
+                         f"choose from {', '.join(TRACES)}")
+    return names
+
+
 def inside(args: argparse.Namespace) -> dict[str, Any]:
     """The bench proper, inside the test bed's network namespace."""
     from lifl.client import Gateway
     from lifl.node.supervisor import Node, NodeConfig
 
-    names = [n for n in args.traces.split(",") if n]
-    unknown = sorted(set(names) - set(TRACES))
-    if unknown:
-        raise SystemExit(f"lifl bench knative: unknown trace(s) {', '.join(unknown)}: choose from {', '.join(TRACES)}")
+    names = trace_names(args.traces)
     args.results.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="lifl-bench-knative-", dir="/tmp"))
     os.chmod(tmp, 0o755)
@@ -450,7 +475,8 @@ def inside(args: argparse.Namespace) -> dict[str, Any]:
     met = {name: {"fewer_pod_seconds": by[(name, "lifl")]["pod_seconds"] < by[(name, "kpa")]["pod_seconds"],
                   "scale_up_no_slower": (by[(name, "lifl")]["scale_up_s"] or 0) <= (by[(name, "kpa")]["scale_up_s"] or float("inf"))}
            for name in names}
-    return {"benchmark": "knative", "service_s": SERVICE_S, "training_s": TRAINING_S, "runs": runs, "plots": plots,
+    return {"benchmark": "knative", "service_s": SERVICE_S, "training_s": TRAINING_S,
+            "container_concurrency": LEAF_FAN_IN, "runs": runs, "plots": plots,
             "targets_met": met, "all_targets_met": all(all(m.values()) for m in met.values())}
 
 
@@ -465,6 +491,7 @@ def main(args: argparse.Namespace) -> int:
                       f"cold starts {r['cold_starts']:3}  at zero {r['zero_s']:6.1f} s")
             print(f"targets: {report['targets_met']}; plots: {', '.join(report['plots'])}")
         return 0
+    trace_names(args.traces)
     if os.geteuid() != 0:
         print("lifl bench knative: needs root (the Kubernetes test bed runs in a network namespace)", file=sys.stderr)
         return 2
