@@ -1,7 +1,7 @@
 # The two commands a newcomer runs (both install what they need first):
 #   make demo   - `lifl demo`: federated learning through a local node, to 90 % test accuracy
 #   make test   - the whole test suite, including the slow and root-only suites
-.PHONY: install bpf demo test test-fast fuzz bench proto clean
+.PHONY: install bpf testbed demo test test-fast fuzz bench proto clean
 
 PY := .venv/bin/python
 
@@ -15,8 +15,13 @@ bpf:
 demo: install
 	.venv/bin/lifl demo
 
-test: install
+test: install testbed
 	$(PY) -m pytest --all -q
+
+# The Kubernetes test bed's binaries (scripts/k8s-testenv.sh; built once from the committed Go
+# modules, then cached in ~/.cache/lifl-testenv: about 15 minutes the first time).
+testbed:
+	@scripts/k8s-testenv.sh build
 
 test-fast: install
 	$(PY) -m pytest -q

@@ -99,9 +99,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from lifl.bench import channel, dataplane, orchestration
+    from lifl.bench import channel, dataplane, knative, orchestration
 
-    return {"dataplane": dataplane.main, "orchestration": orchestration.main, "channel": channel.main}[args.bench](args)
+    return {"dataplane": dataplane.main, "orchestration": orchestration.main, "channel": channel.main,
+            "knative": knative.main}[args.bench](args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,13 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from lifl.bench import channel, dataplane, orchestration
+    from lifl.bench import channel, dataplane, knative, orchestration
 
     channel.add_arguments(bench_sub.add_parser(
         "channel", help="key hand-off between two processes: eBPF (SK_MSG), unix and TCP sockets (needs root)"))
     dataplane.add_arguments(bench_sub.add_parser("dataplane", help="ingest, hand-off, aggregation and memory of the data plane"))
     orchestration.add_arguments(bench_sub.add_parser(
         "orchestration", help="the control plane on emulated nodes: SL-H, +1, +123, +1234 (LIFL Fig. 8)"))
+    knative.add_arguments(bench_sub.add_parser(
+        "knative", help="lifl's autoscaler class against Knative's KPA on the Kubernetes test bed (needs root)"))
     bench.set_defaults(func=cmd_bench)
     return p
 

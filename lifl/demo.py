@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
 
+MONITOR_INTERVAL_S = 0.5
+
+
 @dataclass
 class Sample:
     t: float
@@ -102,7 +105,7 @@ class Monitor:
     def _run(self) -> None:
         gateway = Gateway(self.gateway_http, token=self.operator_token)
         try:
-            while not self._stop.wait(0.5):
+            while not self._stop.wait(MONITOR_INTERVAL_S):
                 self.samples.append(self._sample(gateway))
         finally:
             gateway.close()
@@ -211,6 +214,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     summary = summarize(args, evaluations, rounds, monitor.samples, wall, cpu)
     summary["plots"] = plot(args.results, args.target, evaluations, monitor.samples)
     (args.results / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    # the arrival trace (updates received so far, every half second): what `lifl bench knative` replays
+    (args.results / "arrivals.json").write_text(json.dumps({
+        "interval_s": MONITOR_INTERVAL_S, "goal": args.goal, "active": args.active,
+        "arrivals": [round(s.arrivals) for s in monitor.samples]}) + "\n")
     return summary
 
 

@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(redis-server gcc libc6-dev python3-dev python3-venv iproute2 procps
-          make clang bpftool libbpf-dev)  # the last three build and load the eBPF key channel (bpf/)
+          make clang bpftool libbpf-dev  # build and load the eBPF key channel (bpf/)
+          etcd-server openssl)  # the Kubernetes test bed's store and certificates (scripts/k8s-testenv.sh)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

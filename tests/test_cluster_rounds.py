@@ -179,3 +179,20 @@ def test_least_connection_spreads_clients(state: ClusterState) -> None:
     state.next_round("lc", -1, 0, key="00", node="a")
     state.set_plan("lc", 0, {"policy": "least_connection", "quotas": [["a", 3], ["b", 3]], "top": "a"})
     assert [state.assign("lc", 0, f"c{i}", ["a", "b", "c"]) for i in range(6)] == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_the_controller_plans_only_for_the_jobs_it_is_given(state: ClusterState) -> None:
+    from lifl.control.controller import ControlConfig, Controller
+
+    for name, tenant in (("kept", "t1"), ("gone", "t2")):
+        state.create_job(JobSpec(name, goal=4, tenant=tenant, leaf_fan_in=2))
+        state.next_round(name, -1, 0, key="00", node="a")
+        for i in range(4):  # four clients training for node a: two leaves' worth each
+            assert state.assign(name, 0, f"c{i}", ["a"]) == "a"
+    controller = Controller(state, "a", ControlConfig())
+    assert controller.tick()  # the agents' way: every job, published for the nodes
+    assert state.warm_plan() == {"a": {"t1": 2, "t2": 2}}
+    # the operator's way: only the jobs that still have an FLJob ("gone" was deleted)
+    assert controller.plan(only={"kept", "no-such-job"})[0] == {"a": {"t1": 2}}
+    assert controller.plan(only=set())[0] == {}
+    assert state.warm_plan() == {"a": {"t1": 2, "t2": 2}}  # planning alone publishes nothing

@@ -12,6 +12,7 @@ them, so the Kubernetes operator can run the same planner behind another actuato
 from __future__ import annotations
 
 import argparse
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,10 +67,18 @@ class Controller:
         if not self.state.lead("controller", self.node, ttl=max(3 * self.config.period, 3.0)):
             self.estimates.clear()  # another node plans; start afresh if the lease comes back
             return False
+        warm, loads = self.plan()
+        self.state.set_control(warm, loads, ttl=3 * self.config.period + 1)
+        return True
+
+    def plan(self, only: Collection[str] | None = None) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
+        """(instances to keep warm per node and tenant, each node's queue) for the jobs ``only``
+        (None: every job in Redis), from the agents' latest counters; call once a period."""
         statuses = self.state.nodes()
-        queues = self._estimated_queues(statuses)
+        names = [n for n in self.state.job_names() if only is None or n in only]
+        queues = {key: q for key, q in self._estimated_queues(statuses).items() if key[1] in names}
         jobs: dict[str, Any] = {}
-        for name in self.state.job_names():
+        for name in names:
             job = self.state.job(name)
             if job.version == NO_MODEL:
                 continue
@@ -87,8 +96,7 @@ class Controller:
             for node, n in plan_warm(per_node, fan_in=spec.leaf_fan_in, reuse=self.reuse).items():
                 per_tenant = warm.setdefault(node, {})
                 per_tenant[spec.tenant] = per_tenant.get(spec.tenant, 0) + n
-        self.state.set_control(warm, loads, ttl=3 * self.config.period + 1)
-        return True
+        return warm, loads
 
     def _estimated_queues(self, statuses: dict[str, dict[str, Any]]) -> dict[tuple[str, str], float]:
         queues: dict[tuple[str, str], float] = {}
