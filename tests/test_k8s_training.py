@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from conftest import OPERATOR_TOKEN, wait_for
-from k8s.bed import REAL_NODE, ROOT, Background, get, inside, kubectl, maybe, testbed  # noqa: F401 (testbed: the fixture)
+from k8s.bed import REAL_NODE, ROOT, Background, get, inside, kubectl, maybe
 from lifl import demo
 from lifl.autoscaler import names
 
@@ -81,7 +81,7 @@ def in_bed(*argv: str, timeout: float) -> str:
 
 
 @pytest.fixture(scope="module")
-def lifl_cluster(testbed: None) -> Iterator[str]:  # noqa: F811 (the fixture)
+def lifl_cluster(testbed: None) -> Iterator[str]:
     """lifl's node pod running on the real node, Redis and the operator (with its webhook) as
     processes of the bed, and the demo's tenant granted its namespace: the gateway's address."""
     redis = Background("redis", ["redis-server", "--port", REDIS.rsplit(":", 1)[1].split("/")[0], "--bind", "127.0.0.1",
@@ -190,6 +190,7 @@ def test_the_digits_cnn_trains_to_90_percent_through_the_node_pod(lifl_cluster: 
     out = in_bed(sys.executable, "-m", "lifl", "demo", "--gateway", lifl_cluster, "--workers", "2", "--max-minutes", "12",
                  "--results", str(tmp_path), "--json", timeout=1100)
     summary = json.loads(out.strip().splitlines()[-1])
+    print("lifl demo --gateway (through the node pod):", json.dumps(summary))  # pytest -s shows the figures
     assert summary["reached_target"] and summary["final_accuracy"] >= 0.9, summary
     assert summary["aggregation_cpu_s"] is None  # the node's processes are in its pod: not the demo's to measure
     pods = [p for p in function_pods() if ready(p)]

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import OPERATOR_TOKEN, wait_for
-from k8s.bed import ROOT, Background, get, inside, kubectl, maybe, testbed  # noqa: F401 (testbed: the fixture)
+from k8s.bed import ROOT, Background, get, inside, kubectl, maybe
 from lifl import format as fmt
 from lifl.autoscaler import names
 

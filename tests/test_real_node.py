@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from conftest import wait_for
-from k8s.bed import REAL_NODE, REAL_NODE_LABEL, TESTENV, get, inside, kubectl, testbed  # noqa: F401 (testbed: the fixture)
+from k8s.bed import REAL_NODE, REAL_NODE_LABEL, TESTENV, get, inside, kubectl
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="the test bed needs root (network namespaces)")]
