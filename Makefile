@@ -1,7 +1,7 @@
 # The two commands a newcomer runs (both install what they need first):
 #   make demo   - `lifl demo`: federated learning through a local node, to 90 % test accuracy
 #   make test   - the whole test suite, including the slow and root-only suites
-.PHONY: install bpf testbed demo test test-fast fuzz bench proto clean
+.PHONY: install bpf testbed images demo test test-fast fuzz bench proto clean
 
 PY := .venv/bin/python
 
@@ -22,6 +22,10 @@ test: install testbed
 # modules, then cached in ~/.cache/lifl-testenv: about 15 minutes the first time).
 testbed:
 	@scripts/k8s-testenv.sh build
+
+# lifl's container images, built locally into ~/.cache/lifl-testenv/images (docs/images.md).
+images: install
+	@scripts/images.sh build
 
 test-fast: install
 	$(PY) -m pytest -q

@@ -11,6 +11,11 @@ writes the PA's status. The numbers come from the same planner ``lifl up`` runs
 (``lifl.control``), re-run every period by the operator's own control loop for the FLJobs that
 exist; FLJobs put the jobs into Redis, and a timer on them reports their versions and plans.
 
+A tenant's aggregators may also be an OpenFaaS CE function (``stack.yml``, docs/openfaas.md):
+for faas-netes' Deployment of one, labelled ``lifl.dev/tenant`` in the functions namespace
+(``LIFL_OPENFAAS_NAMESPACE``, default openfaas-fn), the operator adds to its pods what a stack file
+cannot say, and scales and places it like a PA's Deployment, within CE's 1 to 5 replicas.
+
 Everything is level-based: a handler reads what is there, computes what should be, and writes
 the difference, so a restarted operator converges from what it finds. Handlers on objects
 Knative owns are create/update/resume/event handlers only (a kopf timer or daemon would put a
@@ -23,7 +28,7 @@ import datetime
 import logging
 import os
 import threading
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import kopf
@@ -78,6 +83,9 @@ def plan_and_scale(kube: Kube, planner: Planner) -> None:
     for pa in kube.pas():
         if resources.is_ours(pa):
             reconcile_pa(pa, kube, planner)
+    for deployment in kube.labelled_deployments(OPENFAAS_NAMESPACE, names.FAAS_FUNCTION_LABEL):
+        if is_lifl_function(deployment):
+            scale_function(deployment, kube, planner)
 
 
 def control_loop(stop: threading.Event) -> None:
@@ -97,13 +105,14 @@ STOP = threading.Event()  # ends the control loop
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    global KUBE, PLANNER
+    global KUBE, PLANNER, OPENFAAS_NAMESPACE
     # kopf's bookkeeping goes into annotations of lifl's prefix (Knative keeps a PA's status
     # to its schema, and leaves annotations it does not own alone)
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="lifl.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="lifl.dev")
     settings.posting.level = logging.WARNING
     KUBE = Kube()
+    OPENFAAS_NAMESPACE = os.environ.get(names.OPENFAAS_NAMESPACE_ENV) or names.OPENFAAS_DEFAULT_NAMESPACE
     url = os.environ.get("LIFL_REDIS")
     PLANNER = Planner(ClusterState(url) if url else None)
     if not url:
@@ -156,15 +165,15 @@ def reconcile_pa(pa: dict[str, Any], kube: Kube, planner: Planner) -> None:
         log.info("scaling %s/%s: %d -> %d pods", namespace, target, replicas, desired)
         kube.set_replicas(namespace, target, desired)
     if spec.get("reachability") != names.UNREACHABLE:
-        place(kube, namespace, tenant, meta.get("labels", {}).get(REVISION_LABEL, name), desired, planned)
+        place(kube, namespace, tenant, {REVISION_LABEL: meta.get("labels", {}).get(REVISION_LABEL, name)}, desired, planned)
     status = resources.pa_status(pa, sks, desired, ready, now(), problem)
     if resources.status_patch(pa, status) is not None:
         kube.patch_pa_status(namespace, name, status)
 
 
-def place(kube: Kube, namespace: str, tenant: str, revision: str, desired: int, planned: dict[str, int]) -> None:
+def place(kube: Kube, namespace: str, tenant: str, pods: dict[str, str], desired: int, planned: dict[str, int]) -> None:
     """Move the tenant's placement label onto the nodes the plan chose, and mark the pods on
-    other nodes as the first to go."""
+    other nodes as the first to go (``pods``: the label selector of the tenant's pods)."""
     label = names.placement_label(tenant)
     nodes = kube.node_labels()
     labelled = {node for node, labels in nodes.items() if labels.get(label) == "true"}
@@ -172,7 +181,7 @@ def place(kube: Kube, namespace: str, tenant: str, revision: str, desired: int, 
     for node, patch in resources.label_patches(label, chosen, nodes).items():
         kube.label_node(node, patch)
     pods = [(p.metadata.name, p.spec.node_name or "", (p.metadata.annotations or {}).get(names.DELETION_COST_ANNOTATION))
-            for p in kube.pods(namespace, {REVISION_LABEL: revision})]
+            for p in kube.pods(namespace, pods)]
     for pod, cost in resources.deletion_costs(pods, chosen).items():
         kube.annotate_pod(namespace, pod, {names.DELETION_COST_ANNOTATION: cost})
 
@@ -257,3 +266,63 @@ def job_status(name: str, spec: dict[str, Any], status: dict[str, Any], patch: k
     for key, value in report.items():
         if status.get(key) != value:
             patch.status[key] = value
+
+
+# -- OpenFaaS functions: faas-netes' Deployments of lifl tenants ------------------------------------------
+# A tenant's aggregators as an OpenFaaS CE function: faas-netes makes its Deployment from the stack
+# file, which cannot say what the pods need of their node; the handler below adds that to the
+# Deployment (faas-netes leaves later edits alone until the next deploy, whose update event brings
+# the handler back), and the control loop scales it within CE's 1 to 5 replicas.
+OPENFAAS_NAMESPACE = names.OPENFAAS_DEFAULT_NAMESPACE  # configure() reads LIFL_OPENFAAS_NAMESPACE
+_reported: dict[str, str] = {}  # function -> its standing problem, logged once
+
+
+def _report(function: str, problem: str | None) -> None:
+    """Log a function's standing problem once: the control loop meets it every period."""
+    if problem is None:
+        _reported.pop(function, None)
+    elif _reported.get(function) != problem:
+        _reported[function] = problem
+        log.warning("OpenFaaS function %s: %s", function, problem)
+
+
+def is_lifl_function(body: Mapping[str, Any], **_: Any) -> bool:
+    """A faas-netes Deployment (labelled with its own name) of a lifl tenant, in the functions
+    namespace: nowhere else does the operator give pods a tenant's uid and the host's IPC."""
+    meta = body.get("metadata") or {}
+    made_by_faas_netes = (meta.get("labels") or {}).get(names.FAAS_FUNCTION_LABEL) == meta.get("name")
+    pod_labels = body.get("spec", {}).get("template", {}).get("metadata", {}).get("labels") or {}
+    return meta.get("namespace") == OPENFAAS_NAMESPACE and made_by_faas_netes and names.TENANT_LABEL in pod_labels
+
+
+def scale_function(deployment: Mapping[str, Any], kube: Kube, planner: Planner) -> None:
+    """Bring one lifl function to the plan: its replicas (through the scale subresource, within
+    its scale labels and CE's 1 to 5: CE has no scale to zero, so an idle tenant keeps one warm
+    pod) and its tenant's placement."""
+    meta = deployment["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    function = f"{namespace}/{name}"
+    labels = deployment.get("spec", {}).get("template", {}).get("metadata", {}).get("labels") or {}
+    try:
+        tenant = resources.openfaas_tenant(deployment)
+        bounds = resources.openfaas_scale_bounds(labels)
+    except (resources.InvalidFunction, resources.InvalidAnnotation) as e:
+        _report(function, f"{e}; left at its current scale")
+        return
+    if tenant is None:
+        return
+    planned = planner.nodes(tenant)
+    demand = sum(planned.values())
+    desired = bounds.clamp(demand)
+    _report(function, None if demand <= bounds.max else
+            f"the plan wants {demand} aggregators for tenant {tenant}, the function runs at most {bounds.max} "
+            f"(its {names.OPENFAAS_MAX_SCALE_LABEL}; OpenFaaS CE allows at most {names.OPENFAAS_CE_MAX_REPLICAS})")
+    replicas = deployment.get("spec", {}).get("replicas") or 0
+    if desired != replicas:
+        log.info("scaling OpenFaaS function %s: %d -> %d pods", function, replicas, desired)
+        kube.set_replicas(namespace, name, desired)
+    place(kube, namespace, tenant, {names.FAAS_FUNCTION_LABEL: name}, desired, planned)
+
+
+# The admission webhook's handlers (they use this module's Kube and Planner): loaded with it.
+from lifl.autoscaler import admission  # noqa: E402,F401

@@ -84,10 +84,19 @@ class Kube:
     def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str]) -> None:
         self.core.patch_namespaced_pod(name, namespace, {"metadata": {"annotations": annotations}})
 
-    # -- nodes --------------------------------------------------------------------------------------
+    # -- namespaces and nodes ------------------------------------------------------------------------
+    def namespace_annotations(self, namespace: str) -> dict[str, str]:
+        return dict(self.core.read_namespace(namespace).metadata.annotations or {})
+
     def node_labels(self) -> dict[str, dict[str, str]]:
         return {n.metadata.name: dict(n.metadata.labels or {}) for n in self.core.list_node().items}
 
     def label_node(self, node: str, labels: dict[str, str | None]) -> None:
         """Set (or, with None, remove) labels of a node."""
         self.core.patch_node(node, {"metadata": {"labels": labels}})
+
+    # -- OpenFaaS functions (faas-netes' Deployments) -----------------------------------------------
+    def labelled_deployments(self, namespace: str, label: str) -> list[dict[str, Any]]:
+        """The Deployments of ``namespace`` that carry ``label``, as the API's JSON (as kopf gives bodies)."""
+        items = self.apps.list_namespaced_deployment(namespace, label_selector=label).items
+        return [self.apps.api_client.sanitize_for_serialization(d) for d in items]

@@ -6,11 +6,13 @@ handlers in ``operator.py`` read, call these, and write only what differs.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lifl.autoscaler import names
+from lifl.jobs import TENANT_NAME
 
 ACTIVE, INITIALIZED, SKS_READY, READY = "Active", "ScaleTargetInitialized", "SKSReady", "Ready"
 PA_CONDITIONS = (ACTIVE, INITIALIZED, SKS_READY)  # Ready is their conjunction (a living condition set)
@@ -20,7 +22,8 @@ Object = Mapping[str, Any]
 
 
 class InvalidAnnotation(ValueError):
-    """A PA's scale annotation is not a count: the PA is left at its current scale, and says why."""
+    """A PA's scale annotation (or an OpenFaaS function's scale label) is not a count: the PA (or
+    the function) is left at its current scale, and says why."""
 
 
 @dataclass(frozen=True)
@@ -247,3 +250,103 @@ def status_patch(pa: Object, status: Mapping[str, Any]) -> dict[str, Any] | None
     old = pa.get("status") or {}
     changed = {k: v for k, v in status.items() if old.get(k) != v}
     return changed or None
+
+
+# -- OpenFaaS functions: faas-netes' Deployments of lifl tenants --------------------------------------------
+class InvalidFunction(ValueError):
+    """A function pod (or faas-netes Deployment) lifl cannot serve as it is: the operator refuses
+    or leaves it alone, and says why."""
+
+
+def openfaas_tenant(deployment: Object) -> str | None:
+    """The lifl tenant whose aggregators a faas-netes Deployment runs: its pod template's
+    ``lifl.dev/tenant`` (faas-netes copies a function's labels there only). None: no lifl function."""
+    labels = deployment.get("spec", {}).get("template", {}).get("metadata", {}).get("labels") or {}
+    tenant = labels.get(names.TENANT_LABEL)
+    if tenant is not None and not TENANT_NAME.fullmatch(tenant):
+        raise InvalidFunction(f"label {names.TENANT_LABEL} must name a lifl tenant (1-31 lowercase letters, digits, '-'), "
+                              f"got {tenant!r}")
+    return tenant
+
+
+def openfaas_scale_bounds(labels: Mapping[str, str]) -> ScaleBounds:
+    """A function's replicas as its ``com.openfaas.scale.min/max`` labels bound them, within what
+    OpenFaaS CE runs (1 to 5; the labels' defaults are CE's own, 1 and 5)."""
+    low = _count(labels, names.OPENFAAS_MIN_SCALE_LABEL, names.OPENFAAS_CE_MIN_REPLICAS)
+    high = _count(labels, names.OPENFAAS_MAX_SCALE_LABEL, names.OPENFAAS_CE_MAX_REPLICAS)
+    for key, value in ((names.OPENFAAS_MIN_SCALE_LABEL, low), (names.OPENFAAS_MAX_SCALE_LABEL, high)):
+        if not names.OPENFAAS_CE_MIN_REPLICAS <= value <= names.OPENFAAS_CE_MAX_REPLICAS:
+            raise InvalidAnnotation(f"{key} must be between {names.OPENFAAS_CE_MIN_REPLICAS} and {names.OPENFAAS_CE_MAX_REPLICAS} "
+                                    f"(OpenFaaS CE runs that many replicas of a function, never zero), got {value}")
+    if low > high:
+        raise InvalidAnnotation(f"{names.OPENFAAS_MIN_SCALE_LABEL} ({low}) exceeds {names.OPENFAAS_MAX_SCALE_LABEL} ({high})")
+    return ScaleBounds(low, high, low)
+
+
+# -- function pods: what every tenant's aggregator pod gets at admission ---------------------------------
+def granted_tenants(namespace_annotations: Mapping[str, str]) -> set[str]:
+    """The tenants whose functions a namespace may run: its ``lifl.dev/tenants`` annotation, a
+    comma-separated list a cluster admin sets (OpenFaaS CE runs every function in one namespace,
+    so one namespace may serve several tenants)."""
+    listed = namespace_annotations.get(names.TENANTS_ANNOTATION, "")
+    return {t.strip() for t in listed.split(",") if TENANT_NAME.fullmatch(t.strip())}
+
+
+def function_pod_spec(spec: Object, tenant: str, uid: int) -> dict[str, Any]:
+    """The pod spec a tenant's function pod runs with: ``spec`` plus what lifl's aggregators need
+    of their node and a Knative Service or an OpenFaaS stack file cannot say (equal to ``spec``
+    when it has it all):
+
+    - ``hostIPC``: the node's POSIX shared memory, where the objects are;
+    - the host's /run/lifl at /run/lifl, read-only, in the function's container (the first: Knative
+      and faas-netes put it there): the agent's function socket and the key channel's sockets
+      (connecting to a socket needs no write access to its file system);
+    - the tenant's uid and gid, not root, on the pod and on the function's container (a
+      container's user wins over the pod's): the agent checks the peer's uid, and only the
+      tenant's group may read its objects; no privilege escalation and no capabilities;
+    - ``LIFL_TENANT`` in the function's environment: the tenant the shim attaches as is the one
+      its identity was given for;
+    - the node affinity to the tenant's placement label, which the operator moves (BestFit), added
+      to every term already there (terms are alternatives: each must require it).
+
+    Raises InvalidFunction when lifl's volume name or mount path is taken by something else."""
+    out = copy.deepcopy(dict(spec))
+    containers = out.get("containers") or []
+    if not containers:
+        raise InvalidFunction("its pod has no container")
+    identity = {"runAsUser": uid, "runAsGroup": uid, "runAsNonRoot": True}
+    volume = {"name": names.RUN_VOLUME, "hostPath": {"path": names.RUN_DIR, "type": "Directory"}}
+    mount = {"name": names.RUN_VOLUME, "mountPath": names.RUN_DIR, "readOnly": True}
+    expression = {"key": names.placement_label(tenant), "operator": "In", "values": ["true"]}
+
+    out["hostIPC"] = True
+    out["securityContext"] = {**(out.get("securityContext") or {}), **identity}
+    volumes = out.setdefault("volumes", [])
+    have_volume = next((v for v in volumes if v.get("name") == names.RUN_VOLUME), None)
+    if have_volume is None:
+        volumes.append(volume)
+    elif have_volume != volume:
+        raise InvalidFunction(f"its volume {names.RUN_VOLUME} is not the host's {names.RUN_DIR}: {have_volume}")
+    required = (out.setdefault("affinity", {}).setdefault("nodeAffinity", {})
+                .setdefault("requiredDuringSchedulingIgnoredDuringExecution", {}))
+    terms = required.setdefault("nodeSelectorTerms", [])
+    for term in terms:
+        if expression not in (term.get("matchExpressions") or []):
+            term["matchExpressions"] = [*(term.get("matchExpressions") or []), expression]
+    if not terms:
+        terms.append({"matchExpressions": [expression]})
+
+    function = containers[0]
+    mounts = function.setdefault("volumeMounts", [])
+    have_mount = next((m for m in mounts if m.get("mountPath") == names.RUN_DIR), None)
+    if have_mount is None:
+        mounts.append(mount)
+    elif have_mount.get("name") != names.RUN_VOLUME:
+        raise InvalidFunction(f"its container mounts something else at {names.RUN_DIR}: {have_mount}")
+    else:
+        have_mount["readOnly"] = True
+    function["securityContext"] = {**(function.get("securityContext") or {}), **identity,
+                                   "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    env = [e for e in function.get("env") or [] if e.get("name") != names.TENANT_ENV]
+    function["env"] = [*env, {"name": names.TENANT_ENV, "value": tenant}]
+    return out

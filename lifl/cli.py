@@ -98,6 +98,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.main(args)
 
 
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from lifl import openfaas
+
+    return openfaas.main(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from lifl.bench import channel, dataplane, knative, orchestration
 
@@ -178,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo_arguments(demo)
     demo.set_defaults(func=cmd_demo)
+
+    dep = sub.add_parser("deploy", help="deploy a stack file's functions through an OpenFaaS gateway, as faas-cli deploy -f "
+                         "does (docs/openfaas.md)")
+    from lifl.openfaas import add_arguments as deploy_arguments
+
+    deploy_arguments(dep)
+    dep.set_defaults(func=cmd_deploy)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

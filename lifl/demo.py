@@ -1,6 +1,7 @@
 """`lifl demo`: federated learning end to end on this machine, through a real lifl node.
 
-It starts a node (agent, gateway, its own redis-server), creates a job with a fresh model,
+It starts a node (agent, gateway, its own redis-server), or with ``--gateway`` uses a running
+one (a lifl node pod on Kubernetes, say), creates a job with a fresh model,
 and starts worker processes that simulate a population of clients (``lifl.workload``), which
 train on non-IID splits of the digits data and send their updates over HTTP and gRPC. Every
 new global version is evaluated on the held-out test split until the target accuracy is
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -53,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", type=Path, default=Path("results"), help="directory for plots and the summary")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--gateway", metavar="HOST:PORT",
+                   help="train through this running node's HTTP gateway instead of starting one; the operator's token "
+                        "comes from $LIFL_OPERATOR_TOKEN (aggregation CPU is then not measured: it is the node's)")
+    p.add_argument("--grpc", metavar="HOST:PORT", help="with --gateway: its gRPC address (default: its host, port 50051)")
 
 
 MONITOR_INTERVAL_S = 0.5
@@ -80,10 +86,10 @@ class Evaluation:
 class Monitor:
     """Samples the node every half second: arrivals, aggregators, CPU and memory."""
 
-    node: Node
+    node: Node | None  # None: a node elsewhere (--gateway), whose processes are not ours to measure
     gateway_http: str
     operator_token: str  # metrics are the operator's
-    state: ClusterState
+    state: ClusterState | None  # None with node None
     t0: float
     samples: list[Sample] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -97,7 +103,10 @@ class Monitor:
         self._thread.join()
 
     def cpu_seconds(self) -> float:
-        """Aggregation CPU: gateway, agent, and the aggregators (live, and exited ones)."""
+        """Aggregation CPU: gateway, agent, and the aggregators (live, and exited ones); NaN for a
+        node elsewhere."""
+        if self.node is None:
+            return float("nan")
         pids = self.node.pids()
         return (procstat.cpu_seconds(pids["agent"], reaped_children=True)
                 + procstat.cpu_seconds(pids["gateway"] + pids["aggregators"]))
@@ -113,6 +122,12 @@ class Monitor:
     def _sample(self, gateway: Gateway) -> Sample:
         text = gateway.metrics()
         arrivals = sum(float(m) for m in re.findall(r'^lifl_update_arrivals_total\{[^}]*\} (\S+)$', text, re.M))
+        if self.node is None:
+            roles = dict(re.findall(r'^lifl_aggregator_instances\{role="(\w+)"\} (\S+)$', text, re.M))
+            alive = sum(float(n) for n in roles.values())
+            busy = alive - float(roles.get("idle", 0))
+            return Sample(time.monotonic() - self.t0, arrivals, int(busy), int(alive), float("nan"), float("nan"))
+        assert self.state is not None
         status = self.state.nodes().get(self.node.config.node, {})
         busy = sum(v for k, v in status.get("jobs", {}).get(JOB, {}).items() if k in ("leaf", "middle", "top"))
         pids = self.node.pids()
@@ -178,23 +193,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     os.chmod(tmp, 0o755)
     args.results.mkdir(parents=True, exist_ok=True)
     log = open(args.results / "node.log", "w")
-    node = Node(NodeConfig(node=f"demo{os.getpid() % 10000}", http="127.0.0.1:0", grpc="127.0.0.1:0", run_dir=tmp / "run",
-                           data_dir=tmp / "data"), log=log)
+    node = None if args.gateway else Node(NodeConfig(
+        node=f"demo{os.getpid() % 10000}", http="127.0.0.1:0", grpc="127.0.0.1:0", run_dir=tmp / "run", data_dir=tmp / "data"),
+        log=log)
     workers: list[subprocess.Popen] = []
     try:
-        addresses = node.start()
+        if node is None:
+            http, grpc, operator_token = args.gateway, args.grpc or f"{args.gateway.rsplit(':', 1)[0]}:50051", \
+                os.environ.get("LIFL_OPERATOR_TOKEN", "")
+            if not operator_token:
+                raise SystemExit("lifl demo --gateway: set LIFL_OPERATOR_TOKEN to the node's operator token")
+            state = None
+        else:
+            addresses = node.start()
+            http, grpc, operator_token = addresses.http, addresses.grpc, node.operator_token
+            state = ClusterState(addresses.redis)
         # as a platform's users would: the operator makes a tenant, which makes the job and its clients' tokens
-        operator = Gateway(addresses.http, token=node.operator_token)
-        gateway = Gateway(addresses.http, token=operator.create_token("tenant", TENANT, ttl_s=CLIENT_TOKEN_TTL_S)["token"])
+        operator = Gateway(http, token=operator_token)
+        gateway = Gateway(http, token=operator.create_token("tenant", TENANT, ttl_s=CLIENT_TOKEN_TTL_S)["token"])
         operator.close()
         gateway.create_job(JOB, args.goal, lease_ttl_s=10.0, round_deadline_s=args.deadline, min_updates=1)
         model = make_model(args.model, args.seed)
         gateway.set_model(JOB, to_blob(model.state_dict()))
         test = load_digits_split(args.clients, args.alpha, args.seed).test
         enrol_clients(gateway, args.clients, tmp / "client-tokens.json")
-        workers = start_workers(args, addresses.http, addresses.grpc, tmp / "client-tokens.json")
+        workers = start_workers(args, http, grpc, tmp / "client-tokens.json")
         t0 = time.monotonic()
-        monitor = Monitor(node, addresses.http, node.operator_token, ClusterState(addresses.redis), t0)
+        monitor = Monitor(node, http, operator_token, state, t0)
         monitor.start()
         evaluations = train_until_target(args, gateway, model, test, monitor, t0)
         wall = time.monotonic() - t0
@@ -208,7 +233,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for w in workers:
             w.terminate()
             w.wait(10)
-        node.stop()
+        if node is not None:
+            node.stop()
         log.close()
         shutil.rmtree(tmp, ignore_errors=True)
     summary = summarize(args, evaluations, rounds, monitor.samples, wall, cpu)
@@ -257,16 +283,21 @@ def summarize(args: argparse.Namespace, evaluations: list[Evaluation], rounds: l
         "target_accuracy": args.target,
         "reached_target": reached is not None,
         "time_to_accuracy_s": round(reached.t, 2) if reached else None,
-        "cpu_to_accuracy_s": round(reached.cpu_s, 2) if reached else None,
+        "cpu_to_accuracy_s": _measured(reached.cpu_s) if reached else None,
         "act_p50_ms": round(float(np.percentile(act, 50)), 1),
         "act_p95_ms": round(float(np.percentile(act, 95)), 1),
-        "aggregation_cpu_s": round(cpu, 2),
-        "peak_memory_mb": round(max((s.memory_mb for s in samples), default=0.0), 1),
+        "aggregation_cpu_s": _measured(cpu),
+        "peak_memory_mb": _measured(max((s.memory_mb for s in samples), default=0.0), 1),
         "wall_s": round(wall, 2),
         "versions": evaluations[-1].version,
         "setup": {"model": args.model, "clients": args.clients, "active": args.active, "goal": args.goal, "alpha": args.alpha,
                   "hibernate_s": args.hibernate, "deadline_s": args.deadline or None, "protocol": args.protocol},
     }
+
+
+def _measured(value: float, digits: int = 2) -> float | None:
+    """None for what was not measured (NaN: the node's processes are elsewhere)."""
+    return None if math.isnan(value) else round(value, digits)
 
 
 def plot(results: Path, target: float, evaluations: list[Evaluation], samples: list[Sample]) -> list[str]:
@@ -316,8 +347,10 @@ def print_summary(s: dict[str, Any]) -> None:
         ("final accuracy", f"{s['final_accuracy']:.3f}  (target {s['target_accuracy']:.2f}, version {s['versions']})"),
         ("time to accuracy", f"{s['time_to_accuracy_s']} s" if s["reached_target"] else "not reached"),
         ("aggregation completion", f"p50 {s['act_p50_ms']} ms, p95 {s['act_p95_ms']} ms per round"),
-        ("aggregation CPU", f"{s['aggregation_cpu_s']} CPU-s  ({s['cpu_to_accuracy_s']} CPU-s to accuracy)"),
-        ("peak memory", f"{s['peak_memory_mb']} MB  (gateway + agent + aggregators, PSS)"),
+        ("aggregation CPU", f"{s['aggregation_cpu_s']} CPU-s  ({s['cpu_to_accuracy_s']} CPU-s to accuracy)"
+                            if s["aggregation_cpu_s"] is not None else "not measured (the node runs elsewhere)"),
+        ("peak memory", f"{s['peak_memory_mb']} MB  (gateway + agent + aggregators, PSS)"
+                        if s["peak_memory_mb"] is not None else "not measured (the node runs elsewhere)"),
         ("plots", ", ".join(s["plots"])),
     ]
     print(f"lifl demo: digits, {setup['model']}, {setup['clients']} clients ({setup['active']} active), goal {setup['goal']} per round")

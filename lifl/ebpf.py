@@ -50,7 +50,8 @@ from lifl.channel import AGENT_ID, KIND_ACK, MESSAGE_BYTES, KeyMessage, stamped
 from lifl.store import Tenant
 
 BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"  # in a source checkout (make builds it)
-OBJECT = BPF_DIR / "keychan.bpf.o"
+# An installed lifl (the node image) has no source checkout: LIFL_BPF_OBJECT names the object.
+OBJECT = Path(os.environ.get("LIFL_BPF_OBJECT") or BPF_DIR / "keychan.bpf.o")
 BPFFS = Path("/sys/fs/bpf")
 PIN_ROOT = BPFFS / "lifl"  # a node's channel is pinned under PIN_ROOT / <node>
 

@@ -342,6 +342,27 @@ class Forwarded(Message):
 
 
 # -- agent <-> function instances ---------------------------------------------------------------
+@message("attached")
+@dataclass(frozen=True)
+class Attached(Message):
+    """The instance's id on the node and its key endpoint's spec; the endpoint's socket comes
+    with this reply. From here on the connection is the instance's control connection."""
+
+    instance: int
+    node: str
+    channel: str
+
+
+@message("attach", Attached)
+@dataclass(frozen=True)
+class Attach(Message):
+    """An instance the cluster started (a function pod on the node) asks to work as one of
+    ``tenant``'s instances; the agent checks the kernel's peer credentials against the tenant."""
+
+    tenant: str
+    protocol: int = PROTOCOL
+
+
 @message("invoke")
 @dataclass(frozen=True)
 class Invoke(Message):

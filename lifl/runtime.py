@@ -8,12 +8,17 @@ statistics, and knows nothing of where its inputs come from or its result goes. 
 instance keeps nothing between invocations except caches (mappings, parsed layouts), which
 is what makes a warm instance reusable for any role of any job of its tenant.
 
-It exits when the agent goes away (its control connection closes).
+An instance the node starts (``lifl up``) is handed two inherited descriptors and exits when
+the agent goes away (its control connection closes). An instance the cluster starts (a function
+pod, see ``templates/lifl-aggregator``) attaches instead: it connects to the agent's function
+socket, is given its id and endpoint there, and attaches again whenever the agent goes away or
+lets it go, until it is told to stop.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import mmap
 import os
@@ -21,6 +26,8 @@ import select
 import socket
 import struct
 import sys
+import threading
+import time
 import traceback
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -28,8 +35,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from lifl import format as fmt
-from lifl.channel import KIND_KEY, KeyEndpoint, KeyMessage, attach, now_ns
-from lifl.protocol import Alloc, CancelTask, Done, Failed, Folded, Handoff, InstallResult, Invoke, Ready
+from lifl.channel import KIND_KEY, KeyEndpoint, KeyMessage, now_ns
+from lifl.channel import attach as attach_channel
+from lifl.errors import LiflError
+from lifl.protocol import Alloc, Attach, CancelTask, Done, Failed, Folded, Handoff, InstallResult, Invoke, Ready
 from lifl.rpc import Client, Connection
 from lifl.store import MappingCache, object_name
 
@@ -183,7 +192,8 @@ def load_handler(spec: str) -> Handler:
     return getattr(importlib.import_module(module), name or "handle")
 
 
-def serve(ctx: Context, handler: Handler) -> None:
+def serve(ctx: Context, handler: Handler, finished: Callable[[Invocation, dict[str, Any]], None] | None = None) -> None:
+    """Run invocations until the agent goes; ``finished`` hears of each task's statistics."""
     specs: dict[str, fmt.ModelSpec] = {}
     while True:
         try:
@@ -199,6 +209,8 @@ def serve(ctx: Context, handler: Handler) -> None:
         try:
             stats = handler(inv, ctx)
             ctx.client.call(Done(task=inv.task, stats=stats))
+            if finished is not None:
+                finished(inv, stats)
         except TaskCancelled:
             ctx.client.call(Done(task=inv.task, stats={"cancelled": True}))
         except (EOFError, ConnectionError):
@@ -208,6 +220,107 @@ def serve(ctx: Context, handler: Handler) -> None:
             ctx.client.call(Failed(task=inv.task, problem=f"{type(e).__name__}: {e}"))
         finally:
             ctx.run_ended(inv.task)
+
+
+ATTACH_BACKOFF_S = (0.05, 2.0)  # first and longest wait between attempts while the agent is not there
+
+
+@dataclass
+class AttachedStatus:
+    """What an attached instance reports about itself (the function shim's health and status)."""
+
+    socket: str
+    tenant: str
+    node: str = ""
+    instance: int = 0  # 0: not attached
+    attaches: int = 0
+    tasks: int = 0
+    waiting_since: float | None = None  # monotonic time the agent was first found missing
+    problem: str = ""
+
+    @property
+    def ready(self) -> bool:
+        return self.instance != 0
+
+
+class AttachRefused(Exception):
+    """The agent refused this instance (a wrong identity or tenant): trying again cannot help."""
+
+
+def attach(socket_path: str, tenant: str) -> tuple[int, str, Client, KeyEndpoint]:
+    """Attach to the agent at ``socket_path`` as one of ``tenant``'s instances: (instance id, node,
+    control client, key endpoint). OSError if no agent listens there; AttachRefused with the
+    agent's reason if it will not take this process."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(socket_path)
+        client = Client(Connection(sock))
+        try:
+            reply, fds = client.call(Attach(tenant))
+        except LiflError as e:
+            raise AttachRefused(e.message) from None
+        except EOFError as e:
+            raise ConnectionResetError(f"the agent at {socket_path} closed the connection") from e
+    except BaseException:
+        sock.close()
+        raise
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        sock.close()
+        raise AttachRefused(f"the agent sent {len(fds)} descriptors with its reply, not the endpoint's one")
+    return reply.instance, reply.node, client, attach_channel(reply.channel, socket.socket(fileno=fds[0]))
+
+
+class AttachedInstance:
+    """An instance the cluster started: ``run`` attaches, serves until the agent goes or lets it
+    go, and attaches again, until ``stop`` (from a signal handler or another thread). While no
+    agent listens (the node's pod starts after this one, or restarts) it waits, backing off; a
+    refusal raises AttachRefused."""
+
+    def __init__(self, socket_path: str, tenant: str, handler: Handler) -> None:
+        self.status = AttachedStatus(socket_path, tenant)
+        self.handler = handler
+        self._stop = threading.Event()
+        self._client: Client | None = None
+
+    def run(self) -> None:
+        status, wait = self.status, ATTACH_BACKOFF_S[0]
+        while not self._stop.is_set():
+            try:
+                iid, node, client, channel = attach(status.socket, status.tenant)
+            except OSError as e:
+                status.problem = f"waiting for the node agent at {status.socket}: {e.strerror or e}"
+                status.waiting_since = status.waiting_since or time.monotonic()
+                self._stop.wait(wait)
+                wait = min(wait * 2, ATTACH_BACKOFF_S[1])
+                continue
+            wait = ATTACH_BACKOFF_S[0]
+            status.node, status.problem, status.waiting_since = node, "", None
+            status.attaches += 1
+            self._client = client
+            try:
+                if not self._stop.is_set():
+                    client.call(Ready())
+                    status.instance = iid
+                    serve(Context(iid, status.tenant, node, client, channel), self.handler, self._finished)
+            except (EOFError, ConnectionError, OSError):
+                pass
+            finally:
+                status.instance = 0
+                self._client = None
+                client.close()
+                channel.close()
+
+    def _finished(self, inv: Invocation, stats: dict[str, Any]) -> None:
+        self.status.tasks += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        client = self._client
+        if client is not None:
+            with contextlib.suppress(OSError):
+                client.conn.sock.shutdown(socket.SHUT_RDWR)
 
 
 def drop_privileges(uid: int) -> None:
@@ -233,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--user", type=int, help="drop to this uid (and gid) once the code is loaded")
     args = p.parse_args(argv)
     handler = load_handler(args.handler)
-    channel = attach(args.channel, socket.socket(fileno=args.channel_fd))  # imports its transport: before the drop
+    channel = attach_channel(args.channel, socket.socket(fileno=args.channel_fd))  # imports its transport: before the drop
     if args.user is not None:
         drop_privileges(args.user)
     client = Client(Connection(socket.socket(fileno=args.control_fd)))

@@ -6,7 +6,9 @@ cd "$(dirname "$0")/.."
 
 packages=(redis-server gcc libc6-dev python3-dev python3-venv iproute2 procps
           make clang bpftool libbpf-dev  # build and load the eBPF key channel (bpf/)
-          etcd-server openssl)  # the Kubernetes test bed's store and certificates (scripts/k8s-testenv.sh)
+          etcd-server openssl  # the Kubernetes test bed's store and certificates (scripts/k8s-testenv.sh)
+          containerd runc containernetworking-plugins  # its real node: CRI runtime, OCI runtime, CNI bridge (iptables comes with it, for hostPorts)
+          podman mmdebstrap catatonit)  # lifl's images (scripts/images.sh): builder, Debian base, the pause image's init
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, settings
 from lifl.ebpf import remove_node_channel
 from lifl.node.agent import Agent, AgentConfig
 from lifl.state import ClusterState
+from k8s.bed import testbed  # noqa: F401,E402 (the k8s suites' module fixture, shared through this conftest)
 
 # The operator token of every node the tests start (in this process or as `lifl up`, clusters
 # included); SDK Gateways present it (LIFL_TOKEN) unless a test gives them another. Set for the

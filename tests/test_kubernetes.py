@@ -9,9 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,35 +18,14 @@ import numpy as np
 import pytest
 
 from conftest import OPERATOR_TOKEN, wait_for
+from k8s.bed import ROOT, Background, get, inside, kubectl, maybe
 from lifl import format as fmt
 from lifl.autoscaler import names
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="the test bed needs root (network namespaces)")]
 
-ROOT = Path(__file__).resolve().parent.parent
-TESTENV = str(ROOT / "scripts" / "k8s-testenv.sh")
-KUBECONFIG = Path(os.environ.get("LIFL_TESTENV_DIR", "/run/lifl-testenv")) / "kubeconfig"
 READY_TIMEOUT_S = 180.0  # bounds a failure only
-
-
-def inside(*argv: str, **kwargs: Any) -> subprocess.CompletedProcess:
-    return subprocess.run([TESTENV, "exec", *argv], capture_output=True, text=True, timeout=120, **kwargs)
-
-
-def kubectl(*argv: str, stdin: str | None = None) -> str:
-    run = inside("kubectl", *argv, input=stdin)
-    assert run.returncode == 0, f"kubectl {' '.join(argv)}: {run.stderr}"
-    return run.stdout
-
-
-def get(*argv: str) -> dict[str, Any]:
-    return json.loads(kubectl("get", *argv, "-o", "json"))
-
-
-def maybe(*argv: str) -> dict[str, Any] | None:
-    run = inside("kubectl", "get", *argv, "-o", "json")
-    return json.loads(run.stdout) if run.returncode == 0 else None
 
 
 def condition(obj: dict[str, Any] | None, kind: str) -> str | None:
@@ -56,48 +33,6 @@ def condition(obj: dict[str, Any] | None, kind: str) -> str | None:
         if c["type"] == kind:
             return c["status"]
     return None
-
-
-class Background:
-    """A process inside the test bed, stopped at the end."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        self.log = tempfile.NamedTemporaryFile(prefix=f"lifl-{name}-", suffix=".log", delete=False)
-        self.argv, self.env = argv, env or {}
-        self.proc = self._start()
-
-    def _start(self) -> subprocess.Popen:
-        env_args = [f"{k}={v}" for k, v in self.env.items()]
-        return subprocess.Popen([TESTENV, "exec", "env", *env_args, *self.argv], stdout=self.log, stderr=subprocess.STDOUT)
-
-    def restart(self) -> None:
-        self.stop()
-        self.proc = self._start()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def output(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")
-
-
-@pytest.fixture(scope="module")
-def testbed() -> Iterator[None]:
-    """The test bed, up (started here unless it already was; then left as found)."""
-    started = not KUBECONFIG.exists()
-    if started:
-        subprocess.run([TESTENV, "up"], check=True, timeout=3600, stdout=subprocess.DEVNULL)
-    standin = Background("kingress", [sys.executable, str(ROOT / "tests" / "k8s" / "kingress_standin.py")])
-    kubectl("apply", "-k", str(ROOT / "manifests"))  # lifl's CRDs, and the Knative flags it needs
-    yield
-    standin.stop()
-    if started:
-        subprocess.run([TESTENV, "down"], check=True, timeout=300)
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ shell applies effects, talks to Redis (never under its lock), and runs named per
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import queue
 import signal
@@ -53,21 +54,22 @@ from lifl.channel import CHANNELS, KIND_CLOSE, KeyMessage, now_ns, transport
 from lifl.control import rounds as cluster_rounds
 from lifl.control.controller import Controller, ControlConfig
 from lifl.control.planner import LEAF, ROLES, InstanceView, expired, pick_warm
-from lifl.errors import BadRequest, Conflict, LiflError, NotFound, Overloaded, PayloadTooLarge, Unavailable
-from lifl.jobs import JobSpec
+from lifl.errors import BadRequest, Conflict, Forbidden, LiflError, NotFound, Overloaded, PayloadTooLarge, Unavailable
+from lifl.jobs import TENANT_NAME, JobSpec
 from lifl.node import tree
-from lifl.node.actuator import LocalProcesses
+from lifl.node.actuator import ACTUATORS, Actuator, ClusterPods, LocalProcesses
 from lifl.node.admission import PARTIAL, UPDATE, JobSizes, RoundOf
 from lifl.node.dispatch import serve
 from lifl.node.metrics import Metrics
+from lifl.node.privilege import attach_refusal, current, peer_identity
 from lifl.procs import die_with_parent
 from lifl.protocol import (
-    PROTOCOL, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Admitted, Alloc, Allocated, CancelTask, Document,
+    PROTOCOL, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Admitted, Alloc, Attach, Allocated, CancelTask, Document,
     Done, Failed, Folded, Forwarded, ForwardPartial, GetMetrics, GetRecent, GetStatus, Handoff, Hello, InstallModel,
     InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, OpenModel, Ready, Release, Route, Submit,
-    SubmitPartial, Submitted, Text, Welcome,
+    SubmitPartial, Submitted, Text, Welcome, decode,
 )
-from lifl.rpc import Connection
+from lifl.rpc import Connection, error_reply
 from lifl.state import (
     ACCEPT_CLOSED_ROUND, NO_MODEL, RESERVE_OK, ClusterState, Job, Shard, accept_refusal, refusal,
 )
@@ -118,6 +120,7 @@ class AgentConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
     socket_group: int | None = None  # may connect too (the gateway's, when it runs as the service user)
     channel: str = "auto"  # the key transport (lifl.channel.CHANNELS)
+    functions: str = "processes"  # who starts function instances (lifl.node.actuator.ACTUATORS)
 
     @property
     def socket_path(self) -> Path:
@@ -126,6 +129,12 @@ class AgentConfig:
     @property
     def chan_dir(self) -> Path:
         return self.run_dir / "chan"
+
+    @property
+    def functions_socket_path(self) -> Path:
+        """Where function instances the node did not start (pods) attach: any local process may
+        connect, the kernel's peer credentials decide whether it may attach (and as which tenant)."""
+        return self.run_dir / "functions.sock"
 
 
 @dataclass(eq=False)
@@ -283,7 +292,13 @@ class Agent:
         print(f"lifl agent: keys travel by {self.transport.name} ({why})", file=sys.stderr)
         if (collector := self.transport.collector()) is not None:
             self.metrics.registry.register(collector)
-        self.actuator = LocalProcesses(config.node, self.transport, config.handler, self._serve_instance)
+        self.actuator: Actuator
+        if config.functions == "pods":
+            self.actuator = ClusterPods(config.node, self.transport, self._serve_instance)
+        elif config.functions == "processes":
+            self.actuator = LocalProcesses(config.node, self.transport, config.handler, self._serve_instance)
+        else:
+            raise ValueError(f"unknown --functions {config.functions!r}: one of {', '.join(ACTUATORS)}")
         self.controller = Controller(state, config.node, config.control, reuse=config.reuse)
         self.jobs: dict[str, JobRun] = {}
         self.instances: dict[int, Instance] = {}
@@ -305,6 +320,7 @@ class Agent:
         self._stopping = threading.Event()
         self._wake = threading.Event()  # the duty loop: stop, or keys wait in the outbox
         self._listener: socket.socket | None = None
+        self._functions_listener: socket.socket | None = None
         self._duties: list[tuple[str, float, Callable[[], None]]] = [
             ("expire_idle_instances", 0.2, self.expire_idle_instances),
             ("round_duties", 0.2, self.round_duties),
@@ -341,7 +357,16 @@ class Agent:
         os.chmod(path, 0o600 if self.config.socket_group is None else 0o660)
         listener.listen(64)
         self._listener = listener
-        threading.Thread(target=self._accept_loop, name="agent-accept", daemon=True).start()
+        functions = self.config.functions_socket_path
+        functions.unlink(missing_ok=True)
+        self._functions_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._functions_listener.bind(str(functions))
+        os.chmod(functions, 0o666)  # pods run as their tenant's uid: peer credentials are the check
+        self._functions_listener.listen(64)
+        threading.Thread(target=self._accept_loop, args=(listener, self._serve_peer), name="agent-accept",
+                         daemon=True).start()
+        threading.Thread(target=self._accept_loop, args=(self._functions_listener, self._serve_function),
+                         name="agent-accept-functions", daemon=True).start()
         threading.Thread(target=self._duty_loop, name="agent-duties", daemon=True).start()
         threading.Thread(target=self._event_loop, name="agent-events", daemon=True).start()
 
@@ -350,8 +375,11 @@ class Agent:
         and a checkpoint being written has its own descriptor), then stop the instances."""
         self._stopping.set()
         self._wake.set()
-        if self._listener:
-            self._listener.close()
+        for listening in (self._listener, self._functions_listener):
+            if listening is not None:
+                with contextlib.suppress(OSError):
+                    listening.shutdown(socket.SHUT_RDWR)  # wakes its accept(): closing alone leaves it accepting
+                listening.close()
         with self.lock:
             self.store.close()
             remove_node_objects(self.node)
@@ -359,6 +387,7 @@ class Agent:
         self.transport.close()
         self.checkpointer.stop()
         self.config.socket_path.unlink(missing_ok=True)
+        self.config.functions_socket_path.unlink(missing_ok=True)
 
     def _give_up_previous_rounds(self) -> None:
         """A previous run of this node may have taken part in open rounds; everything it held
@@ -408,14 +437,13 @@ class Agent:
         self.store.seal(seg.key)
         return seg
 
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
+    def _accept_loop(self, listener: socket.socket, serve_connection: Callable[[Connection], None]) -> None:
         while not self._stopping.is_set():
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve_peer, args=(Connection(sock),), daemon=True).start()
+            threading.Thread(target=serve_connection, args=(Connection(sock),), daemon=True).start()
 
     def _take_id(self) -> int:
         with self.lock:
@@ -462,6 +490,49 @@ class Agent:
             GetRecent: lambda m, f: (Document({"tasks": list(self.recent)}), []),
         }
         serve(conn, handlers, lambda: self._gateway_gone(holder), "gateway")
+
+    def _serve_function(self, conn: Connection) -> None:
+        """A function instance the node did not start (a pod) attaching: its first message is
+        ``Attach``; if the kernel says it runs as the tenant's user, it becomes one of the
+        tenant's warm instances here, and the connection its control connection."""
+        request_id = None
+        try:
+            frame, fds = conn.recv()
+            for fd in fds:
+                os.close(fd)
+            request_id = frame.pop("id", None)
+            m = decode(frame)
+            if not isinstance(m, Attach):
+                raise BadRequest(f"a function's first message must be attach, not {m.op}", code="bad_attach")
+            if m.protocol != PROTOCOL:
+                raise BadRequest(f"protocol {m.protocol} is not this node's ({PROTOCOL})", code="bad_protocol")
+            if not TENANT_NAME.fullmatch(m.tenant):
+                raise BadRequest(f"tenant {m.tenant!r} is not a tenant name", code="bad_tenant")
+            tenant = self.tenant(m.tenant)
+            why = attach_refusal(tenant.uid, tenant.name, peer_identity(conn.sock), current())
+            if why is not None:
+                raise Forbidden(why, code="wrong_identity")
+        except (EOFError, OSError):
+            conn.close()
+            return
+        except LiflError as e:
+            print(f"lifl agent: refused a function instance: {e.message}", file=sys.stderr)
+            with contextlib.suppress(OSError):
+                conn.send(error_reply(request_id, e))
+            conn.close()
+            return
+        with self.lock:  # its Ready waits for the lock: the instance is known by then
+            if self._stopping.is_set():
+                conn.close()
+                return
+            try:
+                iid = self.actuator.attach(tenant, request_id, conn)
+            except OSError:
+                conn.close()
+                return
+            self.instances[iid] = Instance(iid, tenant)
+            self.metrics.spawned.labels("attached").inc()
+            self._dispatch()
 
     def _serve_instance(self, iid: int, conn: Connection) -> None:
         handlers: dict[type[Message], Any] = {
@@ -1136,8 +1207,7 @@ class Agent:
                 self.metrics.starts.labels("warm").inc()
             elif self.config.reuse and task.role != LEAF and self._busy(tenant):
                 continue  # its input's producer is about to be idle: it takes over (§5.3), no cold start
-            elif len(self.instances) < self.config.max_instances:
-                inst = self._spawn(tenant, "cold_start")
+            elif len(self.instances) < self.config.max_instances and (inst := self._spawn(tenant, "cold_start")):
                 self.metrics.starts.labels("cold").inc()
             else:
                 continue
@@ -1152,8 +1222,11 @@ class Agent:
         chosen = pick_warm(views, tenant.name)
         return self.instances[chosen] if chosen is not None else None
 
-    def _spawn(self, tenant: Tenant, reason: str) -> Instance:
+    def _spawn(self, tenant: Tenant, reason: str) -> Instance | None:
+        """A cold start, if this node starts its instances (pods are started by the cluster)."""
         iid = self.actuator.spawn(tenant)
+        if iid is None:
+            return None
         inst = self.instances[iid] = Instance(iid, tenant)
         self.metrics.spawned.labels(reason).inc()
         return inst
@@ -1375,7 +1448,9 @@ class Agent:
 
     def expire_idle_instances(self) -> None:
         """Scale to zero: warm instances idle past ``keep_warm`` are let go (beyond what the planner
-        wants kept warm)."""
+        wants kept warm). Pods are the cluster's to scale down: the operator follows the plan."""
+        if not self.actuator.starts_instances:
+            return
         with self.lock:
             views = [InstanceView(i.id, i.tenant.name, i.task is None, i.last_used) for i in self.instances.values()]
             keep = self.controller.warm_for(self.node) if self.config.control.prewarm else {}
@@ -1387,8 +1462,9 @@ class Agent:
                 self.actuator.stop(iid)
 
     def warm_instances(self) -> None:
-        """Keep the instances the planner asked for ready ahead of the load (§5.2)."""
-        if not self.config.control.prewarm:
+        """Keep the instances the planner asked for ready ahead of the load (§5.2); pods are
+        prewarmed by the operator, which scales them to the plan."""
+        if not self.config.control.prewarm or not self.actuator.starts_instances:
             return
         wanted = self.controller.read_warm(self.node)
         for tenant_name, count in wanted.items():
@@ -1502,6 +1578,9 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-warm", type=float, default=60.0, help="seconds an idle aggregator stays warm (default 60)")
     p.add_argument("--no-reuse", action="store_true", help="baseline: one task per aggregator instance (no reuse, §5.3)")
     p.add_argument("--lazy", action="store_true", help="baseline: aggregate only once every input arrived (§5.4)")
+    p.add_argument("--functions", choices=ACTUATORS, default="processes",
+                   help="who starts aggregator instances: processes (the node, default) or pods (the cluster: a "
+                        "tenant's function pods attach to RUN_DIR/functions.sock; lifl's operator scales them)")
     p.add_argument("--channel", choices=CHANNELS, default="auto",
                    help="how aggregators pass object keys to each other: ebpf (SK_MSG redirects in the kernel), "
                         "unix (datagram sockets), or auto (default: ebpf where the kernel and privileges allow)")
@@ -1510,13 +1589,15 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
 
 def agent_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"max_instances": args.max_instances, "keep_warm": args.keep_warm, "reuse": not args.no_reuse,
-            "lazy": args.lazy, "control": ControlConfig.from_arguments(args), "channel": args.channel}
+            "lazy": args.lazy, "control": ControlConfig.from_arguments(args), "channel": args.channel,
+            "functions": args.functions}
 
 
 def agent_argv(options: dict[str, Any]) -> list[str]:
     """The command-line spelling of ``agent_options`` (for starting the agent as a process)."""
     argv = ["--max-instances", str(options["max_instances"]), "--keep-warm", str(options["keep_warm"])]
     argv += ["--no-reuse"] * (not options["reuse"]) + ["--lazy"] * options["lazy"] + ["--channel", options["channel"]]
+    argv += ["--functions", options["functions"]]
     return argv + options["control"].argv()
 
 

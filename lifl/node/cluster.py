@@ -85,6 +85,7 @@ class ClusterConfig:
     reuse: bool = True  # see lifl.node.agent.AgentConfig
     lazy: bool = False
     channel: str = "auto"  # every node's key transport
+    functions: str = "processes"  # who starts every node's function instances (lifl.node.actuator.ACTUATORS)
     control: ControlConfig = field(default_factory=ControlConfig)
     gateway_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     open_metrics: bool = False  # every node's GET /metrics without a token
@@ -131,7 +132,8 @@ class ClusterConfig:
             node=node, http=f"{ip}:{self.http_port}", grpc=f"{ip}:{self.grpc_port}", redis=self.redis,
             run_dir=self.run_dir / node, data_dir=self.data_dir / node, checkpoints=self.checkpoints,
             shm_capacity=self.shm_capacity, pool_limit=self.pool_limit, max_instances=self.max_instances,
-            keep_warm=self.keep_warm, reuse=self.reuse, lazy=self.lazy, channel=self.channel, control=self.control,
+            keep_warm=self.keep_warm, reuse=self.reuse, lazy=self.lazy, channel=self.channel, functions=self.functions,
+            control=self.control,
             gateway_limits=self.gateway_limits, service_user=self.service_user, tls=self.tls, open_metrics=self.open_metrics,
         )
 

@@ -25,7 +25,9 @@ from __future__ import annotations
 import os
 import pwd
 import re
+import socket
 import stat
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -224,3 +226,23 @@ def secure_checkpoints(spec: str, data_dir: Path) -> None:
     if directory is not None:
         directory.mkdir(parents=True, exist_ok=True)
         os.chmod(directory, PRIVATE_DIR_MODE)
+
+
+def peer_identity(sock: socket.socket) -> Identity:
+    """Who is at the other end of a unix socket, as the kernel recorded it when it connected."""
+    _pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return Identity(uid, gid)
+
+
+def attach_refusal(tenant_uid: int | None, tenant_name: str, peer: Identity, agent: Identity) -> str | None:
+    """Why a process may not attach as one of ``tenant_name``'s function instances, or None if it
+    may. Isolated (the tenant has a uid): it must run as exactly the tenant's uid and gid, which
+    is what lets it open the tenant's objects and nothing else; not isolated: as the agent's user."""
+    if tenant_uid is None:
+        if peer.uid != agent.uid:
+            return f"functions of this node run as the agent's user (uid {agent.uid}); this one runs as uid {peer.uid}"
+        return None
+    if (peer.uid, peer.gid) != (tenant_uid, tenant_uid):
+        return (f"tenant {tenant_name!r}'s functions must run as uid {tenant_uid} and gid {tenant_uid} "
+                f"(a pod's securityContext runAsUser and runAsGroup); this one runs as {peer.uid}:{peer.gid}")
+    return None

@@ -85,6 +85,7 @@ class NodeConfig:
     reuse: bool = True  # see lifl.node.agent.AgentConfig
     lazy: bool = False
     channel: str = "auto"  # the key transport (lifl.channel.CHANNELS)
+    functions: str = "processes"  # who starts function instances (lifl.node.actuator.ACTUATORS)
     control: ControlConfig = field(default_factory=ControlConfig)
     gateway_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     open_metrics: bool = False  # GET /metrics without a token
@@ -95,7 +96,7 @@ class NodeConfig:
 
     def agent_options(self) -> dict[str, object]:
         return {"max_instances": self.max_instances, "keep_warm": self.keep_warm, "reuse": self.reuse, "lazy": self.lazy,
-                "control": self.control, "channel": self.channel}
+                "control": self.control, "channel": self.channel, "functions": self.functions}
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z0-9]{1,16}", self.node):  # no '-': it separates name parts in /dev/shm

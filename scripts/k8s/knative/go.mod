@@ -1,4 +1,4 @@
-// Knative Serving's controller, webhook and autoscaler for the test bed (scripts/k8s-testenv.sh).
+// Knative Serving's controller, webhook, autoscaler and queue-proxy for the test bed (scripts/k8s-testenv.sh).
 // v0.42.2 (Knative 1.15) is the release whose dependencies the module proxy serves. Its own
 // replace is repeated here: a dependency's replaces do not apply to the modules requiring it.
 module lifl.dev/testenv/knative
@@ -8,6 +8,7 @@ go 1.22
 tool (
 	knative.dev/serving/cmd/autoscaler
 	knative.dev/serving/cmd/controller
+	knative.dev/serving/cmd/queue
 	knative.dev/serving/cmd/webhook
 )
 
@@ -15,6 +16,7 @@ require (
 	cloud.google.com/go/compute/metadata v0.3.0 // indirect
 	contrib.go.opencensus.io/exporter/ocagent v0.7.1-0.20200907061046-05415f1de66d // indirect
 	contrib.go.opencensus.io/exporter/prometheus v0.4.2 // indirect
+	contrib.go.opencensus.io/exporter/zipkin v0.1.2 // indirect
 	github.com/Azure/azure-sdk-for-go v68.0.0+incompatible // indirect
 	github.com/Azure/go-autorest v14.2.0+incompatible // indirect
 	github.com/Azure/go-autorest/autorest v0.11.29 // indirect
@@ -89,6 +91,7 @@ require (
 	github.com/munnerz/goautoneg v0.0.0-20191010083416-a7dc8b61c822 // indirect
 	github.com/opencontainers/go-digest v1.0.0 // indirect
 	github.com/opencontainers/image-spec v1.1.0-rc2 // indirect
+	github.com/openzipkin/zipkin-go v0.4.3 // indirect
 	github.com/pkg/errors v0.9.1 // indirect
 	github.com/prometheus/client_golang v1.19.1 // indirect
 	github.com/prometheus/client_model v0.6.1 // indirect

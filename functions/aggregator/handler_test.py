@@ -1,0 +1,141 @@
+"""The aggregator handler's own tests, run in the function image's test stage (and by the suite).
+
+They drive ``handle`` through the one interface it has, ``Context``, whose object I/O here is
+process memory instead of a node's shared memory: each object is an anonymous mapping holding
+lifl's update format, exactly as the handler maps them on a node. Every result is checked
+against FedAvg computed in float64 with numpy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+from collections import deque
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lifl import format as fmt
+from lifl.channel import KIND_CLOSE, KeyMessage
+from lifl.runtime import Context, Invocation
+
+from .handler import handle
+
+SHAPES = {"conv.weight": (4, 1, 3, 3), "conv.bias": (4,), "fc.weight": (10, 16)}
+
+
+class MemoryContext(Context):
+    """Context with its objects in this process's memory and its messages given up front."""
+
+    def __init__(self, messages: list[KeyMessage]) -> None:
+        super().__init__(1, "acme", "node", client=None, channel=None)  # type: ignore[arg-type]
+        self.inbox = deque(messages)
+        self.objects: dict[bytes, mmap.mmap] = {}
+        self.forwarded: dict[str, Any] | None = None
+        self.installed: dict[str, Any] | None = None
+        self.folds = 0
+        self._keys = itertools.count(1)
+
+    def put(self, blob: bytes | bytearray) -> bytes:
+        key = next(self._keys).to_bytes(16, "big")
+        mm = mmap.mmap(-1, len(blob))
+        mm[:] = blob
+        self.objects[key] = mm
+        return key
+
+    def receive(self, inv: Invocation) -> list[KeyMessage]:
+        assert self.inbox, "the handler waited for more inputs than were sent"
+        batch = list(self.inbox)
+        self.inbox.clear()
+        return batch
+
+    def open(self, key: bytes) -> mmap.mmap:
+        return self.objects[key]
+
+    def accumulator(self, inv: Invocation, header: bytes, data_bytes: int) -> tuple[bytes, mmap.mmap]:
+        key = self.put(bytes(len(header) + data_bytes))
+        self.objects[key][: len(header)] = header
+        return key, self.objects[key]
+
+    def folded(self, inv: Invocation, keys: list[bytes], updates: int, seconds: float, state: bytes) -> None:
+        self.folds += 1
+
+    def forward(self, inv: Invocation, key: bytes, samples: int, updates: int, partial: bool,
+                agg_seconds: float = 0.0) -> None:
+        self.forwarded = {"tensors": self.tensors(key), "samples": samples, "updates": updates, "partial": partial}
+
+    def install(self, inv: Invocation, key: bytes, samples: int, updates: int) -> int:
+        self.installed = {"tensors": self.tensors(key), "samples": samples, "updates": updates}
+        return inv.version + 1
+
+    def tensors(self, key: bytes) -> dict[str, np.ndarray]:
+        mm = self.objects[key]
+        layout = fmt.parse_layout(mm, allow_partial=True)
+        return {name: np.array(view) for name, view in fmt.views(mm, layout).items()}
+
+
+def updates(count: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [{name: rng.standard_normal(shape).astype(np.float32) for name, shape in SHAPES.items()} for _ in range(count)]
+
+
+def fedavg64(models: list[dict[str, np.ndarray]], samples: list[int]) -> dict[str, np.ndarray]:
+    total = sum(samples)
+    return {name: sum(m[name].astype(np.float64) * s for m, s in zip(models, samples)) / total for name in SHAPES}
+
+
+def run(role: str, models: list[dict[str, np.ndarray]], samples: list[int], *, fan_in: int | None = None,
+        lazy: bool = False, close_at: int | None = None) -> tuple[MemoryContext, dict[str, Any]]:
+    """``handle`` one task over these client updates; ``close_at``: the task starts open (fan-in 0)
+    and a close message after that many inputs sets its fan-in."""
+    ctx = MemoryContext([])
+    spec = fmt.parse_layout(fmt.encode(models[0])).spec()
+    for i, (model, s) in enumerate(zip(models, samples)):
+        if close_at == i:
+            ctx.inbox.append(KeyMessage(dest=1, task=7, kind=KIND_CLOSE, count=close_at))
+        ctx.inbox.append(KeyMessage(dest=1, task=7, key=ctx.put(fmt.encode(model)), samples=s, count=1))
+    if close_at == len(models):
+        ctx.inbox.append(KeyMessage(dest=1, task=7, kind=KIND_CLOSE, count=close_at))
+    inv = Invocation(7, "job", 3, role, len(models) if fan_in is None else fan_in, lazy, spec)
+    return ctx, handle(inv, ctx)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_top_installs_the_weighted_average(lazy: bool) -> None:
+    models, samples = updates(3), [5, 1, 30]
+    ctx, stats = run("top", models, samples, lazy=lazy)
+    assert ctx.installed is not None and ctx.forwarded is None
+    assert (ctx.installed["samples"], ctx.installed["updates"]) == (36, 3)
+    expected = fedavg64(models, samples)
+    for name, tensor in ctx.installed["tensors"].items():
+        assert tensor.dtype == np.float32
+        np.testing.assert_allclose(tensor, expected[name], rtol=1e-6, atol=1e-6)
+    assert stats["inputs"] == 3 and stats["updates"] == 3
+    assert stats["folds"] == 1 if lazy else stats["folds"] >= 1
+
+
+def test_leaf_forwards_the_exact_weighted_sum() -> None:
+    models, samples = updates(2, seed=1), [3, 4]
+    ctx, _ = run("leaf", models, samples)
+    assert ctx.installed is None and ctx.forwarded is not None
+    assert (ctx.forwarded["samples"], ctx.forwarded["updates"], ctx.forwarded["partial"]) == (7, 2, True)
+    for name, tensor in ctx.forwarded["tensors"].items():
+        assert tensor.dtype == np.float64  # partial sums keep float64: nothing is lost before the top divides
+        np.testing.assert_allclose(tensor, fedavg64(models, samples)[name] * 7, rtol=1e-12)
+
+
+def test_a_single_update_is_the_model() -> None:
+    models = updates(1, seed=2)
+    ctx, stats = run("top", models, [9])
+    assert ctx.installed is not None and ctx.folds == 0
+    for name, tensor in ctx.installed["tensors"].items():
+        np.testing.assert_array_equal(tensor, models[0][name])
+
+
+def test_an_open_task_finishes_when_the_round_closes() -> None:
+    models, samples = updates(2, seed=3), [1, 2]
+    ctx, stats = run("top", models, samples, fan_in=0, close_at=2)
+    assert ctx.installed is not None and stats["inputs"] == 2
+    for name, tensor in ctx.installed["tensors"].items():
+        np.testing.assert_allclose(tensor, fedavg64(models, samples)[name], rtol=1e-6, atol=1e-6)

@@ -1,0 +1,135 @@
+"""The Kubernetes test bed (scripts/k8s-testenv.sh) for the k8s suites: its module fixture, with
+lifl's manifests installed and KIngresses marked ready, and helpers to run things inside it.
+
+A suite imports the fixture (``from k8s.bed import testbed``); with module scope, each suite gets
+the bed once (started here unless it already was, then left as found). The bed has the real node
+``real1`` beside the kwok nodes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+TESTENV = str(ROOT / "scripts" / "k8s-testenv.sh")
+STATE = Path(os.environ.get("LIFL_TESTENV_DIR", "/run/lifl-testenv"))
+KUBECONFIG = STATE / "kubeconfig"
+NETNS = os.environ.get("LIFL_TESTENV_NETNS", "lifl-testenv")
+REAL_NODE = "real1"
+REAL_NODE_LABEL = "lifl.dev/real-node"
+# what the real node's kubelet sets on the host, which `down` restores
+KUBELET_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
+                   "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes")
+# lifl's own workloads in the manifests, simulated on the kwok nodes: on the real node they would
+# run for real, beside the operator and Redis the tests start themselves
+LIFL_WORKLOADS = (("daemonset", "lifl-node"), ("deployment", "lifl-operator"), ("deployment", "lifl-redis"))
+
+
+def inside(*argv: str, **kwargs: Any) -> subprocess.CompletedProcess:
+    return subprocess.run([TESTENV, "exec", *argv], capture_output=True, text=True, **{"timeout": 120, **kwargs})
+
+
+def kubectl(*argv: str, stdin: str | None = None) -> str:
+    run = inside("kubectl", *argv, input=stdin)
+    assert run.returncode == 0, f"kubectl {' '.join(argv)}: {run.stderr}"
+    return run.stdout
+
+
+def get(*argv: str) -> dict[str, Any]:
+    return json.loads(kubectl("get", *argv, "-o", "json"))
+
+
+def maybe(*argv: str) -> dict[str, Any] | None:
+    run = inside("kubectl", "get", *argv, "-o", "json")
+    return json.loads(run.stdout) if run.returncode == 0 else None
+
+
+class Background:
+    """A process inside the test bed, stopped at the end."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.log = tempfile.NamedTemporaryFile(prefix=f"lifl-{name}-", suffix=".log", delete=False)
+        self.argv, self.env = argv, env or {}
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        env_args = [f"{k}={v}" for k, v in self.env.items()]
+        return subprocess.Popen([TESTENV, "exec", "env", *env_args, *self.argv], stdout=self.log, stderr=subprocess.STDOUT)
+
+    def restart(self) -> None:
+        self.stop()
+        self.proc = self._start()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+
+def sysctls() -> dict[str, str]:
+    return {name: (Path("/proc/sys") / name).read_text().strip() for name in KUBELET_SYSCTLS}
+
+
+def leftovers() -> list[str]:
+    """What of a bed that is down is still on the host: mounts under its state, cgroups of its
+    real node, processes naming its state (its daemons, containerd's shims)."""
+    found = [line for line in Path("/proc/self/mounts").read_text().splitlines()
+             if line.split()[1] == str(STATE) or line.split()[1].startswith(f"{STATE}/")]
+    found += [str(path) for path in Path("/sys/fs/cgroup").glob(f"*/{NETNS}")]
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        if str(STATE) in argv:
+            found.append(f"pid {cmdline.parent.name}: {argv}")
+    return found
+
+
+def install_manifests() -> None:
+    """lifl's CRDs, workloads and Knative flags (manifests/), its workloads kept on the kwok nodes:
+    the real node is tainted while they are installed and pinned, so that none lands on it."""
+    taint = f"{REAL_NODE_LABEL}-installing=true:NoSchedule"
+    kubectl("taint", "node", REAL_NODE, taint)
+    try:
+        kubectl("apply", "-k", str(ROOT / "manifests"))
+        for kind, name in LIFL_WORKLOADS:
+            kubectl("patch", kind, name, "-n", "lifl-system", "--type", "merge",
+                    "-p", json.dumps({"spec": {"template": {"spec": {"nodeSelector": {"type": "kwok"}}}}}))
+    finally:
+        kubectl("taint", "node", REAL_NODE, f"{taint}-")
+
+
+@pytest.fixture(scope="module")
+def testbed() -> Iterator[None]:
+    """The test bed with its real node, up (started here unless it already was; then left as
+    found), lifl's manifests installed, and KIngresses marked ready by the stand-in. A bed started
+    here is checked, once down, for anything it left on the host."""
+    started = not KUBECONFIG.exists()
+    if started:
+        host_sysctls = sysctls()
+        subprocess.run([TESTENV, "up", "--real-node"], check=True, timeout=3600, stdout=subprocess.DEVNULL)
+    elif maybe("node", REAL_NODE) is None:
+        pytest.fail(f"the test bed is up without its real node {REAL_NODE}: `{TESTENV} down`, and the tests start it")
+    standin = Background("kingress", [sys.executable, str(ROOT / "tests" / "k8s" / "kingress_standin.py")])
+    install_manifests()
+    yield
+    standin.stop()
+    if started:
+        subprocess.run([TESTENV, "down"], check=True, timeout=300)
+        assert not leftovers(), leftovers()
+        assert sysctls() == host_sysctls
