@@ -13,8 +13,9 @@ exist; FLJobs put the jobs into Redis, and a timer on them reports their version
 
 A tenant's aggregators may also be an OpenFaaS CE function (``stack.yml``, docs/openfaas.md):
 for faas-netes' Deployment of one, labelled ``lifl.dev/tenant`` in the functions namespace
-(``LIFL_OPENFAAS_NAMESPACE``, default openfaas-fn), the operator adds to its pods what a stack file
-cannot say, and scales and places it like a PA's Deployment, within CE's 1 to 5 replicas.
+(``LIFL_OPENFAAS_NAMESPACE``, default openfaas-fn), the operator scales and places it like a PA's
+Deployment, within CE's 1 to 5 replicas. What its pods need of their node (and a stack file or a
+Knative Service cannot say), every tenant's pod gets from the admission webhook (``admission``).
 
 Everything is level-based: a handler reads what is there, computes what should be, and writes
 the difference, so a restarted operator converges from what it finds. Handlers on objects
@@ -270,9 +271,7 @@ def job_status(name: str, spec: dict[str, Any], status: dict[str, Any], patch: k
 
 # -- OpenFaaS functions: faas-netes' Deployments of lifl tenants ------------------------------------------
 # A tenant's aggregators as an OpenFaaS CE function: faas-netes makes its Deployment from the stack
-# file, which cannot say what the pods need of their node; the handler below adds that to the
-# Deployment (faas-netes leaves later edits alone until the next deploy, whose update event brings
-# the handler back), and the control loop scales it within CE's 1 to 5 replicas.
+# file (its pods get the rest at admission), and the control loop scales it within CE's 1 to 5.
 OPENFAAS_NAMESPACE = names.OPENFAAS_DEFAULT_NAMESPACE  # configure() reads LIFL_OPENFAAS_NAMESPACE
 _reported: dict[str, str] = {}  # function -> its standing problem, logged once
 
@@ -288,7 +287,7 @@ def _report(function: str, problem: str | None) -> None:
 
 def is_lifl_function(body: Mapping[str, Any], **_: Any) -> bool:
     """A faas-netes Deployment (labelled with its own name) of a lifl tenant, in the functions
-    namespace: nowhere else does the operator give pods a tenant's uid and the host's IPC."""
+    namespace: the only Deployments besides Knative's that the operator scales."""
     meta = body.get("metadata") or {}
     made_by_faas_netes = (meta.get("labels") or {}).get(names.FAAS_FUNCTION_LABEL) == meta.get("name")
     pod_labels = body.get("spec", {}).get("template", {}).get("metadata", {}).get("labels") or {}
