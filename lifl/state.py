@@ -734,6 +734,10 @@ class ClusterState:
         return node or None
 
     # -- tenants and nodes ----------------------------------------------------------------------
+    def known_tenant(self, tenant: str) -> bool:
+        """Whether ``tenant`` has its id already (no allocation)."""
+        return bool(self.redis.hexists("lifl:tenants", tenant))
+
     def tenant_id(self, tenant: str) -> int:
         """The uid/gid of a tenant's functions, the same on every node."""
         existing = self.redis.hget("lifl:tenants", tenant)

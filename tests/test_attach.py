@@ -211,6 +211,7 @@ def _frame(message: dict[str, Any]) -> bytes:
     (_frame({"id": 1, "op": "attach"}), "bad_message"),  # no tenant
     (_frame({"id": 1, "op": "attach", "tenant": 7}), "bad_message"),
     (_frame({"id": 1, **Attach("acme").encode()}), "wrong_identity"),  # the test runs as root, not as acme
+    (_frame({"id": 1, **Attach("nobody").encode()}), "unknown_tenant"),  # no job or pod made it: no id is allocated
     (b"\x05\x00\x00\x00nope!", None),  # not JSON
     (struct.pack("<I", 1 << 30), None),  # larger than any control message
 ])
@@ -225,4 +226,5 @@ def test_malformed_attaches_are_refused_and_the_agent_carries_on(
         assert reply is not None and reply["ok"] is False and reply["error"]["code"] == code, reply
         assert reply["error"]["message"]
     assert agent.instances == {}
+    assert not state.known_tenant("nobody")
     assert gateway(agent).call(GetStatus())[0].body["node"] == agent.node  # still serving

@@ -508,6 +508,10 @@ class Agent:
                 raise BadRequest(f"protocol {m.protocol} is not this node's ({PROTOCOL})", code="bad_protocol")
             if not TENANT_NAME.fullmatch(m.tenant):
                 raise BadRequest(f"tenant {m.tenant!r} is not a tenant name", code="bad_tenant")
+            if self.config.isolate and m.tenant not in self._tenants and not self.state.known_tenant(m.tenant):
+                # any local process may connect: it must not make the cluster allocate tenant ids
+                raise Forbidden(f"tenant {m.tenant!r} is unknown: its first job (or its pods' admission) makes it",
+                                code="unknown_tenant")
             tenant = self.tenant(m.tenant)
             why = attach_refusal(tenant.uid, tenant.name, peer_identity(conn.sock), current())
             if why is not None:
