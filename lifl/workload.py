@@ -116,6 +116,35 @@ def evaluate(model: Any, data: tuple[np.ndarray, np.ndarray]) -> float:
 # -- client worker processes -----------------------------------------------------------------------
 
 
+def worker_shares(clients: int, active: int, workers: int) -> list[tuple[int, int, int]]:
+    """(first client, clients, active slots) of each worker process: the population and the
+    active slots split evenly among at most ``active`` workers."""
+    n = max(1, min(workers, active))
+    return [(clients * w // n, clients * (w + 1) // n - clients * w // n, active // n + (1 if w < active % n else 0))
+            for w in range(n)]
+
+
+def wait_ready(workers: list[Any]) -> None:
+    """Wait for every worker process's "clients ready" line (lines a library printed while
+    loading come first)."""
+    for proc in workers:
+        while (line := proc.stdout.readline()) and line.strip() != "clients ready":
+            pass
+        if not line:
+            raise RuntimeError(f"a client worker did not start (exit status {proc.wait()})")
+
+
+def pick_client(rng: np.random.Generator, first: int, count: int, digits: Digits, taken: set[int], lock: threading.Lock) -> int | None:
+    """A client of the worker's share that no slot has and that has data to train on (None: none left)."""
+    with lock:
+        free = [c for c in range(first, first + count) if c not in taken and len(digits.clients[c][0]) >= 2]
+        if not free:
+            return None
+        client = int(rng.choice(free))
+        taken.add(client)
+        return client
+
+
 def run_slot(slot: int, args: argparse.Namespace, digits: Digits, tokens: dict[str, str], taken: set[int], lock: threading.Lock,
              stop: threading.Event) -> None:
     """One active client slot: pick a client, hibernate, take part in a round, repeat."""
@@ -125,12 +154,9 @@ def run_slot(slot: int, args: argparse.Namespace, digits: Digits, tokens: dict[s
     model = make_model(args.model)
     address, protocol = (args.grpc, "grpc") if (args.protocol == "grpc" or args.protocol == "mixed" and slot % 2) else (args.http, "http")
     while not stop.is_set():
-        with lock:
-            free = [c for c in range(args.first_client, args.first_client + args.n_clients) if c not in taken and len(digits.clients[c][0]) >= 2]
-            if not free:
-                break
-            client = int(rng.choice(free))
-            taken.add(client)
+        client = pick_client(rng, args.first_client, args.n_clients, digits, taken, lock)
+        if client is None:
+            break
         try:
             if stop.wait(rng.uniform(0, args.hibernate)):
                 break
