@@ -20,9 +20,10 @@ import json
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -134,15 +135,37 @@ def wait_ready(workers: list[Any]) -> None:
             raise RuntimeError(f"a client worker did not start (exit status {proc.wait()})")
 
 
-def pick_client(rng: np.random.Generator, first: int, count: int, digits: Digits, taken: set[int], lock: threading.Lock) -> int | None:
-    """A client of the worker's share that no slot has and that has data to train on (None: none left)."""
-    with lock:
-        free = [c for c in range(first, first + count) if c not in taken and len(digits.clients[c][0]) >= 2]
-        if not free:
-            return None
-        client = int(rng.choice(free))
-        taken.add(client)
-        return client
+def slot_clients(slot: int, args: argparse.Namespace, digits: Digits, taken: set[int], lock: threading.Lock,
+                 stop: threading.Event) -> Iterator[tuple[int, np.random.Generator]]:
+    """The clients one active slot plays in turn, with the slot's random generator: a free
+    client of the worker's share, after it hibernated; it is given back once the caller is
+    done with it (its turn runs inside ``client_turn``)."""
+    rng = np.random.default_rng([args.seed, args.worker, slot])
+    while not stop.is_set():
+        with lock:
+            free = [c for c in range(args.first_client, args.first_client + args.n_clients)
+                    if c not in taken and len(digits.clients[c][0]) >= 2]
+            if not free:
+                return
+            client = int(rng.choice(free))
+            taken.add(client)
+        try:
+            if stop.wait(rng.uniform(0, args.hibernate)):
+                return
+            yield client, rng
+        finally:
+            with lock:
+                taken.discard(client)
+
+
+@contextmanager
+def client_turn(client: int, stop: threading.Event) -> Iterator[None]:
+    """A client failing is part of FL: report it and let the slot go on."""
+    try:
+        yield
+    except Exception as e:
+        print(f"lifl client-{client}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        stop.wait(0.5)
 
 
 def run_slot(slot: int, args: argparse.Namespace, digits: Digits, tokens: dict[str, str], taken: set[int], lock: threading.Lock,
@@ -150,16 +173,10 @@ def run_slot(slot: int, args: argparse.Namespace, digits: Digits, tokens: dict[s
     """One active client slot: pick a client, hibernate, take part in a round, repeat."""
     from lifl.client import Participant
 
-    rng = np.random.default_rng([args.seed, args.worker, slot])
     model = make_model(args.model)
     address, protocol = (args.grpc, "grpc") if (args.protocol == "grpc" or args.protocol == "mixed" and slot % 2) else (args.http, "http")
-    while not stop.is_set():
-        client = pick_client(rng, args.first_client, args.n_clients, digits, taken, lock)
-        if client is None:
-            break
-        try:
-            if stop.wait(rng.uniform(0, args.hibernate)):
-                break
+    for client, rng in slot_clients(slot, args, digits, taken, lock, stop):
+        with client_turn(client, stop):
             participant = Participant(address, args.job, protocol=protocol, as_torch=True, token=tokens[f"client-{client}"])
 
             def train(state: dict[str, Any], version: int) -> tuple[dict[str, Any], int]:
@@ -176,12 +193,6 @@ def run_slot(slot: int, args: argparse.Namespace, digits: Digits, tokens: dict[s
                         participant.wait_for_version(result.version, timeout=2.0)
             finally:
                 participant.close()
-        except Exception as e:  # a client failing is part of FL; report it and go on
-            print(f"lifl client-{client}: {type(e).__name__}: {e}", file=sys.stderr)
-            time.sleep(0.5)
-        finally:
-            with lock:
-                taken.discard(client)
 
 
 def main(argv: list[str] | None = None) -> None:

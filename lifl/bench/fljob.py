@@ -23,10 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 
 from lifl.errors import Conflict
-from lifl.workload import MODELS, evaluate, load_digits_split, make_model, pick_client, train_local, wait_ready, worker_shares
+from lifl.workload import MODELS, evaluate, load_digits_split, make_model, client_turn, slot_clients, train_local, wait_ready, worker_shares
 
 JOB = "digits"
 SAMPLE_INTERVAL_S = 0.5
@@ -101,17 +100,11 @@ def run_slot(slot: int, args: argparse.Namespace, data: Any, taken: set[int], lo
              report: Callable[[str], None]) -> None:
     from lifl.client import Gateway, from_blob, to_blob
 
-    rng = np.random.default_rng([args.seed, args.worker, slot])
     model = make_model(args.model)
     gateway = Gateway(args.http, token=args.token or None)
     cached: tuple[int, Any] = (-1, None)
-    while not stop.is_set():
-        client = pick_client(rng, args.first_client, args.n_clients, data, taken, lock)
-        if client is None:
-            return
-        try:
-            if stop.wait(rng.uniform(0, args.hibernate)):
-                return
+    for client, rng in slot_clients(slot, args, data, taken, lock, stop):
+        with client_turn(client, stop):
             while not stop.is_set():
                 version = gateway.job(JOB)["version"]
                 if version != cached[0]:
@@ -129,12 +122,6 @@ def run_slot(slot: int, args: argparse.Namespace, data: Any, taken: set[int], lo
                     if e.code not in ("version_conflict", "round_full"):
                         raise
                     wait_for_version(gateway, version, stop)
-        except Exception as e:  # a client failing is part of FL; say so and go on
-            print(f"lifl client-{client}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            stop.wait(0.5)
-        finally:
-            with lock:
-                taken.discard(client)
 
 
 def worker_main(argv: list[str] | None = None) -> None:
