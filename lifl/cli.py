@@ -25,6 +25,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     from lifl.node import cluster
     from lifl.node.agent import agent_options
 
+    if args.system != "lifl":
+        return _up_baseline(args)
+    for option in ("fan_in", "kpa_scale"):
+        if getattr(args, option) is not None:
+            raise SystemExit(f"lifl: --{option.replace('_', '-')} is about the sl baseline: it needs --system sl")
     if not 1 <= args.nodes <= cluster.MAX_NODES:
         raise SystemExit(f"lifl: --nodes must be between 1 and {cluster.MAX_NODES}, got {args.nodes}")
     if args.nodes > 1:
@@ -56,6 +61,24 @@ def cmd_up(args: argparse.Namespace) -> int:
         tls=tls_from(args), **agent_options(args),
     )
     return run(config)
+
+
+def _up_baseline(args: argparse.Namespace) -> int:
+    """`lifl up --system sf|sf-micro|sl`: a comparison baseline (lifl.baselines.system)."""
+    from lifl.baselines import system
+
+    if args.nodes != 1:
+        raise SystemExit("lifl: a baseline system runs as one node; --nodes is lifl's")
+    if args.grpc:
+        raise SystemExit("lifl: a baseline system serves HTTP only (no gRPC API)")
+    if args.system != "sl" and (args.fan_in is not None or args.kpa_scale is not None):
+        raise SystemExit("lifl: --fan-in and --kpa-scale are about the sl baseline")
+    options = {k: v for k, v in (("fan_in", args.fan_in), ("kpa_scale", args.kpa_scale)) if v is not None}
+    try:
+        config = system.BaselineConfig(args.system, http=args.http or "127.0.0.1:8080", **options)
+    except ValueError as e:
+        raise SystemExit(f"lifl: {e}") from None
+    return system.run(config)
 
 
 def cmd_token(args: argparse.Namespace) -> int:
@@ -105,10 +128,10 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from lifl.bench import channel, dataplane, knative, orchestration
+    from lifl.bench import channel, compare, dataplane, knative, orchestration
 
     return {"dataplane": dataplane.main, "orchestration": orchestration.main, "channel": channel.main,
-            "knative": knative.main}[args.bench](args)
+            "knative": knative.main, "compare": compare.main}[args.bench](args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "for tests and for running two clusters side by side (default lifl)")
     up.add_argument("--subnet", metavar="CIDR",
                     help="with --nodes, advanced: the bridge's subnet; node k gets its (10+k)th address (default 10.77.0.0/24)")
+    up.add_argument("--system", choices=("lifl", "sf", "sf-micro", "sl"), default="lifl",
+                    help="run a comparison baseline instead of lifl (`lifl bench compare`, docs/compare.md): sf "
+                         "(serverful, updates queued in the aggregator), sf-micro (serverful, a message broker), sl "
+                         "(stock serverless: functions behind sidecars, a broker, Knative's KPA)")
+    up.add_argument("--fan-in", type=int, metavar="K", help="with --system sl: updates per leaf invocation (default 5)")
+    up.add_argument("--kpa-scale", type=float, metavar="F",
+                    help="with --system sl: KPA's windows and tick times F (default 0.1: a 6 s stable window)")
     up.set_defaults(func=cmd_up)
 
     tok = sub.add_parser("token", help="create, list and revoke tenant and client tokens (docs/security.md)")
@@ -194,8 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from lifl.bench import channel, dataplane, knative, orchestration
+    from lifl.bench import channel, compare, dataplane, knative, orchestration
 
+    compare.add_arguments(bench_sub.add_parser(
+        "compare", help="lifl against serverful (SF, SF-micro), stock-serverless (SL) and Flower: transfer, queuing, "
+                        "time to accuracy (LIFL Fig. 7, 9, 10, 13)"))
     channel.add_arguments(bench_sub.add_parser(
         "channel", help="key hand-off between two processes: eBPF (SK_MSG), unix and TCP sockets (needs root)"))
     dataplane.add_arguments(bench_sub.add_parser("dataplane", help="ingest, hand-off, aggregation and memory of the data plane"))

@@ -32,7 +32,7 @@ from lifl import procstat
 from lifl.client import Gateway, from_blob, to_blob
 from lifl.node.supervisor import Node, NodeConfig
 from lifl.state import ClusterState
-from lifl.workload import MODELS, evaluate, load_digits_split, make_model
+from lifl.workload import MODELS, evaluate, load_digits_split, make_model, wait_ready, worker_shares
 
 JOB = "digits"
 TENANT = "demo"
@@ -170,19 +170,14 @@ def enrol_clients(tenant: Gateway, clients: int, path: Path) -> None:
 
 def start_workers(args: argparse.Namespace, http: str, grpc: str, tokens: Path) -> list[subprocess.Popen]:
     workers = []
-    n = max(1, min(args.workers, args.active))
-    for w in range(n):
-        first, count = args.clients * w // n, args.clients * (w + 1) // n - args.clients * w // n
-        slots = args.active // n + (1 if w < args.active % n else 0)
+    for w, (first, count, slots) in enumerate(worker_shares(args.clients, args.active, args.workers)):
         workers.append(subprocess.Popen([
             sys.executable, "-m", "lifl.workload", "--http", http, "--grpc", grpc, "--job", JOB, "--model", args.model,
             "--clients", str(args.clients), "--first-client", str(first), "--n-clients", str(count), "--slots", str(slots),
             "--alpha", str(args.alpha), "--hibernate", str(args.hibernate), "--protocol", args.protocol,
             "--seed", str(args.seed), "--worker", str(w), "--tokens", str(tokens),
         ], stdout=subprocess.PIPE, text=True))
-    for proc in workers:
-        if proc.stdout.readline().strip() != "clients ready":
-            raise RuntimeError("a client worker did not start")
+    wait_ready(workers)
     return workers
 
 

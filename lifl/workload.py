@@ -20,9 +20,10 @@ import json
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -116,24 +117,66 @@ def evaluate(model: Any, data: tuple[np.ndarray, np.ndarray]) -> float:
 # -- client worker processes -----------------------------------------------------------------------
 
 
+def worker_shares(clients: int, active: int, workers: int) -> list[tuple[int, int, int]]:
+    """(first client, clients, active slots) of each worker process: the population and the
+    active slots split evenly among at most ``active`` workers."""
+    n = max(1, min(workers, active))
+    return [(clients * w // n, clients * (w + 1) // n - clients * w // n, active // n + (1 if w < active % n else 0))
+            for w in range(n)]
+
+
+def wait_ready(workers: list[Any]) -> None:
+    """Wait for every worker process's "clients ready" line (lines a library printed while
+    loading come first)."""
+    for proc in workers:
+        while (line := proc.stdout.readline()) and line.strip() != "clients ready":
+            pass
+        if not line:
+            raise RuntimeError(f"a client worker did not start (exit status {proc.wait()})")
+
+
+def slot_clients(slot: int, args: argparse.Namespace, digits: Digits, taken: set[int], lock: threading.Lock,
+                 stop: threading.Event) -> Iterator[tuple[int, np.random.Generator]]:
+    """The clients one active slot plays in turn, with the slot's random generator: a free
+    client of the worker's share, after it hibernated; it is given back once the caller is
+    done with it (its turn runs inside ``client_turn``)."""
+    rng = np.random.default_rng([args.seed, args.worker, slot])
+    while not stop.is_set():
+        with lock:
+            free = [c for c in range(args.first_client, args.first_client + args.n_clients)
+                    if c not in taken and len(digits.clients[c][0]) >= 2]
+            if not free:
+                return
+            client = int(rng.choice(free))
+            taken.add(client)
+        try:
+            if stop.wait(rng.uniform(0, args.hibernate)):
+                return
+            yield client, rng
+        finally:
+            with lock:
+                taken.discard(client)
+
+
+@contextmanager
+def client_turn(client: int, stop: threading.Event) -> Iterator[None]:
+    """A client failing is part of FL: report it and let the slot go on."""
+    try:
+        yield
+    except Exception as e:
+        print(f"lifl client-{client}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        stop.wait(0.5)
+
+
 def run_slot(slot: int, args: argparse.Namespace, digits: Digits, tokens: dict[str, str], taken: set[int], lock: threading.Lock,
              stop: threading.Event) -> None:
     """One active client slot: pick a client, hibernate, take part in a round, repeat."""
     from lifl.client import Participant
 
-    rng = np.random.default_rng([args.seed, args.worker, slot])
     model = make_model(args.model)
     address, protocol = (args.grpc, "grpc") if (args.protocol == "grpc" or args.protocol == "mixed" and slot % 2) else (args.http, "http")
-    while not stop.is_set():
-        with lock:
-            free = [c for c in range(args.first_client, args.first_client + args.n_clients) if c not in taken and len(digits.clients[c][0]) >= 2]
-            if not free:
-                break
-            client = int(rng.choice(free))
-            taken.add(client)
-        try:
-            if stop.wait(rng.uniform(0, args.hibernate)):
-                break
+    for client, rng in slot_clients(slot, args, digits, taken, lock, stop):
+        with client_turn(client, stop):
             participant = Participant(address, args.job, protocol=protocol, as_torch=True, token=tokens[f"client-{client}"])
 
             def train(state: dict[str, Any], version: int) -> tuple[dict[str, Any], int]:
@@ -150,12 +193,6 @@ def run_slot(slot: int, args: argparse.Namespace, digits: Digits, tokens: dict[s
                         participant.wait_for_version(result.version, timeout=2.0)
             finally:
                 participant.close()
-        except Exception as e:  # a client failing is part of FL; report it and go on
-            print(f"lifl client-{client}: {type(e).__name__}: {e}", file=sys.stderr)
-            time.sleep(0.5)
-        finally:
-            with lock:
-                taken.discard(client)
 
 
 def main(argv: list[str] | None = None) -> None:

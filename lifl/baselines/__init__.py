@@ -1,0 +1,1 @@
+"""Baseline FL systems for comparison runs (the LIFL paper's SF, SF-micro and SL)."""
