@@ -70,7 +70,6 @@ class Frontend:
     def __init__(self, jobs: Jobs, sink: Sink) -> None:
         self.jobs = jobs
         self.sink = sink
-        self.accepted = 0
         self._models: dict[str, tuple[int, bytes]] = {}  # the last model served per job, by version
         self._lock = threading.Lock()  # held while a new version is fetched: the others wait for it
 
@@ -91,7 +90,6 @@ class Frontend:
         fmt.validate(body, self.jobs.spec(job), limit=MAX_UPDATE_BYTES)
         _, version = self.jobs.take_slot(job, base)
         self.sink.put(job, version, Input(body, samples, 1, False))
-        self.accepted += 1
         return {"version": version}
 
 
