@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
+import threading
+from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved now: safe to call between fork and exec
@@ -12,3 +15,25 @@ _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved now: safe to call b
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Ask the kernel to send ``sig`` to this process when its parent dies."""
     _prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def on_signals(callback: Callable[[], None], signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+    """Call ``callback`` (in a thread of its own) when one of ``signals`` arrives. Call it from
+    the main thread.
+
+    Not from the signal handler: Python runs handlers in the main thread between bytecodes, and
+    if that thread is inside ``threading.Event.wait()`` holding the event's lock when the signal
+    comes, an ``Event.set()`` in the handler waits for that lock forever: a process that no
+    SIGTERM stops. The handlers here do nothing; the kernel-level handler writes the signal to a
+    wakeup pipe, which the thread reads."""
+    read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    for sig in signals:
+        signal.signal(sig, lambda *_: None)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+
+    def wait() -> None:
+        os.set_blocking(read_end, True)
+        while os.read(read_end, 64):
+            callback()
+
+    threading.Thread(target=wait, daemon=True, name="signals").start()

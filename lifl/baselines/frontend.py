@@ -18,7 +18,6 @@ import argparse
 import json
 import queue
 import re
-import signal
 import threading
 from typing import Any, Protocol
 
@@ -28,7 +27,7 @@ from lifl.baselines.aggregate import Input
 from lifl.baselines.broker import UPDATES, Broker
 from lifl.baselines.jobs import Jobs
 from lifl.errors import BadRequest, NotFound
-from lifl.procs import die_with_parent
+from lifl.procs import die_with_parent, on_signals
 
 MAX_UPDATE_BYTES = 1 << 30  # an update (or model) body; the largest model of the comparisons is 230 MB
 MAX_JSON_BYTES = 64 << 10
@@ -161,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     jobs = Jobs(args.redis)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    on_signals(stop.set)
     if args.sink == "leaf":
         from lifl.baselines.serverful import Leaf, TopClient
 

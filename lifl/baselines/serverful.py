@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import queue
-import signal
 import sys
 import threading
 import time
@@ -32,7 +31,7 @@ from lifl.baselines.aggregate import Aggregation, Input
 from lifl.baselines.broker import UPDATES, Broker
 from lifl.baselines.jobs import Jobs
 from lifl.errors import LiflError
-from lifl.procs import die_with_parent
+from lifl.procs import die_with_parent, on_signals
 
 CHUNK = (4 << 20) - 1024  # under gRPC's default 4 MiB message limit, with room for framing
 MAX_MESSAGE = 8 << 20
@@ -198,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     die_with_parent()
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    on_signals(stop.set)
     jobs = Jobs(args.redis)
     if args.role == "top":
         server, port, aggregating = serve_top(jobs, args.listen)

@@ -28,7 +28,6 @@ import http.client
 import json
 import math
 import queue
-import signal
 import sys
 import threading
 import time
@@ -44,7 +43,7 @@ from lifl.baselines.jobs import Jobs
 from lifl.baselines.kpa import Kpa, KpaConfig
 from lifl.errors import BadRequest, NotFound
 from lifl.node.supervisor import Child
-from lifl.procs import die_with_parent
+from lifl.procs import die_with_parent, on_signals
 
 MAX_BATCH_BYTES = 8 << 30  # a batch of updates (or partials) in one invocation
 RELAY_CHUNK = 1 << 20
@@ -498,7 +497,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     die_with_parent()
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    on_signals(stop.set)
     if args.role == "function":
         server = httpd.serve(function_handler(Jobs(args.redis)), args.listen, MAX_BATCH_BYTES)
         print(f"function listening on {server.address}", flush=True)

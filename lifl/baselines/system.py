@@ -17,7 +17,6 @@ All serve the client SDK's calls (``lifl.baselines.frontend``) on ``--http``.
 from __future__ import annotations
 
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -31,6 +30,7 @@ from lifl import procstat
 from lifl.baselines.aggregate import MAX_BATCH_INPUTS
 from lifl.baselines.serverless import DEFAULT_FAN_IN
 from lifl.node.supervisor import Child
+from lifl.procs import on_signals
 
 SYSTEMS = ("lifl", "sf", "sf-micro", "sl")
 BASELINES = SYSTEMS[1:]
@@ -148,8 +148,7 @@ def run(config: BaselineConfig) -> int:
     """`lifl up --system X`: start, print the address, run until Ctrl-C or SIGTERM."""
     system = BaselineSystem(config)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    on_signals(stop.set)
     address = system.start()
     print(f"lifl baseline {config.system} is up\n  http: http://{address}\n  (a comparison baseline: no tokens, "
           f"leases or gRPC API; see docs/compare.md)", flush=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import signal
 import subprocess
 import sys
 import threading
@@ -140,13 +139,13 @@ def worker_main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     import torch
 
-    from lifl.procs import die_with_parent
+    from lifl.procs import die_with_parent, on_signals
 
     torch.set_num_threads(1)
     die_with_parent()
     data = load_digits_split(args.clients, args.alpha, args.seed)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    on_signals(stop.set)
     out = threading.Lock()
 
     def report(line: str) -> None:

@@ -1,0 +1,34 @@
+"""lifl.procs: a stop signal always stops a process, even one that spends its time in Event.wait()."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+from conftest import wait_for
+
+WAITER = """
+import threading
+from lifl.procs import on_signals
+stop = threading.Event()
+on_signals(stop.set)
+print("ready", flush=True)
+while not stop.wait(0.0001):  # the main thread is inside Event.wait() nearly all the time
+    pass
+print("stopped", flush=True)
+"""
+
+
+def test_a_signal_stops_a_process_waiting_on_an_event() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT) * 5:
+        proc = subprocess.Popen([sys.executable, "-c", WAITER], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            proc.send_signal(sig)
+            wait_for(lambda: proc.poll() is not None, timeout=60, what="the process to stop")
+            assert proc.returncode == 0 and proc.stdout.read().strip() == "stopped"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
