@@ -8,7 +8,6 @@ import json
 import os
 import re
 import resource
-import signal
 import threading
 
 from lifl.control.controller import DEFAULT_CAPACITY
@@ -19,7 +18,7 @@ from lifl.gateway.service import GatewayService
 from lifl.gateway.flags import add_limit_arguments, add_tls_arguments, limits_from, server_contexts, tls_from
 from lifl.node.privilege import Identity, drop_to, parse_user
 from lifl.net.tls import configure_peers
-from lifl.procs import die_with_parent
+from lifl.procs import die_with_parent, on_signals
 from lifl.state import ClusterState
 
 
@@ -98,8 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     addresses = {"http": "{}:{}".format(*http.address), "grpc": "{}:{}".format(*grpc.address)}
     service.start(addresses["http"], addresses["grpc"])
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    on_signals(stop.set)
     print(json.dumps(addresses), flush=True)
     stop.wait()
     service.stop()

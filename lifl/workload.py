@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import threading
 from dataclasses import dataclass
@@ -216,12 +215,12 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from lifl.procs import die_with_parent
+    from lifl.procs import die_with_parent, on_signals
 
     die_with_parent()
     digits = load_digits_split(args.clients, args.alpha, args.seed)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    on_signals(stop.set)
     taken: set[int] = set()
     lock = threading.Lock()
     threads = [threading.Thread(target=run_slot, args=(i, args, digits, tokens, taken, lock, stop), daemon=True) for i in range(args.slots)]

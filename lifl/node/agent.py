@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import os
 import queue
-import signal
 import socket
 import sys
 import threading
@@ -62,7 +61,7 @@ from lifl.node.admission import PARTIAL, UPDATE, JobSizes, RoundOf
 from lifl.node.dispatch import serve
 from lifl.node.metrics import Metrics
 from lifl.node.privilege import attach_refusal, current, peer_identity
-from lifl.procs import die_with_parent
+from lifl.procs import die_with_parent, on_signals
 from lifl.protocol import (
     PROTOCOL, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Admitted, Alloc, Attach, Allocated, CancelTask, Document,
     Done, Failed, Folded, Forwarded, ForwardPartial, GetMetrics, GetRecent, GetStatus, Handoff, Hello, InstallModel,
@@ -1623,8 +1622,7 @@ def main(argv: list[str] | None = None) -> None:
                          **agent_options(args))
     agent = Agent(config, ClusterState(args.redis))
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    on_signals(stop.set)
     agent.start()
     print("ready", flush=True)
     stop.wait()

@@ -21,7 +21,6 @@ import dataclasses
 import fcntl
 import ipaddress
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -42,7 +41,7 @@ from lifl.node import netns, operator_token
 from lifl.node.agent import agent_argv
 from lifl.node.privilege import current, popen_as, prepare_data_dir, secure_checkpoints, service_identity
 from lifl.node.supervisor import NodeConfig, default_data_dir, default_run_dir, default_shm_capacity, embedded_redis_argv
-from lifl.procs import die_with_parent
+from lifl.procs import die_with_parent, on_signals
 from lifl.ebpf import remove_node_channel
 from lifl.store import remove_node_objects
 
@@ -400,8 +399,7 @@ def _free_port(host: str) -> int:
 def run(config: ClusterConfig) -> int:
     """`lifl up --nodes N`: start, print the addresses, supervise until Ctrl-C or SIGTERM."""
     cluster = Cluster(config)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: cluster.request_stop())
+    on_signals(cluster.request_stop)
     try:
         addresses = cluster.start()
     except (ValueError, PermissionError, RuntimeError) as e:  # netns.NetError is a RuntimeError

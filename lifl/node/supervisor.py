@@ -21,7 +21,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -43,7 +42,7 @@ from lifl.node.agent import agent_argv
 from lifl.node.privilege import (
     Identity, can_connect, current, make_private_tree, popen_as, prepare_data_dir, secure_checkpoints, service_identity,
 )
-from lifl.procs import die_with_parent
+from lifl.procs import die_with_parent, on_signals
 from lifl.ebpf import remove_node_channel
 from lifl.store import SHM_DIR, remove_node_objects
 
@@ -333,8 +332,7 @@ class Node:
 def run(config: NodeConfig) -> int:
     """`lifl up`: start, print the addresses, supervise until Ctrl-C or SIGTERM."""
     node = Node(config)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: node.request_stop())
+    on_signals(node.request_stop)
     try:
         a = node.start()
     except (RuntimeError, SystemExit):
