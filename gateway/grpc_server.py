@@ -29,6 +29,7 @@ client certificate) and authorized by the service.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -50,7 +51,7 @@ from lifl.net.io import MAX_FRAMES_PER_WRITE, sendmsg_all, take_views
 
 SERVICE = "/lifl.v1.Gateway/"
 UNARY = ("CreateJob", "ListJobs", "GetJob", "GetModel", "TakeLease", "Heartbeat", "ReleaseLease", "GetRounds", "GetAssignment",
-         "CreateToken", "ListTokens", "RevokeToken")
+         "CreateToken", "ListTokens", "RevokeToken", "Query", "GetRetention", "SetRetention")
 BLOB_UPLOADS = ("SetModel", "PushUpdate")
 MODEL_CHUNK = 1 << 20  # data bytes per ModelChunk message of a download
 DISCARD_CHUNK = 1 << 16  # dropped payload bytes (refused streams, padding) are read this many at a time
@@ -394,12 +395,22 @@ class GrpcConnection:
             req = pb.CreateJobRequest.FromString(request)
             body: dict[str, Any] = {"job": req.job, "goal": req.goal}
             for name in ("tenant", "leaf_fan_in", "max_update_bytes", "max_inflight", "round_deadline_s", "min_updates",
-                         "lease_ttl_s", "over_selection", "max_samples"):
+                         "lease_ttl_s", "over_selection", "max_samples", "architecture"):
                 if getattr(req, name):  # proto3: 0 or "" means "use the default"
                     body[name] = getattr(req, name)
+            if req.retention_json:
+                body["retention"] = _json_field(req.retention_json, "retention_json")
             return _job_status(service.create_job(caller, body))
         if method == "ListJobs":
             return pb.JobList(jobs=service.job_names(caller))
+        if method == "Query":
+            req = pb.QueryRequest.FromString(request)
+            return _json_reply(service.query(caller, req.job, _json_field(req.query_json, "query_json")))
+        if method == "GetRetention":
+            return _json_reply(service.retention(caller, pb.GetRetentionRequest.FromString(request).job))
+        if method == "SetRetention":
+            req = pb.SetRetentionRequest.FromString(request)
+            return _json_reply(service.set_retention(caller, req.job, _json_field(req.policy_json, "policy_json")))
         if method == "GetJob":
             return _job_status(service.job_status(caller, pb.GetJobRequest.FromString(request).job))
         if method == "TakeLease":
@@ -643,6 +654,17 @@ def _last_round(r: dict[str, Any]) -> pb.LastRound:
         outcome=r["outcome"], round=r["round"], new_version=_optional(r["new_version"]), reason=r.get("reason", ""),
         nodes=r.get("nodes", {}), top=r.get("top") or "", lost=r.get("lost", {}),
     )
+
+
+def _json_field(text: str, name: str) -> Any:
+    try:
+        return json.loads(text) if text else None
+    except (ValueError, RecursionError):
+        raise BadRequest(f"{name} is not valid JSON", code="bad_json") from None
+
+
+def _json_reply(body: dict[str, Any]) -> pb.JsonReply:
+    return pb.JsonReply(json=json.dumps(body))
 
 
 def _job_status(status: dict[str, Any]) -> pb.JobStatus:

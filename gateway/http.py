@@ -34,6 +34,7 @@ MAX_HEADER_FIELDS = 100  # fields in a head (and in a chunked body's trailer)
 MAX_HEADER_LINE = 8 << 10  # bytes of one line of a head, the request line included, without its CRLF
 MAX_CHUNK_LINE = 1024  # bytes of a chunk-size line with its extensions, without its CRLF
 MAX_JSON_BODY = 1 << 20
+MAX_QUERY_BODY = 8 << 20  # a query's JSON (inference inputs travel in it)
 DRAIN_LIMIT = 1 << 20  # a refused body up to this size is read and dropped to keep the connection
 LINGER_SECONDS = 2.0
 HEALTH_CHECK = ("GET", "/healthz")  # the one request answered on a reserved connection
@@ -338,11 +339,15 @@ class HttpServer(ThreadedServer):
             ("PUT", re.compile(r"/v1/jobs/([^/]+)/model"), self.put_model),
             ("GET", re.compile(r"/v1/jobs/([^/]+)/model"), self.get_model),
             ("POST", re.compile(r"/v1/jobs/([^/]+)/updates"), self.post_update),
+            ("POST", re.compile(r"/v1/jobs/([^/]+)/queries"), self.post_query),
+            ("GET", re.compile(r"/v1/jobs/([^/]+)/retention"), self.get_retention),
+            ("PUT", re.compile(r"/v1/jobs/([^/]+)/retention"), self.put_retention),
             ("GET", re.compile(r"/v1/jobs/([^/]+)/rounds"), self.get_rounds),
             ("POST", re.compile(r"/v1/jobs/([^/]+)/leases"), self.take_lease),
             ("GET", re.compile(r"/v1/jobs/([^/]+)/assignment"), self.get_assignment),
             ("POST", re.compile(r"/v1/internal/jobs/([^/]+)/rounds/([0-9]{1,18})/partials"), self.post_partial),
             ("GET", re.compile(r"/v1/internal/jobs/([^/]+)/model"), self.get_local_model),
+            ("POST", re.compile(r"/v1/internal/jobs/([^/]+)/queries"), self.post_peer_query),
             ("PUT", re.compile(r"/v1/jobs/([^/]+)/leases/([^/]+)"), self.heartbeat),
             ("DELETE", re.compile(r"/v1/jobs/([^/]+)/leases/([^/]+)"), self.release_lease),
             ("GET", re.compile(r"/metrics"), self.metrics),
@@ -454,8 +459,8 @@ class HttpServer(ThreadedServer):
 
     # -- endpoints -----------------------------------------------------------------------------
     @staticmethod
-    def _json_body(req: Request, what: str) -> Any:
-        data = req.body.read_all(MAX_JSON_BODY) or b"null"
+    def _json_body(req: Request, what: str, limit: int = MAX_JSON_BODY) -> Any:
+        data = req.body.read_all(limit) or b"null"
         try:
             return json.loads(data)
         except json.JSONDecodeError as e:
@@ -475,6 +480,19 @@ class HttpServer(ThreadedServer):
 
     def create_job(self, req: Request, caller: Principal) -> Response:
         return json_response(201, self.service.create_job(caller, self._json_body(req, "job")))
+
+    def post_query(self, req: Request, caller: Principal, job: str) -> Response:
+        return json_response(200, self.service.query(caller, job, self._json_body(req, "query", MAX_QUERY_BODY)))
+
+    def post_peer_query(self, req: Request, caller: Principal, job: str) -> Response:
+        """A peer gateway asks for this node's part of a split query."""
+        return json_response(200, self.service.peer_query(caller, job, self._json_body(req, "query", MAX_QUERY_BODY)))
+
+    def get_retention(self, req: Request, caller: Principal, job: str) -> Response:
+        return json_response(200, self.service.retention(caller, job))
+
+    def put_retention(self, req: Request, caller: Principal, job: str) -> Response:
+        return json_response(200, self.service.set_retention(caller, job, self._json_body(req, "retention policy")))
 
     def get_rounds(self, req: Request, caller: Principal, job: str) -> Response:
         limit = 100

@@ -104,6 +104,21 @@ class GatewayStub:
                 request_serializer=lifl_dot_gateway_dot_lifl__pb2.RevokeTokenRequest.SerializeToString,
                 response_deserializer=lifl_dot_gateway_dot_lifl__pb2.RevokeTokenReply.FromString,
                 _registered_method=True)
+        self.Query = channel.unary_unary(
+                '/lifl.v1.Gateway/Query',
+                request_serializer=lifl_dot_gateway_dot_lifl__pb2.QueryRequest.SerializeToString,
+                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.JsonReply.FromString,
+                _registered_method=True)
+        self.GetRetention = channel.unary_unary(
+                '/lifl.v1.Gateway/GetRetention',
+                request_serializer=lifl_dot_gateway_dot_lifl__pb2.GetRetentionRequest.SerializeToString,
+                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.JsonReply.FromString,
+                _registered_method=True)
+        self.SetRetention = channel.unary_unary(
+                '/lifl.v1.Gateway/SetRetention',
+                request_serializer=lifl_dot_gateway_dot_lifl__pb2.SetRetentionRequest.SerializeToString,
+                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.JsonReply.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -199,6 +214,26 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Query(self, request, context):
+        """Non-training workloads over retained updates (docs/flstore.md): the same JSON as HTTP's
+        POST /v1/jobs/{job}/queries and GET/PUT /v1/jobs/{job}/retention.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRetention(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetRetention(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -271,6 +306,21 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.RevokeToken,
                     request_deserializer=lifl_dot_gateway_dot_lifl__pb2.RevokeTokenRequest.FromString,
                     response_serializer=lifl_dot_gateway_dot_lifl__pb2.RevokeTokenReply.SerializeToString,
+            ),
+            'Query': grpc.unary_unary_rpc_method_handler(
+                    servicer.Query,
+                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.QueryRequest.FromString,
+                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.JsonReply.SerializeToString,
+            ),
+            'GetRetention': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRetention,
+                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.GetRetentionRequest.FromString,
+                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.JsonReply.SerializeToString,
+            ),
+            'SetRetention': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRetention,
+                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.SetRetentionRequest.FromString,
+                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.JsonReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -651,6 +701,87 @@ class Gateway:
             '/lifl.v1.Gateway/RevokeToken',
             lifl_dot_gateway_dot_lifl__pb2.RevokeTokenRequest.SerializeToString,
             lifl_dot_gateway_dot_lifl__pb2.RevokeTokenReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Query(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lifl.v1.Gateway/Query',
+            lifl_dot_gateway_dot_lifl__pb2.QueryRequest.SerializeToString,
+            lifl_dot_gateway_dot_lifl__pb2.JsonReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRetention(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lifl.v1.Gateway/GetRetention',
+            lifl_dot_gateway_dot_lifl__pb2.GetRetentionRequest.SerializeToString,
+            lifl_dot_gateway_dot_lifl__pb2.JsonReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRetention(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lifl.v1.Gateway/SetRetention',
+            lifl_dot_gateway_dot_lifl__pb2.SetRetentionRequest.SerializeToString,
+            lifl_dot_gateway_dot_lifl__pb2.JsonReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,10 +38,11 @@ from lifl.errors import BadRequest, Conflict, Forbidden, LiflError, NotFound, Ov
 from lifl.gateway.ingest import BlobSink, LayoutCache
 from lifl.gateway.stream import sendfile_all
 from lifl.net.tls import peer_connection, peer_http_connection
+from lifl.flstore.retention import RetentionPolicy
 from lifl.jobs import MAX_SAMPLES, JobSpec
 from lifl.protocol import (
     Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Forwarded, ForwardPartial, GetMetrics, Hello, InstallModel,
-    InstallReplica, Message, ModelOpened, OpenModel, Submit, SubmitPartial,
+    InstallReplica, Message, ModelOpened, OpenModel, Query, Submit, SubmitPartial,
 )
 from lifl.protocol import Release as ReleaseRef
 from lifl.rpc import Client
@@ -53,6 +55,7 @@ NODE_NAME = re.compile(r"[a-z0-9]{1,16}")
 REGISTER_EVERY = 1.0  # seconds between refreshes of the gateway's registration (it lapses after state.NODE_TTL)
 PEER_TIMEOUT = 120.0  # seconds a peer gateway may stall a transfer before it is given up (and retried)
 MAX_ERROR_BODY = 64 << 10
+MAX_PEER_ANSWER = 16 << 20  # a node's part of a split query: per-client numbers, never tensors
 ASSIGN_ATTEMPTS = 3
 FETCH_ATTEMPTS = 3
 
@@ -398,6 +401,8 @@ class GatewayService:
             "lease_ttl_s": job.spec.lease_ttl_s,
             "over_selection": job.spec.over_selection,
             "max_samples": job.spec.max_samples,
+            "architecture": job.spec.architecture or None,
+            "retention": self.state.retention(name).to_dict(),
             "version": job.version if has_model else None,
             "round": {
                 "id": job.round if has_model else None,
@@ -420,6 +425,75 @@ class GatewayService:
             "model": {"node": job.model_node, "checkpoint": job.checkpoint,
                       "checkpoint_error": job.checkpoint_error or None} if has_model else None,
         }
+
+    # -- retention and queries (lifl.flstore) -----------------------------------------------------
+    def query(self, principal: Principal, name: str, body: Any) -> dict[str, Any]:
+        """A non-training workload over the job's retained data, run by this node's agent. Where
+        the round's updates are spread over nodes and the workload decomposes, every node holding
+        some computes its part where they are and this gateway combines the parts; if a node
+        cannot answer, the agent reads its updates from the checkpoint store instead."""
+        self.authorized_job(principal, Action.QUERY, name)
+        if not isinstance(body, dict):
+            raise BadRequest("a query must be a JSON object with a 'workload'", code="bad_query")
+        if internal := sorted(set(body) & {"scope", "rounds"}):
+            raise BadRequest(f"query field(s) {', '.join(internal)} are set between nodes only", code="bad_query")
+        answer = self.agent().call(Query(name, body))[0].body
+        if "partial" not in answer:
+            return answer
+        from lifl.flstore import workloads  # numpy only, on the first split query
+
+        try:
+            parts = self._peer_parts(name, answer)
+            result = workloads.combine(answer["workload"], [answer["partial"], *(p["partial"] for p in parts)],
+                                       answer["params"])
+        except (OSError, LiflError, http.client.HTTPException, ValueError) as e:
+            print(f"lifl gateway: a split query of {name!r} reads every update here instead: {e}", file=sys.stderr)
+            return self.agent().call(Query(name, {**body, "scope": "gather"}))[0].body
+        data = {k: sum(a["data"][k] for a in (answer, *parts)) for k in answer["data"]}
+        data["bytes_between_nodes"] = sum(p.pop("_bytes") for p in parts)
+        final = {k: v for k, v in answer.items() if k not in ("partial", "peers", "params", "rounds")}
+        if answer["workload"] == "reputation":
+            final["rounds"] = answer["rounds"]
+        return {**final, "result": result, "data": data, "nodes": [answer["node"], *(p["node"] for p in parts)]}
+
+    def _peer_parts(self, name: str, answer: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every peer's part of a split query, computed where its updates are, asked at once."""
+        body = {"workload": answer["workload"], "rounds": answer["rounds"], "scope": "node", **answer["params"]}
+        with ThreadPoolExecutor(len(answer["peers"])) as pool:
+            return list(pool.map(lambda node: peer_query(self, node, name, body), answer["peers"]))
+
+    def peer_query(self, principal: Principal, name: str, body: Any) -> dict[str, Any]:
+        """Another node's gateway asks for this node's part of a split query."""
+        self.authorized_job(principal, Action.INTERNAL, name)
+        if not isinstance(body, dict) or body.get("scope") != "node":
+            raise BadRequest("a peer's query asks for this node's part (scope 'node')", code="bad_query")
+        return self.agent().call(Query(name, body))[0].body
+
+    def retention(self, principal: Principal, name: str) -> dict[str, Any]:
+        """The job's retention policy and, summed over the nodes, what it keeps and how queries fare."""
+        self.authorized_job(principal, Action.RETENTION, name)
+        return self._retention(name)
+
+    def _retention(self, name: str) -> dict[str, Any]:
+        totals = {"hits": 0, "misses": 0, "evictions": 0, "fetch_back_bytes": 0, "pending_writes": 0}
+        retained = {"model": 0, "update": 0}
+        for status in self.state.nodes().values():
+            stats = status.get("retention", {}).get(name)
+            if not stats:
+                continue
+            for k in totals:
+                totals[k] += stats.get(k, 0)
+            for k in retained:
+                retained[k] += stats.get("bytes_retained", {}).get(k, 0)
+        looked = totals["hits"] + totals["misses"]
+        return {"job": name, "policy": self.state.retention(name).to_dict(), "excluded_clients": self.state.excluded(name),
+                "stats": {**totals, "hit_rate": totals["hits"] / looked if looked else None, "bytes_retained": retained}}
+
+    def set_retention(self, principal: Principal, name: str, body: Any) -> dict[str, Any]:
+        """Change the policy at run time; every node applies it within a second."""
+        self.authorized_job(principal, Action.RETENTION, name)
+        self.state.set_retention(name, RetentionPolicy.from_request(body))
+        return self._retention(name)
 
     def rounds(self, principal: Principal, name: str, limit: int) -> list[dict[str, Any]]:
         self.authorized_job(principal, Action.READ_ROUNDS, name)
@@ -596,6 +670,33 @@ def send_partial(state: ClusterState, node: str, m: ForwardPartial, fd: int, tok
         response.begin()
         body = response.read(MAX_ERROR_BODY)
     return response.status, "" if response.status == 202 else _error_text(body)
+
+
+def peer_query(service: GatewayService, node: str, job_name: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``node``'s part of a split query (its answer, with ``_bytes``: how many bytes crossed)."""
+    peer = service.state.gateway(node)
+    if peer is None:
+        raise ConnectionError(f"node {node} has no gateway registered")
+    host, _, port = peer["http"].rpartition(":")
+    conn = peer_http_connection(host, int(port), PEER_TIMEOUT)  # TLS if this node serves TLS
+    try:
+        data = json.dumps(body).encode()
+        conn.request("POST", f"/v1/internal/jobs/{job_name}/queries", body=data,
+                     headers={"Authorization": f"Bearer {service.tokens.internal_token()}",
+                              "Content-Type": "application/json"})
+        response = conn.getresponse()
+        raw = response.read(MAX_PEER_ANSWER + 1)
+    finally:
+        conn.close()
+    if response.status != 200:
+        raise ConnectionError(f"node {node} did not compute its part: {_error_text(raw)}")
+    if len(raw) > MAX_PEER_ANSWER:
+        raise ValueError(f"node {node}'s part exceeds {MAX_PEER_ANSWER} bytes")
+    answer = json.loads(raw)
+    if not isinstance(answer, dict) or not isinstance(answer.get("partial"), dict) or not isinstance(answer.get("data"), dict):
+        raise ValueError(f"node {node} answered something that is not a query's part")
+    answer["_bytes"] = len(data) + len(raw)
+    return answer
 
 
 def fetch_replica(service: GatewayService, job_name: str, node: str) -> None:

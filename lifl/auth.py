@@ -66,6 +66,8 @@ class Action(Enum):
     MANAGE_TOKENS = "manage tokens"
     METRICS = "read metrics"
     INTERNAL = "call a gateway-to-gateway route"
+    QUERY = "query a job's retained updates and models"
+    RETENTION = "read or change a job's retention policy"
 
 
 # Who may do what, in their scope (the operator's scope is everything).
@@ -82,6 +84,8 @@ ALLOWED: dict[Action, frozenset[str]] = {
     Action.MANAGE_TOKENS: frozenset({OPERATOR, TENANT}),
     Action.METRICS: frozenset({OPERATOR}),
     Action.INTERNAL: frozenset({OPERATOR, NODE}),
+    Action.QUERY: frozenset({OPERATOR, TENANT}),  # clients' updates are the tenant's data, not other clients'
+    Action.RETENTION: frozenset({OPERATOR, TENANT}),
 }
 
 

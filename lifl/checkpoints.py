@@ -37,6 +37,13 @@ class CheckpointStore(Protocol):
 
     def delete(self, job: str, version: int) -> None: ...
 
+    # retained client updates (lifl.flstore.retention), written behind and fetched back on a miss
+    def save_blob(self, job: str, name: str, fd: int, size: int) -> None: ...
+
+    def load_blob(self, job: str, name: str) -> bytes: ...
+
+    def delete_blob(self, job: str, name: str) -> None: ...
+
 
 def latest(store: CheckpointStore, job: str) -> int | None:
     versions = store.versions(job)
@@ -44,8 +51,19 @@ def latest(store: CheckpointStore, job: str) -> int | None:
 
 
 def prune(store: CheckpointStore, job: str, keep: int = KEEP) -> None:
+    """Delete all but the newest ``keep`` versions."""
     for version in store.versions(job)[:-keep]:
         store.delete(job, version)
+
+
+BLOB_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{0,127}")
+
+
+def blob_name(name: str) -> str:
+    """A retained object's name, checked: it becomes a file name and an object key."""
+    if not BLOB_NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not a retained object's name")
+    return name
 
 
 def _read_all(fd: int, size: int) -> bytes:
@@ -69,10 +87,13 @@ class DirectoryStore:
         return self.root / job
 
     def save(self, job: str, version: int, fd: int, size: int) -> None:
-        directory = self._dir(job)
+        self._write(self._dir(job), f"v{version}.safetensors", fd, size)
+
+    @staticmethod
+    def _write(directory: Path, name: str, fd: int, size: int) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        final = directory / f"v{version}.safetensors"
-        tmp = directory / f".v{version}.tmp"
+        final = directory / name
+        tmp = directory / f".{name}.tmp"
         out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             offset = 0
@@ -93,6 +114,15 @@ class DirectoryStore:
             os.fsync(dfd)  # the rename itself is durable
         finally:
             os.close(dfd)
+
+    def save_blob(self, job: str, name: str, fd: int, size: int) -> None:
+        self._write(self._dir(job) / "retained", f"{blob_name(name)}.safetensors", fd, size)
+
+    def load_blob(self, job: str, name: str) -> bytes:
+        return (self._dir(job) / "retained" / f"{blob_name(name)}.safetensors").read_bytes()
+
+    def delete_blob(self, job: str, name: str) -> None:
+        (self._dir(job) / "retained" / f"{blob_name(name)}.safetensors").unlink(missing_ok=True)
 
     def load(self, job: str, version: int) -> bytes:
         return (self._dir(job) / f"v{version}.safetensors").read_bytes()
@@ -134,6 +164,18 @@ class RedisStore:
         self.redis.delete(self._key(job, version))
         self.redis.zrem(f"lifl:ckpt:{job}", str(version))
 
+    def save_blob(self, job: str, name: str, fd: int, size: int) -> None:
+        self.redis.set(f"lifl:ckpt:{job}:blob:{blob_name(name)}", _read_all(fd, size))
+
+    def load_blob(self, job: str, name: str) -> bytes:
+        data = self.redis.get(f"lifl:ckpt:{job}:blob:{blob_name(name)}")
+        if data is None:
+            raise FileNotFoundError(f"no retained object {name} of {job} in Redis")
+        return data
+
+    def delete_blob(self, job: str, name: str) -> None:
+        self.redis.delete(f"lifl:ckpt:{job}:blob:{blob_name(name)}")
+
 
 class S3Store:
     NAME = re.compile(r".*/v([0-9]+)\.safetensors", re.DOTALL)  # fullmatch, as above
@@ -165,6 +207,21 @@ class S3Store:
 
     def delete(self, job: str, version: int) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._key(job, version))
+
+    def _blob_key(self, job: str, name: str) -> str:
+        return "/".join(p for p in (self.prefix, job, "retained", f"{blob_name(name)}.safetensors") if p)
+
+    def save_blob(self, job: str, name: str, fd: int, size: int) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._blob_key(job, name), Body=_read_all(fd, size))
+
+    def load_blob(self, job: str, name: str) -> bytes:
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._blob_key(job, name))["Body"].read()
+        except self.client.exceptions.NoSuchKey:
+            raise FileNotFoundError(f"no retained object {name} of {job} in the bucket") from None
+
+    def delete_blob(self, job: str, name: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._blob_key(job, name))
 
 
 def open_store(spec: str, *, data_dir: Path, redis_url: str) -> CheckpointStore:

@@ -128,10 +128,10 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from lifl.bench import channel, compare, dataplane, knative, orchestration
+    from lifl.bench import channel, compare, dataplane, flstore, knative, orchestration
 
     return {"dataplane": dataplane.main, "orchestration": orchestration.main, "channel": channel.main,
-            "knative": knative.main, "compare": compare.main}[args.bench](args)
+            "knative": knative.main, "compare": compare.main, "flstore": flstore.main}[args.bench](args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -224,11 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from lifl.bench import channel, compare, dataplane, knative, orchestration
+    from lifl.bench import channel, compare, dataplane, flstore, knative, orchestration
 
     compare.add_arguments(bench_sub.add_parser(
         "compare", help="lifl against serverful (SF, SF-micro), stock-serverless (SL) and Flower: transfer, queuing, "
                         "time to accuracy (LIFL Fig. 7, 9, 10, 13)"))
+    flstore.add_arguments(bench_sub.add_parser(
+        "flstore", help="non-training workloads (filter, cosine, cluster, reputation, provenance, inference) on lifl "
+                        "against ObjStore-Agg (s3proxy) and Cache-Agg (redis), and a retention-policy trace (FLStore §5)"))
     channel.add_arguments(bench_sub.add_parser(
         "channel", help="key hand-off between two processes: eBPF (SK_MSG), unix and TCP sockets (needs root)"))
     dataplane.add_arguments(bench_sub.add_parser("dataplane", help="ingest, hand-off, aggregation and memory of the data plane"))

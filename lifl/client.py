@@ -371,6 +371,8 @@ class Gateway:
     def create_job(self, job: str, goal: int, **options: Any) -> dict[str, Any]:
         if self.protocol == "http":
             return self._json("POST", "/v1/jobs", {"job": job, "goal": goal, **options}, idempotent=False)
+        if "retention" in options:
+            options["retention_json"] = json.dumps(options.pop("retention"))
         req = self._pb.CreateJobRequest(job=job, goal=goal, **options)
         self._rpc("CreateJob", self._pb.JobStatus.FromString, req.SerializeToString(), idempotent=False)
         return self.job(job)
@@ -381,6 +383,32 @@ class Gateway:
         status = self._rpc("GetJob", self._pb.JobStatus.FromString, self._pb.GetJobRequest(job=job).SerializeToString(),
                            idempotent=True)
         return _status_dict(status)
+
+    # -- non-training workloads (docs/flstore.md) --------------------------------------------------
+    def query(self, job: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Run a workload over the job's retained updates and models: ``{"workload": ..., "round"
+        or "version": ..., parameters}``; the answer has the result and where its data came from.
+        Queries only read, so they are retried like reads."""
+        if self.protocol == "http":
+            return self._json("POST", f"/v1/jobs/{job}/queries", dict(body), idempotent=True)
+        req = self._pb.QueryRequest(job=job, query_json=json.dumps(dict(body)))
+        return json.loads(self._rpc("Query", self._pb.JsonReply.FromString, req.SerializeToString(), idempotent=True).json)
+
+    def retention(self, job: str) -> dict[str, Any]:
+        """The job's retention policy, with what the nodes keep and how queries found their data."""
+        if self.protocol == "http":
+            return self._json("GET", f"/v1/jobs/{job}/retention", idempotent=True)
+        req = self._pb.GetRetentionRequest(job=job)
+        return json.loads(self._rpc("GetRetention", self._pb.JsonReply.FromString, req.SerializeToString(),
+                                    idempotent=True).json)
+
+    def set_retention(self, job: str, policy: Mapping[str, Any]) -> dict[str, Any]:
+        """Change the job's retention policy at run time (setting the same policy twice is harmless)."""
+        if self.protocol == "http":
+            return self._json("PUT", f"/v1/jobs/{job}/retention", dict(policy), idempotent=True)
+        req = self._pb.SetRetentionRequest(job=job, policy_json=json.dumps(dict(policy)))
+        return json.loads(self._rpc("SetRetention", self._pb.JsonReply.FromString, req.SerializeToString(),
+                                    idempotent=True).json)
 
     def set_model(self, job: str, blob: bytes | memoryview) -> int:
         """Set the initial global model; returns its version (0)."""

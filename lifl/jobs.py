@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from lifl.errors import BadRequest
+from lifl.flstore.retention import RetentionPolicy
 
 # Always fullmatch: "$" also matches before a final newline, and a name ending in one would become
 # a checkpoint directory and a shared-memory object with a newline in their names.
@@ -30,6 +31,8 @@ class JobSpec:
     lease_ttl_s: float = 30.0  # a lease lapses without a heartbeat for this long
     over_selection: float = 1.3  # clients training at once, as a multiple of the goal
     max_samples: int = 0  # the largest sample count one update may claim (its weight); 0: MAX_SAMPLES
+    retention: dict[str, Any] = field(default_factory=dict, hash=False)  # the initial retention policy (lifl.flstore.retention)
+    architecture: str = ""  # the model's torch architecture (lifl.workload.MODELS), for inference queries
 
     @property
     def sample_cap(self) -> int:
@@ -79,9 +82,21 @@ class JobSpec:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not low <= v <= high:
                 raise BadRequest(f"job field {key!r} must be a number in [{low:g}, {high:g}]", code="bad_job")
             values[key] = float(v)
+        if "retention" in body:
+            values["retention"] = RetentionPolicy.from_request(body["retention"]).to_dict()
+        if "architecture" in body:
+            from lifl.workload import MODELS  # its module imports numpy only
+
+            if body["architecture"] not in MODELS:
+                raise BadRequest(f"job field 'architecture' must be one of {', '.join(MODELS)}", code="bad_job")
+            values["architecture"] = body["architecture"]
         if values.get("min_updates", 1) > values["goal"]:
             raise BadRequest("job field 'min_updates' cannot exceed the goal", code="bad_job")
         return cls(job=name, tenant=tenant, **values)
+
+    @property
+    def retention_policy(self) -> RetentionPolicy:
+        return RetentionPolicy.from_request(self.retention)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

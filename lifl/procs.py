@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import threading
 from collections.abc import Callable
 
@@ -37,3 +38,15 @@ def on_signals(callback: Callable[[], None], signals: tuple[int, ...] = (signal.
             callback()
 
     threading.Thread(target=wait, daemon=True, name="signals").start()
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM, then SIGKILL if it is still running ``timeout`` seconds later; reaped either way."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

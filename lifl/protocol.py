@@ -314,6 +314,16 @@ class GetRecent(Message):
     pass
 
 
+@message("query", Document)
+@dataclass(frozen=True)
+class Query(Message):
+    """A non-training workload over the job's retained data (``lifl.flstore``); the reply's body
+    is the answer. The gateway has checked that the caller may query the job."""
+
+    job: str
+    body: dict[str, Any]
+
+
 # -- agent -> gateway (forwarder connection) ---------------------------------------------------
 @message("forward_partial")
 @dataclass(frozen=True)
@@ -361,6 +371,9 @@ class Attach(Message):
 
     tenant: str
     protocol: int = PROTOCOL
+
+
+QUERY_ROLE = "query"  # an Invoke of this role runs a query (TakeQuery says which), not an aggregation task
 
 
 @message("invoke")
@@ -426,6 +439,15 @@ class InstallResult(Message):
     key: bytes
     samples: int
     updates: int
+
+
+@message("take_query", Document)
+@dataclass(frozen=True)
+class TakeQuery(Message):
+    """An instance invoked with role ``query`` asks what to compute: the workload, its parameters
+    and the keys of the objects it reads."""
+
+    task: int
 
 
 @message("done", Ok)

@@ -38,7 +38,7 @@ from lifl import format as fmt
 from lifl.channel import KIND_KEY, KeyEndpoint, KeyMessage, now_ns
 from lifl.channel import attach as attach_channel
 from lifl.errors import LiflError
-from lifl.protocol import Alloc, Attach, CancelTask, Done, Failed, Folded, Handoff, InstallResult, Invoke, Ready
+from lifl.protocol import QUERY_ROLE, Alloc, Attach, CancelTask, Done, Failed, Folded, Handoff, InstallResult, Invoke, Ready
 from lifl.rpc import Client, Connection
 from lifl.store import MappingCache, object_name
 
@@ -185,6 +185,8 @@ class Context:
 
 
 Handler = Callable[[Invocation, Context], dict[str, Any]]
+QueryHandler = Callable[[int, Context], dict[str, Any]]
+QUERY_HANDLER = "lifl.functions.queries.handler:handle"  # the non-training workloads (lifl.flstore)
 
 
 def load_handler(spec: str) -> Handler:
@@ -202,6 +204,10 @@ def serve(ctx: Context, handler: Handler, finished: Callable[[Invocation, dict[s
             return
         if not isinstance(push, Invoke):
             continue  # a cancellation for a task that already finished
+        if push.role == QUERY_ROLE:
+            if not _serve_query(ctx, push.task):
+                return
+            continue
         if push.spec is not None:
             specs[push.job] = fmt.ModelSpec.from_json(push.spec)
         inv = Invocation(push.task, push.job, push.version, push.role, push.fan_in, push.lazy, specs[push.job],
@@ -220,6 +226,23 @@ def serve(ctx: Context, handler: Handler, finished: Callable[[Invocation, dict[s
             ctx.client.call(Failed(task=inv.task, problem=f"{type(e).__name__}: {e}"))
         finally:
             ctx.run_ended(inv.task)
+
+
+def _serve_query(ctx: Context, task: int) -> bool:
+    """Run one query on this warm instance; False once the agent is gone."""
+    try:
+        handler: QueryHandler = load_handler(QUERY_HANDLER)  # type: ignore[assignment]
+        stats = handler(task, ctx)
+        ctx.client.call(Done(task=task, stats=stats))
+    except (EOFError, ConnectionError):
+        return False
+    except Exception as e:
+        traceback.print_exc()
+        try:
+            ctx.client.call(Failed(task=task, problem=f"{type(e).__name__}: {e}"))
+        except (EOFError, ConnectionError):
+            return False
+    return True
 
 
 ATTACH_BACKOFF_S = (0.05, 2.0)  # first and longest wait between attempts while the agent is not there
@@ -344,8 +367,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--channel-fd", type=int, required=True)
     p.add_argument("--handler", default="lifl.functions.aggregator.handler:handle")
     p.add_argument("--user", type=int, help="drop to this uid (and gid) once the code is loaded")
+    p.add_argument("--preload", action="append", default=[], metavar="MODULE",
+                   help="import this module too before dropping privileges (torch, for inference queries)")
     args = p.parse_args(argv)
     handler = load_handler(args.handler)
+    load_handler(QUERY_HANDLER)  # imported before the drop, as the aggregator is
+    for module in args.preload:
+        importlib.import_module(module)
     channel = attach_channel(args.channel, socket.socket(fileno=args.channel_fd))  # imports its transport: before the drop
     if args.user is not None:
         drop_privileges(args.user)

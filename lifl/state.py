@@ -39,8 +39,9 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from lifl.errors import Conflict, NotFound, Overloaded, Unavailable
+from lifl.errors import Conflict, Forbidden, NotFound, Overloaded, Unavailable
 from lifl.format import ModelSpec
+from lifl.flstore.retention import RetentionPolicy
 from lifl.jobs import JobSpec
 
 NO_MODEL = -1
@@ -85,6 +86,7 @@ if v < 0 then return {-2, v, r} end
 if v ~= tonumber(ARGV[1]) then return {-3, v, r} end
 if field(h, 'closed') == 1 then return {closed_status(h), v, r} end
 if ARGV[4] ~= '' and redis.call('HEXISTS', KEYS[3], 'client.' .. ARGV[4]) == 1 then return {-6, v, r} end
+if ARGV[4] ~= '' and redis.call('SISMEMBER', KEYS[5], ARGV[4]) == 1 then return {-7, v, r} end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms())
 if ARGV[2] ~= '' and owns(KEYS[4], ARGV[2], ARGV[4]) then
   redis.call('ZREM', KEYS[2], ARGV[2])
@@ -114,6 +116,7 @@ local v, r = field(h, 'version'), field(h, 'round')
 if v < 0 then return {-2, v, r, ''} end
 if field(h, 'closed') == 1 then return {closed_status(h), v, r, ''} end
 if redis.call('HEXISTS', KEYS[3], 'client.' .. client) == 1 then return {-6, v, r, ''} end
+if redis.call('SISMEMBER', KEYS[5], client) == 1 then return {-7, v, r, ''} end
 local now = now_ms()
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 local held = redis.call('HGET', owners, 'client.' .. client)
@@ -360,6 +363,7 @@ return redis.call('HSETNX', KEYS[1], 'plan', ARGV[2])
 
 RESERVE_OK, RESERVE_NO_JOB, RESERVE_NO_MODEL, RESERVE_STALE, RESERVE_FULL, RESERVE_CLOSED = 0, -1, -2, -3, -4, -5
 RESERVE_DUPLICATE = -6  # the client's update of this round was acknowledged already
+RESERVE_EXCLUDED = -7  # a query's filter excluded the client from the job's rounds
 ACCEPT_CLOSED_ROUND, ACCEPT_COUNTED, ACCEPT_OTHER_ROUND, ACCEPT_ROUND_CLOSED, ACCEPT_FENCED = 1, 0, -1, -5, -6
 ACCEPT_DUPLICATE = -7  # another upload of the same client's update was counted first
 CLOSE_FINAL, CLOSE_ABANDON, CLOSE_NOT_OPEN = 1, 2, -1
@@ -379,6 +383,9 @@ def refusal(status: int, job: str, version: int, round_id: int, goal: int) -> Ex
                         code="round_full", extra={"version": version})
     if status == RESERVE_DUPLICATE:
         return duplicate(round_id, version)
+    if status == RESERVE_EXCLUDED:
+        return Forbidden(f"this client is excluded from the rounds of job {job!r} (a filter query flagged it)",
+                         code="client_excluded")
     return Conflict(f"round {round_id} (version {version}) is closed: its deadline passed", code="round_closed",
                     extra={"version": version})
 
@@ -505,6 +512,22 @@ def lease_owners_key(name: str) -> str:
     return f"lifl:job:{name}:lease-owners"
 
 
+def excluded_key(name: str) -> str:
+    return f"lifl:job:{name}:excluded"
+
+
+def retention_key(name: str) -> str:
+    return f"lifl:job:{name}:retention"
+
+
+def retained_rounds_key(name: str) -> str:
+    return f"lifl:job:{name}:retained"
+
+
+def retained_key(name: str, round_id: int) -> str:
+    return f"lifl:job:{name}:retained:{round_id}"
+
+
 def _ms(t: list[int]) -> int:
     return t[0] * 1000 + t[1] // 1000
 
@@ -582,6 +605,7 @@ class ClusterState:
             "goal": spec.goal, "version": NO_MODEL, "round": -1, "round_opened": 0, "closed": 0, "reserved": 0,
             "accepted": 0, "aggregated": 0, "model_key": "", "model_node": "", "checkpoint": -1,
         })
+        self.redis.set(retention_key(spec.job), spec.retention_policy.to_json())
         self.redis.sadd("lifl:jobs", spec.job)
         self.redis.sadd(tenant_jobs_key(spec.tenant), spec.job)
 
@@ -634,12 +658,53 @@ class ClusterState:
             raise NotFound(f"job {name!r} does not exist", code="no_such_job")
         return [json.loads(r) for r in self.redis.lrange(history_key(name), -limit, -1)]
 
+    # -- retention (lifl.flstore) ------------------------------------------------------------------
+    def retention(self, name: str) -> RetentionPolicy:
+        text = self.redis.get(retention_key(name))
+        if text is None:
+            return self.job(name).spec.retention_policy  # a job created before retention existed
+        return RetentionPolicy.from_json(text)
+
+    def set_retention(self, name: str, policy: RetentionPolicy) -> None:
+        if not self.redis.exists(job_key(name)):
+            raise NotFound(f"job {name!r} does not exist", code="no_such_job")
+        self.redis.set(retention_key(name), policy.to_json())
+
+    def record_retained(self, name: str, round_id: int, client: str, meta: dict[str, Any]) -> None:
+        """Where a retained client update of round ``round_id`` lives (its node and object, its
+        copy in the checkpoint store) and what it is (client, samples, base version)."""
+        pipe = self.redis.pipeline()
+        pipe.hset(retained_key(name, round_id), client, json.dumps(meta, sort_keys=True))
+        pipe.zadd(retained_rounds_key(name), {str(round_id): round_id})
+        pipe.execute()
+
+    def retained(self, name: str, round_id: int) -> dict[str, dict[str, Any]]:
+        """The retained updates of a round, by client."""
+        return {c: json.loads(m) for c, m in self.redis.hgetall(retained_key(name, round_id)).items()}
+
+    def retained_rounds(self, name: str) -> list[int]:
+        return [int(r) for r in self.redis.zrange(retained_rounds_key(name), 0, -1)]
+
+    def forget_retained(self, name: str, round_id: int) -> None:
+        pipe = self.redis.pipeline()
+        pipe.delete(retained_key(name, round_id))
+        pipe.zrem(retained_rounds_key(name), str(round_id))
+        pipe.execute()
+
+    def exclude(self, name: str, clients: list[str]) -> None:
+        """Refuse these clients' leases and updates from now on."""
+        if clients:
+            self.redis.sadd(excluded_key(name), *clients)
+
+    def excluded(self, name: str) -> list[str]:
+        return sorted(self.redis.smembers(excluded_key(name)))
+
     # -- rounds ---------------------------------------------------------------------------------
     def reserve(self, name: str, base_version: int, node: str, lease: str = "", client: str = "") -> tuple[int, int, int]:
         """Take one of the round's ``goal`` slots for ``client``'s update arriving at ``node``:
         (status, version, round)."""
         status, version, round_id = self._reserve(
-            keys=[job_key(name), leases_key(name), shard_key(name), lease_owners_key(name)],
+            keys=[job_key(name), leases_key(name), shard_key(name), lease_owners_key(name), excluded_key(name)],
             args=[base_version, lease, node, client])
         return int(status), int(version), int(round_id)
 
@@ -651,7 +716,8 @@ class ClusterState:
         """``client``'s lease for training in the current round, bound to it: (lease id, version,
         round); the one it holds already, renewed, if any; raises if refused."""
         limit = math.ceil(spec.goal * spec.over_selection)
-        keys = [job_key(spec.job), leases_key(spec.job), shard_key(spec.job), lease_owners_key(spec.job)]
+        keys = [job_key(spec.job), leases_key(spec.job), shard_key(spec.job), lease_owners_key(spec.job),
+                excluded_key(spec.job)]
         status, version, round_id, lease = self._take_lease(
             keys=keys, args=[secrets.token_hex(12), int(spec.lease_ttl_s * 1000), limit, client])
         if status != RESERVE_OK:

@@ -43,6 +43,11 @@ SHM_DIR = Path("/dev/shm")
 KEY_BYTES = 16
 WRITING_MODE = 0o640  # the tenant's group reads it (a parent may open a result before it is sealed); only the agent's fd writes
 SEALED_MODE = 0o440
+RETAIN = "retain"  # holders ("retain", ...) keep objects for queries only (lifl.node.retention)
+
+
+def retention_holder(holder: Hashable) -> bool:
+    return isinstance(holder, tuple) and len(holder) > 0 and holder[0] == RETAIN
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ class Segment:
     affinity: Hashable = None  # who mapped it last: recycling prefers them (warm page tables)
     owner: RoundOf | None = None  # the round whose working memory it is; None: pinned (a model, a replica)
     refund: int = 0  # reserved bytes it gives back to its round if freed while the round is open
+    retained: bool = False  # only retention holds it (accounted as retained bytes, evictable)
 
 
 class ObjectStore:
@@ -105,6 +111,8 @@ class ObjectStore:
         self.recycled = 0
         self.created = 0
         self.on_free: Callable[[bytes], None] | None = None  # told of every object whose last holder let go
+        # asked to drop one retained object when memory is short; False when it has none left
+        self.reclaim: Callable[[], bool] | None = None
 
     @property
     def used_bytes(self) -> int:
@@ -115,12 +123,22 @@ class ObjectStore:
         """The object of an admitted input of ``owner`` (a client update or another node's
         partial), created only once what aggregating it needs is reserved; raises ``Overloaded``."""
         with self._lock:
-            self.ledger.reserve(owner, kind, sizes, size, time.monotonic())
+            self._evicting(lambda: self.ledger.reserve(owner, kind, sizes, size, time.monotonic()))
             try:
                 return self.create(tenant, size, holder, affinity="gateway", owner=owner)
             except LiflError:
                 self.ledger.withdraw(owner, kind, unused=size)
                 raise
+
+    def _evicting(self, check: Callable[[], object]) -> None:
+        """Run an admission check; while it finds memory short, retained objects go first."""
+        while True:
+            try:
+                check()
+                return
+            except Overloaded as e:
+                if e.code != "shm_exhausted" or self.reclaim is None or not self.reclaim():
+                    raise
 
     def withdraw(self, owner: RoundOf, kind: str) -> None:
         """An admitted input will not be aggregated: its round gives back what it reserved for it."""
@@ -143,7 +161,7 @@ class ObjectStore:
         if size <= 0:
             raise Internal(f"object size must be positive, got {size}")
         with self._lock:
-            self.ledger.check_object(owner, size)
+            self._evicting(lambda: self.ledger.check_object(owner, size))
             seg = self._take_pooled(tenant, size, affinity)
             if seg is None:
                 self._make_room(size)
@@ -227,6 +245,7 @@ class ObjectStore:
             seg = self.get(key)
             self._drop(seg, old)
             seg.holders[new] += 1
+            self._settle_retention(seg)
 
     def pin(self, key: bytes) -> None:
         """A round's result became its job's model: pinned, out of the job's working memory."""
@@ -240,10 +259,11 @@ class ObjectStore:
         """Move an object in flight, which has exactly one holder, to ``new``."""
         with self._lock:
             seg = self.get(key)
-            if len(seg.holders) != 1:
+            working = [h for h in seg.holders if not retention_holder(h)]
+            if len(working) != 1:
                 raise Internal(f"object {key.hex()} has holders {sorted(map(repr, seg.holders))}, not one")
-            (old,) = seg.holders
-            seg.holders = Counter({new: seg.holders[old]})
+            (old,) = working
+            seg.holders[new] = seg.holders.pop(old)
 
     def discard(self, key: bytes) -> None:
         """Let go of an object whoever holds it (nobody will use it)."""
@@ -258,6 +278,8 @@ class ObjectStore:
             self._drop(seg, holder)
             if not seg.holders:
                 self._free(seg)
+            else:
+                self._settle_retention(seg)
 
     def release_holder(self, holder: Hashable) -> int:
         """Drop every reference of a holder (a finished or dead task, a closed connection)."""
@@ -268,6 +290,8 @@ class ObjectStore:
                 del seg.holders[holder]
                 if not seg.holders:
                     self._free(seg)
+                else:
+                    self._settle_retention(seg)
             return len(keys)
 
     def holders(self, key: bytes) -> Counter:
@@ -282,12 +306,27 @@ class ObjectStore:
         if not seg.holders[holder]:
             del seg.holders[holder]
 
+    def retain(self, key: bytes) -> None:
+        """Account the object as retained if only retention holds it (a fetched-back copy)."""
+        with self._lock:
+            self._settle_retention(self.get(key))
+
+    def _settle_retention(self, seg: Segment) -> None:
+        """Once only retention holds a sealed object, it no longer counts as its round's working
+        memory (or a pinned model) but as retained bytes, which admission evicts first."""
+        if not seg.retained and seg.sealed and all(retention_holder(h) for h in seg.holders):
+            self.ledger.retain(seg.owner, seg.size)
+            seg.owner, seg.refund, seg.retained = None, 0, True
+
     def _free(self, seg: Segment) -> None:
         if self.on_free is not None:
             self.on_free(seg.key)
         del self._objects[seg.key]
-        self.ledger.remove_object(seg.owner, seg.size, seg.refund)
-        seg.owner, seg.refund = None, 0
+        if seg.retained:
+            self.ledger.remove_retained(seg.size)
+        else:
+            self.ledger.remove_object(seg.owner, seg.size, seg.refund)
+        seg.owner, seg.refund, seg.retained = None, 0, False
         if self.pooled_bytes + seg.size > self.pool_limit:
             self._destroy(seg)
             return

@@ -33,6 +33,8 @@ ON_A1 = {
     Action.LEASE:       ("ok",    403,     "ok",    404,     404,     403),
     Action.ASSIGNMENT:  ("ok",    403,     "ok",    404,     404,     403),
     Action.INTERNAL:    ("ok",    403,     403,     404,     404,     "ok"),
+    Action.QUERY:       ("ok",    "ok",    403,     404,     404,     403),
+    Action.RETENTION:   ("ok",    "ok",    403,     404,     404,     403),
 }
 # ... and actions on no job.
 GLOBAL = {

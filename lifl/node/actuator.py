@@ -31,9 +31,11 @@ ACTUATORS = ("processes", "pods")  # what ``lifl up --functions`` takes
 class Actuator(Protocol):
     starts_instances: bool  # False: instances are started elsewhere (pods) and only attach
 
-    def spawn(self, tenant: Tenant) -> int | None:
+    def spawn(self, tenant: Tenant, preload: tuple[str, ...] = ()) -> int | None:
         """Start an instance for ``tenant`` (a cold start); returns its id, or None if this
-        actuator starts none. Its endpoint exists before it runs, so keys sent to it wait."""
+        actuator starts none. Its endpoint exists before it runs, so keys sent to it wait.
+        ``preload``: modules it imports before it drops to the tenant's identity (torch, for
+        inference queries: the tenant may not read the interpreter's files)."""
 
     def attach(self, tenant: Tenant, request_id: object, conn: Connection) -> int:
         """Take an instance that connected by itself (its ``Attach`` was checked): provision its
@@ -141,7 +143,7 @@ class LocalProcesses(_Instances):
         super().__init__(node, keys, serve)
         self.handler = handler
 
-    def spawn(self, tenant: Tenant) -> int:
+    def spawn(self, tenant: Tenant, preload: tuple[str, ...] = ()) -> int:
         iid = self._new_id()
         chan, spec = self.keys.provision(tenant, iid)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -150,6 +152,8 @@ class LocalProcesses(_Instances):
             "--node", self.node, "--channel", spec,
             "--control-fd", str(theirs.fileno()), "--channel-fd", str(chan.fileno()), "--handler", self.handler,
         ]
+        for module in preload:
+            cmd += ["--preload", module]
         if tenant.uid is not None:
             cmd += ["--user", str(tenant.uid)]
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "LANG", "LC_ALL")}
@@ -170,7 +174,7 @@ class ClusterPods(_Instances):
 
     starts_instances = False
 
-    def spawn(self, tenant: Tenant) -> None:
+    def spawn(self, tenant: Tenant, preload: tuple[str, ...] = ()) -> None:
         return None
 
 

@@ -144,13 +144,14 @@ class MemoryLedger:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.pinned = 0  # models, replicas, a model being uploaded
+        self.retained = 0  # kept for queries only (lifl.flstore.retention): the first to go under pressure
         self.jobs: dict[str, JobMemory] = {}
         self.wanting: dict[str, float] = {}  # job -> when it was last refused
 
     # -- reads ------------------------------------------------------------------------------
     @property
     def used(self) -> int:
-        return self.pinned + sum(j.working for j in self.jobs.values())
+        return self.pinned + self.retained + sum(j.working for j in self.jobs.values())
 
     @property
     def reserved(self) -> int:
@@ -279,6 +280,19 @@ class MemoryLedger:
         self.jobs[owner.job].working -= size
         self.pinned += size
         self._forget_if_idle(owner.job)
+
+    def retain(self, owner: RoundOf | None, size: int) -> None:
+        """Only retention holds the object now: out of its job's working memory (or the pinned
+        models), into the retained bytes that admission may evict."""
+        if owner is None:
+            self.pinned -= size
+        else:
+            self.jobs[owner.job].working -= size
+            self._forget_if_idle(owner.job)
+        self.retained += size
+
+    def remove_retained(self, size: int) -> None:
+        self.retained -= size
 
     # -- helpers ----------------------------------------------------------------------------
     def _round(self, owner: RoundOf | None) -> RoundReservation | None:

@@ -53,7 +53,7 @@ from lifl.channel import CHANNELS, KIND_CLOSE, KeyMessage, now_ns, transport
 from lifl.control import rounds as cluster_rounds
 from lifl.control.controller import Controller, ControlConfig
 from lifl.control.planner import LEAF, ROLES, InstanceView, expired, pick_warm
-from lifl.errors import BadRequest, Conflict, Forbidden, LiflError, NotFound, Overloaded, PayloadTooLarge, Unavailable
+from lifl.errors import BadRequest, Conflict, Forbidden, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge, Unavailable
 from lifl.jobs import TENANT_NAME, JobSpec
 from lifl.node import tree
 from lifl.node.actuator import ACTUATORS, Actuator, ClusterPods, LocalProcesses
@@ -61,12 +61,14 @@ from lifl.node.admission import PARTIAL, UPDATE, JobSizes, RoundOf
 from lifl.node.dispatch import serve
 from lifl.node.metrics import Metrics
 from lifl.node.privilege import attach_refusal, current, peer_identity
+from lifl.node.retention import Retainer, query_holder, update_blob
+from lifl.flstore.retention import MODEL, Held, RetentionPolicy, checkpoints_kept, in_memory, round_queryable, version_queryable
 from lifl.procs import die_with_parent, on_signals
 from lifl.protocol import (
     PROTOCOL, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Admitted, Alloc, Attach, Allocated, CancelTask, Document,
     Done, Failed, Folded, Forwarded, ForwardPartial, GetMetrics, GetRecent, GetStatus, Handoff, Hello, InstallModel,
-    InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, OpenModel, Ready, Release, Route, Submit,
-    SubmitPartial, Submitted, Text, Welcome, decode,
+    InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, OpenModel, QUERY_ROLE, Query, Ready, Release,
+    Route, Submit, SubmitPartial, Submitted, TakeQuery, Text, Welcome, decode,
 )
 from lifl.rpc import Connection, error_reply
 from lifl.state import (
@@ -80,6 +82,12 @@ FORWARD_RETRY = (0.2, 0.5, 1.0, 2.0)  # seconds before resending a partial that 
 OUTBOX_RETRY = 0.005  # seconds between attempts to deliver keys to an instance whose queue was full
 CHECKPOINT_RETRY = (0.5, 1.0, 2.0, 5.0, 10.0)  # seconds before writing a failed checkpoint again; the last repeats
 MAX_TASK_ATTEMPTS = 3  # runs of one task (the first and two re-runs) before its round is abandoned
+INFERENCE_MODULES = ("torch", "torchvision", "lifl.workload")  # what an instance answering inference imports first
+QUERY_FIELDS = ("workload", "round", "version", "rounds", "scope")  # a query's fields that are no workload parameter
+GATHER, NODE_SCOPE = "gather", "node"  # read every update here; compute this node's part of a split query
+QUERY_SCOPES = ("", GATHER, NODE_SCOPE)
+QUERY_TIMEOUT_S = 300.0  # a query not answered by then is called off (its instance is stopped)
+MAX_QUERY_ROUNDS = 100  # rounds one reputation query reads at most
 HANDOFF_WAIT_S = 5.0  # how long a parent's report of folding a key sent ahead waits for that key's hand-off
 
 
@@ -120,6 +128,7 @@ class AgentConfig:
     socket_group: int | None = None  # may connect too (the gateway's, when it runs as the service user)
     channel: str = "auto"  # the key transport (lifl.channel.CHANNELS)
     functions: str = "processes"  # who starts function instances (lifl.node.actuator.ACTUATORS)
+    retain_budget: int = 0  # shared-memory bytes each tenant may keep for queries; 0: half the capacity
 
     @property
     def socket_path(self) -> Path:
@@ -176,6 +185,7 @@ class Instance:
     ready: bool = False  # its runtime has loaded the function (a warm instance, not one still starting)
     last_used: float = field(default_factory=time.monotonic)
     specs_sent: set[str] = field(default_factory=set)
+    inference: bool = False  # it loaded torch before dropping privileges: it may answer inference queries
 
 
 @dataclass(eq=False)
@@ -233,6 +243,25 @@ class OutgoingPartial:
     next_try: float = 0.0
 
 
+@dataclass(eq=False)
+class QueryRun:
+    """A query waiting for, or running on, a function instance of its tenant."""
+
+    id: int
+    job: str
+    tenant: Tenant
+    version: int
+    doc: dict[str, Any]  # what the instance is given (TakeQuery)
+    instance: int = 0
+    answered: threading.Event = field(default_factory=threading.Event)
+    stats: dict[str, Any] | None = None
+    error: LiflError | None = None
+
+    def finish(self, stats: dict[str, Any] | None, error: LiflError | None = None) -> None:
+        self.stats, self.error = stats, error
+        self.answered.set()
+
+
 class Checkpointer:
     """Writes checkpoints one at a time on a thread of its own, off every aggregation path."""
 
@@ -241,6 +270,7 @@ class Checkpointer:
         self._queue: queue.Queue[tuple[str, int, int, int, Callable[[float, Exception | None], None]] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="checkpointer", daemon=True)
         self._thread.start()
+        self.keep: Callable[[str], int] = lambda job: checkpoints.KEEP  # versions kept per job
 
     def submit(self, job: str, version: int, fd: int, size: int, done: Callable[[float, Exception | None], None]) -> None:
         """Write ``size`` bytes of ``fd`` (closed afterwards) as ``version``; then ``done(seconds, error)``."""
@@ -252,7 +282,7 @@ class Checkpointer:
             self.store.save(job, version, fd, size)
         finally:
             os.close(fd)
-        checkpoints.prune(self.store, job)
+        checkpoints.prune(self.store, job, self.keep(job))
         return time.perf_counter() - t0
 
     def _run(self) -> None:
@@ -311,6 +341,12 @@ class Agent:
         self.failed_checkpoints: dict[str, FailedCheckpoint] = {}  # by job
         self.local_updates: dict[bytes, str] = {}  # client updates admitted here and not yet aggregated, by key
         self.store.on_free = self._update_done
+        self.retainer = Retainer(config.node, self.store, state, self.checkpointer.store, self.metrics, self.lock,
+                                 config.retain_budget or config.shm_capacity // 2)
+        self.checkpointer.keep = lambda job: checkpoints_kept(self.retainer.policies.get(job, RetentionPolicy()),
+                                                              checkpoints.KEEP)
+        self.queries: dict[int, QueryRun] = {}
+        self.query_waiting: deque[int] = deque()  # queries waiting for an instance
         self.forwarder: Connection | None = None  # the gateway's connection taking ForwardPartial
         self.recent: deque[dict[str, Any]] = deque(maxlen=512)  # finished tasks' statistics
         self.started_at = time.time()
@@ -330,6 +366,7 @@ class Agent:
             ("drop_stale_replicas", 1.0, self.drop_stale_replicas),
             ("control", config.control.period, self.control),
             ("warm_instances", 0.5, self.warm_instances),
+            ("apply_retention", 1.0, self.apply_retention),
         ]
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -379,6 +416,7 @@ class Agent:
                 with contextlib.suppress(OSError):
                     listening.shutdown(socket.SHUT_RDWR)  # wakes its accept(): closing alone leaves it accepting
                 listening.close()
+        self.retainer.stop()
         with self.lock:
             self.store.close()
             remove_node_objects(self.node)
@@ -487,6 +525,7 @@ class Agent:
             GetMetrics: lambda m, f: (Text(self.metrics_text()), []),
             GetStatus: lambda m, f: (Document(self.status()), []),
             GetRecent: lambda m, f: (Document({"tasks": list(self.recent)}), []),
+            Query: lambda m, f: self.query(m),
         }
         serve(conn, handlers, lambda: self._gateway_gone(holder), "gateway")
 
@@ -546,6 +585,7 @@ class Agent:
             InstallResult: lambda m, f: self.install(iid, m),
             Done: lambda m, f: self.done(iid, m),
             Failed: lambda m, f: self.failed(iid, m),
+            TakeQuery: lambda m, f: self.take_query(iid, m),
         }
         serve(conn, handlers, lambda: self._instance_gone(iid, "its process exited"), "function instance")
 
@@ -720,6 +760,8 @@ class Agent:
             self.state.count(upload.job, upload.round, f"rejected.{error.code}")
             raise error
         self.metrics.arrived(upload.job)
+        if self.retainer.policy(upload.job).active:
+            self._retain_update(upload, run, m)
         with self.lock:
             effects = self.trees.accepted(upload.job, upload.round, upload.version, run.spec.leaf_fan_in,
                                           tree.Input(m.key, m.samples, 1, False))
@@ -729,6 +771,18 @@ class Agent:
         if status == ACCEPT_CLOSED_ROUND:
             self.settle(upload.job)
         return Submitted(upload.round, queued), []
+
+    def _retain_update(self, upload: Upload, run: JobRun, m: Submit) -> None:
+        """Keep an accepted update for queries: index it cluster-wide first (a query may come
+        as soon as the round ends), then hold it here and write it behind."""
+        client = m.client or f"anonymous-{m.key.hex()[:12]}"
+        with self.lock:
+            size = self.store.get(m.key).size
+        self.state.record_retained(upload.job, upload.round, client, {
+            "client": client, "samples": m.samples, "version": upload.version, "node": self.node,
+            "blob": update_blob(upload.round, m.key), "size": size})
+        with self.lock:
+            self.retainer.keep_update(upload.job, run.tenant, m.key, upload.round, upload.version, client, m.samples)
 
     def submit_partial(self, holder: Hashable, m: SubmitPartial) -> tuple[Message, list[int]]:
         with self.lock:
@@ -771,6 +825,7 @@ class Agent:
             raise Unavailable(f"cannot checkpoint the model of {upload.job!r}: {e}", code="checkpoint_failed",
                               retry_after=CHECKPOINT_RETRY[-1]) from None
         opened = self.state.next_round(upload.job, -1, 0, key=m.key.hex(), node=self.node, spec=spec)
+        retain = self.retainer.policy(upload.job).active
         with self.lock:
             run.model_upload = False
             if opened < 0:
@@ -778,6 +833,8 @@ class Agent:
                 raise Conflict(f"job {upload.job!r} already has a model", code="model_exists")
             self.store.move_ref(m.key, ("pending", upload.job), ("model", upload.job))
             run.model_key, run.model_spec, run.model_version = m.key, spec, 0
+            if retain:
+                self.retainer.keep_model(upload.job, run.tenant, m.key, 0)
         self.state.set_checkpoint(upload.job, 0)
         self.metrics.checkpoint_seconds.observe(seconds)
         self.metrics.version.labels(upload.job).set(0)
@@ -848,6 +905,197 @@ class Agent:
         with self.lock:
             self.store.release(m.key, holder)
         return None, []
+
+    # -- queries (lifl.flstore) --------------------------------------------------------------------
+    def query(self, m: Query) -> tuple[Message, list[int]]:
+        """Run a non-training workload where the job's retained data is: resolve what it reads
+        (from memory, or fetched back from the checkpoint store), run it on one of the tenant's
+        function instances, and answer with its result and where its data came from."""
+        from lifl.flstore import workloads  # numpy-only; imported on the first query
+
+        t0 = time.perf_counter()
+        body = m.body
+        workload = body.get("workload")
+        if not isinstance(workload, str):
+            raise BadRequest("a query names its 'workload': one of " + ", ".join(workloads.WORKLOADS), code="bad_query")
+        scope = body.get("scope", "")
+        if scope not in QUERY_SCOPES:
+            raise BadRequest(f"query scope must be one of {', '.join(map(repr, QUERY_SCOPES))}", code="bad_query")
+        params = workloads.check_params(workload, {k: v for k, v in body.items() if k not in QUERY_FIELDS})
+        # decomposable workloads are computed where each node's updates are and combined by the
+        # gateway; others read every update here (fetched back from the store if need be)
+        split = scope != GATHER and workloads.decomposable(workload, params)
+        j, run = self._job(m.job)
+        if j.version == NO_MODEL:
+            raise Conflict(f"job {m.job!r} has no model yet", code="no_model")
+        policy = self.retainer.policies[m.job] = self.state.retention(m.job)
+        qid = -self._take_id()
+        holder = query_holder(m.job, qid)
+        sources: list[str] = []
+        try:
+            if workload == "inference":
+                doc = self._inference_inputs(j, run, policy, body, holder, sources)
+            else:
+                doc = self._round_inputs(j, run, policy, workload, body, holder, sources, split, scope == NODE_SCOPE)
+            split = split and (scope == NODE_SCOPE or bool(doc.get("peers")))  # every update here: no need
+            doc.update(workload=workload, params=params, job=m.job, mode="partial" if split else "run")
+            fetched_s = time.perf_counter() - t0
+            stats = self._run_query(QueryRun(qid, m.job, run.tenant, doc.get("version", j.version), doc))
+        except LiflError as e:
+            self.metrics.queries.labels(m.job, workload, "error").inc()
+            raise e
+        finally:
+            with self.lock:
+                self.store.release_holder(holder)
+        if "error" in stats:
+            self.metrics.queries.labels(m.job, workload, "error").inc()
+            raise _query_error(stats["error"])
+        result = stats.get("result", {})
+        if workload == "filter" and params.get("exclude"):
+            excluded = [s["client"] for s in result.get("suspects", [])]
+            self.state.exclude(m.job, excluded)
+            result["excluded"] = self.state.excluded(m.job)
+        total = time.perf_counter() - t0
+        self.metrics.queries.labels(m.job, workload, "ok").inc()
+        self.metrics.query_seconds.labels(workload).observe(total)
+        selected = {k: doc[k] for k in ("round", "rounds", "version") if k in doc}
+        if split:  # the gateway combines this with the other nodes' partials (``peers``)
+            selected.update(partial=result, peers=doc["peers"], params=params, rounds=doc["rounds_chosen"])
+        else:
+            selected["result"] = result
+        return Document({
+            "job": m.job, "workload": workload, **selected,
+            "data": {"objects": len(sources), "memory": sources.count("memory"), "store": sources.count("store"),
+                     "bytes_fetched": doc.pop("_fetched", 0)},
+            "node": self.node,
+            "seconds": {"total": round(total, 6), "fetch": round(fetched_s, 6), "compute": stats.get("compute_s")},
+        }), []
+
+    def _inference_inputs(self, j: Job, run: JobRun, policy: RetentionPolicy, body: dict[str, Any], holder: Hashable,
+                          sources: list[str]) -> dict[str, Any]:
+        if not run.spec.architecture:
+            raise BadRequest(f"job {j.spec.job!r} names no architecture (job field 'architecture'): it cannot run "
+                             "inference", code="no_architecture")
+        version = _selector(body, "version", j.version)
+        if version > j.version or (version != j.version and not version_queryable(policy, version, j.version)):
+            raise NotFound(f"version {version} of job {j.spec.job!r} is not retained (current version {j.version}; "
+                           f"its retention policy keeps {policy.rounds_queryable} rounds)", code="not_retained")
+        current = run.model_key if run.model_version == version else None
+        keep = in_memory(policy, Held(MODEL, version), j.round - 1, j.version)
+        key, source = self.retainer.acquire_model(j.spec.job, run.tenant, version, holder, keep, current)
+        sources.append(source)
+        return {"version": version, "architecture": run.spec.architecture, "model": key.hex()}
+
+    def _round_inputs(self, j: Job, run: JobRun, policy: RetentionPolicy, workload: str, body: dict[str, Any],
+                      holder: Hashable, sources: list[str], split: bool, node_only: bool) -> dict[str, Any]:
+        """What a query over rounds reads. ``split``: this node's updates only, the other nodes
+        holding some (``peers``) compute theirs; ``node_only``: the rounds are chosen already
+        (a peer's part of a split query)."""
+        newest = j.round - 1  # the latest finished round
+        retained = [r for r in self.state.retained_rounds(j.spec.job) if r <= newest and round_queryable(policy, r, newest)]
+        if not retained:
+            raise NotFound(f"job {j.spec.job!r} has no retained round (its retention policy: {policy.to_json()})",
+                           code="not_retained")
+        if node_only:
+            chosen = body.get("rounds")
+            if not isinstance(chosen, list) or not chosen or any(r not in retained for r in chosen):
+                raise NotFound(f"rounds {chosen} of job {j.spec.job!r} are not all retained", code="not_retained")
+        elif workload == "reputation":
+            chosen = retained[-MAX_QUERY_ROUNDS:]
+            if "round" in body:
+                raise BadRequest("reputation reads every retained round: give no 'round'", code="bad_query")
+        else:
+            round_id = _selector(body, "round", retained[-1])
+            if round_id not in retained:
+                raise NotFound(f"round {round_id} of job {j.spec.job!r} is not retained (retained: "
+                               f"{', '.join(map(str, retained)) or 'none'})", code="not_retained")
+            chosen = [round_id]
+        # the chosen rounds are among the newest: their summaries are at the end of the history
+        recent = self.state.rounds(j.spec.job, policy.rounds_queryable + 2)
+        summaries = {r["round"]: r for r in recent if r.get("round") in chosen}
+        fetched = 0
+        rounds = []
+        peers: set[str] = set()
+        live: dict[str, bool] = {}  # other nodes holding updates: is their gateway up?
+        for round_id in chosen:
+            metas = self.state.retained(j.spec.job, round_id)
+            if not metas:  # forgotten since it was listed
+                raise NotFound(f"round {round_id} of job {j.spec.job!r} is no longer retained", code="not_retained")
+            version = next(iter(metas.values()))["version"]
+            if split:  # a live node computes its own part; a dead node's updates are read from the store here
+                for other in {meta["node"] for meta in metas.values()} - {self.node} - set(live):
+                    live[other] = self.state.gateway(other) is not None
+                if not node_only:
+                    peers |= {n for n, up in live.items() if up}
+                metas = {c: meta for c, meta in metas.items()
+                         if meta["node"] == self.node or (not node_only and not live[meta["node"]])}
+            summary = summaries.get(round_id, {})
+            new_version = summary.get("new_version")
+            entry: dict[str, Any] = {"round": round_id, "version": version, "updates": []}
+            for what, v in (("base", version), ("aggregate", new_version)):
+                if v is None or not version_queryable(policy, v, j.version):
+                    entry[what] = None
+                    continue
+                current = run.model_key if run.model_version == v else None
+                keep = in_memory(policy, Held(MODEL, v), newest, j.version)
+                key, source = self.retainer.acquire_model(j.spec.job, run.tenant, v, holder, keep, current)
+                sources.append(source)
+                entry[what] = key.hex()
+            for client, meta in sorted(metas.items()):
+                keep = in_memory(policy, Held(UPDATE, round_id, client), newest, j.version)
+                key, source = self.retainer.acquire_update(j.spec.job, run.tenant, round_id, client, meta, holder, keep)
+                sources.append(source)
+                fetched += meta["size"] if source == "store" else 0
+                entry["updates"].append({"client": client, "samples": meta["samples"], "key": key.hex()})
+            rounds.append(entry)
+        out: dict[str, Any] = {"rounds_data": rounds, "_fetched": fetched, "peers": sorted(peers), "rounds_chosen": chosen}
+        if workload == "reputation":
+            out["rounds"] = chosen
+        else:
+            out["round"], out["version"] = chosen[0], rounds[0]["version"]
+        return out
+
+    def _run_query(self, q: QueryRun) -> dict[str, Any]:
+        doc = dict(q.doc)
+        doc.pop("_fetched", None)
+        q.doc = doc
+        with self.lock:
+            self.queries[q.id] = q
+            self.query_waiting.append(q.id)
+            self._dispatch()
+        try:
+            if not q.answered.wait(QUERY_TIMEOUT_S):
+                with self.lock:
+                    if q.id in self.query_waiting:
+                        self.query_waiting.remove(q.id)
+                    elif q.instance:
+                        self.actuator.stop(q.instance)  # it computes for nobody: its slot goes to others
+                raise Unavailable(f"the query found no instance or took over {QUERY_TIMEOUT_S:g} s",
+                                  code="query_timeout", retry_after=1.0)
+        finally:
+            with self.lock:
+                self.queries.pop(q.id, None)
+        if q.error is not None:
+            raise q.error
+        assert q.stats is not None
+        return q.stats
+
+    def _query_over(self, iid: int, qid: int, stats: dict[str, Any] | None, error: LiflError | None = None) -> None:
+        with self.lock:
+            q = self.queries.get(qid)
+            inst = self.instances.get(iid)
+            if inst is not None and inst.task == qid:
+                inst.task, inst.last_used = None, time.monotonic()
+                self._free(inst)
+        if q is not None and q.instance == iid:
+            q.finish(stats, error)
+
+    def take_query(self, iid: int, m: TakeQuery) -> tuple[Message, list[int]]:
+        with self.lock:
+            q = self.queries.get(m.task)
+            if q is None or q.instance != iid:
+                raise NotFound(f"query {m.task} is not running on instance {iid}", code="no_such_task")
+            return Document(q.doc), []
 
     # -- function instances -------------------------------------------------------------------------
     def _task_of(self, iid: int, task_id: int) -> tree.Task:
@@ -927,6 +1175,9 @@ class Agent:
 
     def done(self, iid: int, m: Done) -> tuple[Message, list[int]]:
         """The instance finished a task (or acknowledged its cancellation) and is free again."""
+        if m.task in self.queries:
+            self._query_over(iid, m.task, m.stats)
+            return None, []
         with self.lock:
             inst, task = self._through(iid, m.task)
             if task is not None and not m.stats.get("cancelled"):
@@ -946,6 +1197,9 @@ class Agent:
         self.recent.append({"task": task.id, "job": task.job, "round": task.round, "instance": iid, **stats})
 
     def failed(self, iid: int, m: Failed) -> tuple[Message, list[int]]:
+        if m.task in self.queries:
+            self._query_over(iid, m.task, None, Internal(f"the query failed on instance {iid}: {m.problem}"))
+            return None, []
         with self.lock:
             inst = self.instances.get(iid)
             task = self.trees.tasks.get(m.task) if inst is not None and inst.task == m.task else None
@@ -990,6 +1244,11 @@ class Agent:
     def _instance_gone(self, iid: int, why: str) -> None:
         with self.lock:
             inst = self.instances.pop(iid, None)
+            q = self.queries.get(inst.task) if inst is not None and inst.task is not None else None
+            if q is not None:
+                inst.task = None  # type: ignore[union-attr]
+                q.finish(None, Unavailable(f"the query's function instance {iid} died ({why})", code="query_failed",
+                                           retry_after=1.0))
             task = self.trees.tasks.get(inst.task) if inst and inst.task is not None else None
             if inst is not None and inst.task is not None and task is None:
                 self._finish(inst.task)
@@ -1134,6 +1393,7 @@ class Agent:
                                 updates=e.input.updates, samples=e.input.samples, checkpoint_s=round(seconds, 6),
                                 seconds=round(aggregated - shard.first_update, 6) if shard.first_update else None)
         opened = self.state.next_round(job, e.round, version, key=key.hex(), node=self.node, summary=summary)
+        retain = self.retainer.policy(job).active
         with self.lock:
             run = self.jobs[job]
             if opened < 0:  # the round moved on meanwhile (abandoned): drop this model
@@ -1144,6 +1404,8 @@ class Agent:
             if run.model_key is not None:
                 self.store.release(run.model_key, ("model", job))
             run.model_key, run.model_version = key, version
+            if retain:
+                self.retainer.keep_model(job, run.tenant, key, version)
             self._count_round(job, summary)
             self.metrics.checkpoint_seconds.observe(seconds)
             self.metrics.version.labels(job).set(version)
@@ -1216,21 +1478,53 @@ class Agent:
                 continue
             self.waiting.remove(task_id)
             self._start(inst, task)
+        self._dispatch_queries()
+
+    def _dispatch_queries(self) -> None:
+        """Queries run on the tenant's warm instances like aggregation tasks (which go first), and
+        scale out with concurrent queries while the node has room."""
+        for qid in list(self.query_waiting):
+            q = self.queries[qid]
+            inference = q.doc["workload"] == "inference"
+            inst = self._idle_instance(q.tenant, inference)
+            if inst is not None:
+                self.metrics.starts.labels("warm").inc()
+            elif (inst := self._spawn_for_query(q.tenant, inference)) is not None:
+                self.metrics.starts.labels("cold").inc()
+            else:
+                continue
+            self.query_waiting.remove(qid)
+            inst.task, inst.running, q.instance = qid, None, inst.id
+            self.actuator.invoke(inst.id, Invoke(qid, q.job, q.version, QUERY_ROLE, 0))
 
     def _busy(self, tenant: Tenant) -> bool:
         return any(i.tenant == tenant and i.task is not None for i in self.instances.values())
 
-    def _idle_instance(self, tenant: Tenant) -> Instance | None:
-        views = [InstanceView(i.id, i.tenant.name, i.task is None, i.last_used) for i in self.instances.values()]
+    def _spawn_for_query(self, tenant: Tenant, inference: bool) -> Instance | None:
+        """A cold start for a query; one that needs torch may take the place of an idle instance
+        without it."""
+        if inference and len(self.instances) >= self.config.max_instances:
+            idle = self._idle_instance(tenant) or next((i for i in self.instances.values() if i.task is None), None)
+            if idle is None:
+                return None
+            self.actuator.stop(idle.id)
+            self.instances.pop(idle.id, None)
+        if len(self.instances) >= self.config.max_instances:
+            return None
+        return self._spawn(tenant, "query", INFERENCE_MODULES if inference else ())
+
+    def _idle_instance(self, tenant: Tenant, inference: bool = False) -> Instance | None:
+        views = [InstanceView(i.id, i.tenant.name, i.task is None, i.last_used) for i in self.instances.values()
+                 if i.inference or not inference]
         chosen = pick_warm(views, tenant.name)
         return self.instances[chosen] if chosen is not None else None
 
-    def _spawn(self, tenant: Tenant, reason: str) -> Instance | None:
+    def _spawn(self, tenant: Tenant, reason: str, preload: tuple[str, ...] = ()) -> Instance | None:
         """A cold start, if this node starts its instances (pods are started by the cluster)."""
-        iid = self.actuator.spawn(tenant)
+        iid = self.actuator.spawn(tenant, preload)
         if iid is None:
             return None
-        inst = self.instances[iid] = Instance(iid, tenant)
+        inst = self.instances[iid] = Instance(iid, tenant, inference=bool(preload))
         self.metrics.spawned.labels(reason).inc()
         return inst
 
@@ -1484,6 +1778,12 @@ class Agent:
             for job in self.state.job_names():
                 self.settle(job, set(self.state.nodes()))
 
+    def apply_retention(self) -> None:
+        with self.lock:
+            jobs = set(self.jobs)
+        for job in jobs | self.retainer.jobs():
+            self.retainer.apply(job)
+
     def publish_status(self) -> None:
         self.state.publish_node(self.node, self.status())
 
@@ -1509,10 +1809,10 @@ class Agent:
         self.metrics.publish_memory(self.store.ledger, self.store.pooled_bytes, [job])
 
     def _refresh_instance_gauges(self) -> None:
-        counts = dict.fromkeys((*ROLES, "idle"), 0)
+        counts = dict.fromkeys((*ROLES, QUERY_ROLE, "idle"), 0)
         for inst in self.instances.values():
             task = self.trees.tasks.get(inst.task) if inst.task is not None else None
-            counts[task.role if task else "idle"] += 1
+            counts[task.role if task else QUERY_ROLE if inst.task in self.queries else "idle"] += 1
         for role, n in counts.items():
             self.metrics.instances.labels(role).set(n)
 
@@ -1538,6 +1838,7 @@ class Agent:
                               "by_tenant": _count_by(i.tenant.name for i in self.instances.values())},
                 "jobs": jobs,
                 "counters": self.metrics.planner_counters(),
+                "retention": self.retainer.status(),
                 "shm": {
                     "used": self.store.used_bytes, "pooled": self.store.pooled_bytes, "capacity": self.store.capacity,
                     "pinned": self.store.ledger.pinned, "reserved": self.store.ledger.reserved,
@@ -1551,6 +1852,22 @@ class Agent:
                 self._publish_gauges(name, run)
             self._refresh_instance_gauges()
         return self.metrics.exposition()
+
+
+def _selector(body: dict[str, Any], name: str, default: int) -> int:
+    value = body.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise BadRequest(f"query field {name!r} must be a non-negative integer", code="bad_query")
+    return value
+
+
+def _query_error(error: Any) -> LiflError:
+    """The error a query's function reported (a workload refusing its input), as the caller's error."""
+    if not isinstance(error, dict):
+        return Internal("the query's function reported a malformed error")
+    message, code = str(error.get("message", "")), str(error.get("code", "bad_query"))
+    kind = {c.__name__: c for c in (BadRequest, NotFound, Conflict)}.get(str(error.get("type")), Internal)
+    return kind(message, code=code)
 
 
 def _input_holder(task_id: int) -> tuple[str, int]:
@@ -1587,20 +1904,23 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--channel", choices=CHANNELS, default="auto",
                    help="how aggregators pass object keys to each other: ebpf (SK_MSG redirects in the kernel), "
                         "unix (datagram sockets), or auto (default: ebpf where the kernel and privileges allow)")
+    p.add_argument("--retain-budget", type=int, default=0, metavar="BYTES",
+                   help="shared memory each tenant may keep for queries on retained updates (least recently used "
+                        "go first; default 0: half of --shm-limit)")
     ControlConfig.add_arguments(p)
 
 
 def agent_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"max_instances": args.max_instances, "keep_warm": args.keep_warm, "reuse": not args.no_reuse,
             "lazy": args.lazy, "control": ControlConfig.from_arguments(args), "channel": args.channel,
-            "functions": args.functions}
+            "functions": args.functions, "retain_budget": args.retain_budget}
 
 
 def agent_argv(options: dict[str, Any]) -> list[str]:
     """The command-line spelling of ``agent_options`` (for starting the agent as a process)."""
     argv = ["--max-instances", str(options["max_instances"]), "--keep-warm", str(options["keep_warm"])]
     argv += ["--no-reuse"] * (not options["reuse"]) + ["--lazy"] * options["lazy"] + ["--channel", options["channel"]]
-    argv += ["--functions", options["functions"]]
+    argv += ["--functions", options["functions"], "--retain-budget", str(options["retain_budget"])]
     return argv + options["control"].argv()
 
 

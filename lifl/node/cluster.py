@@ -85,6 +85,7 @@ class ClusterConfig:
     lazy: bool = False
     channel: str = "auto"  # every node's key transport
     functions: str = "processes"  # who starts every node's function instances (lifl.node.actuator.ACTUATORS)
+    retain_budget: int = 0  # every node's, per tenant (see lifl.node.agent.AgentConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
     gateway_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     open_metrics: bool = False  # every node's GET /metrics without a token
@@ -132,7 +133,7 @@ class ClusterConfig:
             run_dir=self.run_dir / node, data_dir=self.data_dir / node, checkpoints=self.checkpoints,
             shm_capacity=self.shm_capacity, pool_limit=self.pool_limit, max_instances=self.max_instances,
             keep_warm=self.keep_warm, reuse=self.reuse, lazy=self.lazy, channel=self.channel, functions=self.functions,
-            control=self.control,
+            retain_budget=self.retain_budget, control=self.control,
             gateway_limits=self.gateway_limits, service_user=self.service_user, tls=self.tls, open_metrics=self.open_metrics,
         )
 

@@ -74,6 +74,19 @@ class Metrics:
                                          ["result"], registry=r)
         self.replicas = Counter("lifl_model_replicas", "Copies of models fetched to serve them here, by source",
                                 ["source"], registry=r)
+        # retention and queries (lifl.flstore)
+        self.retained_bytes = Gauge("lifl_retained_bytes", "Shared memory retained for queries, by job and kind "
+                                    "(model, update)", ["job", "kind"], registry=r)
+        self.retention_lookups = Counter("lifl_retention_lookups", "Objects queries used, by where they were found "
+                                         "(memory: a hit; store: fetched back)", ["job", "source"], registry=r)
+        self.evictions = Counter("lifl_retention_evictions", "Retained objects dropped from memory, by reason (policy, "
+                                 "budget, pressure)", ["job", "reason"], registry=r)
+        self.fetch_backs = Counter("lifl_retention_fetch_back_bytes", "Bytes of retained objects read back from the "
+                                   "checkpoint store", ["job"], registry=r)
+        self.queries = Counter("lifl_queries", "Queries served, by workload and result (ok, error)",
+                               ["job", "workload", "result"], registry=r)
+        self.query_seconds = Histogram("lifl_query_seconds", "Time to answer a query", ["workload"], registry=r,
+                                       buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30))
 
     def arrived(self, job: str) -> None:
         with self.lock:

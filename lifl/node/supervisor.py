@@ -42,7 +42,7 @@ from lifl.node.agent import agent_argv
 from lifl.node.privilege import (
     Identity, can_connect, current, make_private_tree, popen_as, prepare_data_dir, secure_checkpoints, service_identity,
 )
-from lifl.procs import die_with_parent, on_signals
+from lifl.procs import die_with_parent, on_signals, stop_process
 from lifl.ebpf import remove_node_channel
 from lifl.store import SHM_DIR, remove_node_objects
 
@@ -85,6 +85,7 @@ class NodeConfig:
     lazy: bool = False
     channel: str = "auto"  # the key transport (lifl.channel.CHANNELS)
     functions: str = "processes"  # who starts function instances (lifl.node.actuator.ACTUATORS)
+    retain_budget: int = 0  # shared-memory bytes a tenant may keep for queries (0: half the capacity)
     control: ControlConfig = field(default_factory=ControlConfig)
     gateway_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     open_metrics: bool = False  # GET /metrics without a token
@@ -95,7 +96,8 @@ class NodeConfig:
 
     def agent_options(self) -> dict[str, object]:
         return {"max_instances": self.max_instances, "keep_warm": self.keep_warm, "reuse": self.reuse, "lazy": self.lazy,
-                "control": self.control, "channel": self.channel, "functions": self.functions}
+                "control": self.control, "channel": self.channel, "functions": self.functions,
+                "retain_budget": self.retain_budget}
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z0-9]{1,16}", self.node):  # no '-': it separates name parts in /dev/shm
@@ -157,14 +159,8 @@ class Child:
             self.log.write(line)
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, timeout)
 
 
 def _forward(stream: IO[str] | None, log: IO[str]) -> None:
