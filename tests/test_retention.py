@@ -88,7 +88,7 @@ def test_what_stays_in_memory(policy: RetentionPolicy, held: Held, newest_round:
 
 @pytest.mark.parametrize("policy, round_id, newest, queryable", [
     (UPDATES1, 9, 9, True), (UPDATES1, 7, 9, True), (UPDATES1, 6, 9, False), (UPDATES1, 10, 9, True),
-    (RetentionPolicy(), 9, 9, False), (MODELS2, 8, 9, True), (MODELS2, 7, 9, False),
+    (RetentionPolicy(), 9, 9, False), (MODELS2, 9, 9, False),  # models alone keep no update
     (CLIENT_A, 7, 9, True), (CLIENT_A, 6, 9, False),
 ])
 def test_which_rounds_are_queryable(policy: RetentionPolicy, round_id: int, newest: int, queryable: bool) -> None:
@@ -98,14 +98,24 @@ def test_which_rounds_are_queryable(policy: RetentionPolicy, round_id: int, newe
 @pytest.mark.parametrize("policy, version, newest, queryable", [
     (UPDATES1, 5, 5, True), (UPDATES1, 2, 5, True), (UPDATES1, 1, 5, False), (UPDATES1, 6, 5, False),
     (RetentionPolicy(), 5, 5, True), (RetentionPolicy(), 4, 5, False),
+    (MODELS2, 4, 5, True), (MODELS2, 3, 5, False), (RetentionPolicy(models=5, history=1), 1, 5, True),
 ])
 def test_which_versions_are_queryable(policy: RetentionPolicy, version: int, newest: int, queryable: bool) -> None:
     assert version_queryable(policy, version, newest) is queryable
 
 
-@pytest.mark.parametrize("policy, kept", [(RetentionPolicy(), 3), (UPDATES1, 4), (RetentionPolicy(history=10), 11)])
+@pytest.mark.parametrize("policy, kept", [(RetentionPolicy(), 3), (UPDATES1, 4), (RetentionPolicy(history=10), 11),
+                                          (RetentionPolicy(models=8), 8)])
 def test_checkpoints_kept_cover_every_queryable_version(policy: RetentionPolicy, kept: int) -> None:
     assert checkpoints_kept(policy, 3) == kept
+
+
+@pytest.mark.parametrize("policy, client, kept", [
+    (RetentionPolicy(), "a", False), (MODELS2, "a", False), (UPDATES1, "a", True), (RetentionPolicy(history=1), "a", True),
+    (CLIENT_A, "a", True), (CLIENT_A, "b", False),
+])
+def test_which_updates_are_retained_at_all(policy: RetentionPolicy, client: str, kept: bool) -> None:
+    assert policy.keeps_update(client) is kept
 
 
 @pytest.mark.parametrize("held, budget, victims", [

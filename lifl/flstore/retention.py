@@ -11,10 +11,11 @@ them. A policy is chosen at job creation (``"retention"``) and changed at run ti
   cluster, reputation);
 - ``clients`` + ``client_rounds``: the updates of these clients over their last K rounds
   (debugging one client, its reputation);
-- ``history``: rounds whose models and updates stay *queryable* at all. Everything retained is
-  written behind to the job's checkpoint store; what the memory policy or the tenant's byte
-  budget drops from memory is fetched back on a miss (slower, never an error). A round older
-  than ``history`` is gone: queries for it are refused with ``not_retained``.
+- ``history``: rounds whose updates (and the models around them) stay *queryable* at all.
+  Everything retained is written behind to the job's checkpoint store; what the memory policy
+  or the tenant's byte budget drops from memory is fetched back on a miss (slower, never an
+  error). An update older than ``max(history, updates, client_rounds)`` rounds is gone: queries
+  for it are refused with ``not_retained``.
 
 Pure: no I/O. The node's side (``lifl.node.retention``) applies these decisions.
 """
@@ -41,13 +42,23 @@ class RetentionPolicy:
     history: int = 0
 
     @property
-    def rounds_queryable(self) -> int:
-        """Rounds whose data a query may use: ``history``, and never less than what memory keeps."""
-        return max(self.history, self.updates, self.client_rounds if self.clients else 0, self.models)
+    def update_rounds(self) -> int:
+        """Rounds whose updates a query may read (from memory or the store); models alone keep none."""
+        return max(self.history, self.updates, self.client_rounds if self.clients else 0)
+
+    @property
+    def version_window(self) -> int:
+        """How many versions back a query may read a model: the bases and results of the
+        queryable rounds, and the last ``models`` versions (age 0 is the current one)."""
+        return max(self.update_rounds, self.models - 1)
 
     @property
     def active(self) -> bool:
-        return self.rounds_queryable > 0
+        return self.update_rounds > 0 or self.models > 0
+
+    def keeps_update(self, client: str) -> bool:
+        """Whether a client's accepted update is retained (and written behind) at all."""
+        return bool(self.history or self.updates) or client in self.clients
 
     @classmethod
     def from_request(cls, body: Any) -> RetentionPolicy:
@@ -119,18 +130,18 @@ def in_memory(policy: RetentionPolicy, held: Held, newest_round: int, newest_ver
 
 def round_queryable(policy: RetentionPolicy, round_id: int, newest_round: int) -> bool:
     """Whether the updates of ``round_id`` may be used at all (from memory or the store)."""
-    return round_id > newest_round or newest_round - round_id < policy.rounds_queryable
+    return round_id > newest_round or newest_round - round_id < policy.update_rounds
 
 
 def version_queryable(policy: RetentionPolicy, version: int, newest_version: int) -> bool:
     """Whether model ``version`` may be used: the models of queryable rounds (their bases and
     results) and the last ``models`` versions."""
-    return 0 <= newest_version - version <= policy.rounds_queryable
+    return 0 <= newest_version - version <= policy.version_window
 
 
 def checkpoints_kept(policy: RetentionPolicy, default: int) -> int:
     """Model versions the checkpoint store keeps for a job: those a query may use."""
-    return max(default, policy.rounds_queryable + 1)
+    return max(default, policy.version_window + 1)
 
 
 def lru_victims(sizes_by_age: list[tuple[float, int, Any]], budget: int) -> list[Any]:

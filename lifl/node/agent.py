@@ -760,7 +760,7 @@ class Agent:
             self.state.count(upload.job, upload.round, f"rejected.{error.code}")
             raise error
         self.metrics.arrived(upload.job)
-        if self.retainer.policy(upload.job).active:
+        if self.retainer.policy(upload.job).keeps_update(m.client or ""):
             self._retain_update(upload, run, m)
         with self.lock:
             effects = self.trees.accepted(upload.job, upload.round, upload.version, run.spec.leaf_fan_in,
@@ -979,7 +979,7 @@ class Agent:
         version = _selector(body, "version", j.version)
         if version > j.version or (version != j.version and not version_queryable(policy, version, j.version)):
             raise NotFound(f"version {version} of job {j.spec.job!r} is not retained (current version {j.version}; "
-                           f"its retention policy keeps {policy.rounds_queryable} rounds)", code="not_retained")
+                           f"its retention policy keeps models {policy.version_window} versions back)", code="not_retained")
         current = run.model_key if run.model_version == version else None
         keep = in_memory(policy, Held(MODEL, version), j.round - 1, j.version)
         key, source = self.retainer.acquire_model(j.spec.job, run.tenant, version, holder, keep, current)
@@ -1011,7 +1011,7 @@ class Agent:
                                f"{', '.join(map(str, retained)) or 'none'})", code="not_retained")
             chosen = [round_id]
         # the chosen rounds are among the newest: their summaries are at the end of the history
-        recent = self.state.rounds(j.spec.job, policy.rounds_queryable + 2)
+        recent = self.state.rounds(j.spec.job, policy.update_rounds + 2)
         summaries = {r["round"]: r for r in recent if r.get("round") in chosen}
         fetched = 0
         rounds = []
