@@ -51,3 +51,32 @@ def test_restart_after_kill_resumes_from_the_last_version(shm_node: str, run_dir
     finally:
         up.proc.terminate()
         up.proc.wait(30)
+
+
+def test_after_a_kill_queries_fetch_the_retained_updates_back_from_the_store(shm_node: str, run_dir) -> None:
+    up = Up(shm_node, run_dir.parent)
+    try:
+        gw = Gateway(up.http.removeprefix("http://"))
+        gw.create_job("j", 2, retention={"updates": 2, "models": 2, "history": 8})
+        gw.set_model("j", fmt.encode({"w": np.zeros(1000, np.float32)}))
+        for version in range(4):
+            push_round(gw, version, [version + 1.0, version + 3.0])
+            wait_for(lambda: gw.job("j")["version"] == version + 1, what=f"version {version + 1}")
+        wait_for(lambda: gw.retention("j")["stats"]["pending_writes"] == 0
+                 and gw.retention("j")["stats"]["bytes_retained"]["update"] > 0, what="the rounds written behind")
+        before = gw.query("j", {"workload": "provenance", "round": 3})
+        assert before["data"]["store"] == 0
+        gw.close()
+        up.kill_all()  # shared memory is gone; the index in Redis and the copies in the store are not
+
+        up = Up(shm_node, run_dir.parent)
+        gw = Gateway(up.http.removeprefix("http://"))
+        after = gw.query("j", {"workload": "provenance", "round": 3})
+        # the two updates and the base (version 3) come back from the store; version 4 was restored as the model
+        assert after["result"] == before["result"] and after["data"]["store"] == 3
+        assert gw.query("j", {"workload": "provenance", "round": 3})["data"]["store"] == 0  # kept again
+        assert gw.query("j", {"workload": "cosine", "round": 0})["data"]["store"] > 0  # older: queryable, from the store
+        gw.close()
+    finally:
+        up.proc.terminate()
+        up.proc.wait(30)

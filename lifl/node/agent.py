@@ -343,8 +343,8 @@ class Agent:
         self.store.on_free = self._update_done
         self.retainer = Retainer(config.node, self.store, state, self.checkpointer.store, self.metrics, self.lock,
                                  config.retain_budget or config.shm_capacity // 2)
-        self.checkpointer.keep = lambda job: checkpoints_kept(self.retainer.policies.get(job, RetentionPolicy()),
-                                                              checkpoints.KEEP)
+        # the versions a query may read stay (read from Redis if this node has not seen the job yet)
+        self.checkpointer.keep = lambda job: checkpoints_kept(self.retainer.policy(job), checkpoints.KEEP)
         self.queries: dict[int, QueryRun] = {}
         self.query_waiting: deque[int] = deque()  # queries waiting for an instance
         self.forwarder: Connection | None = None  # the gateway's connection taking ForwardPartial
