@@ -13,6 +13,7 @@ from lifl.bench.compare import TARGETS, ratios, tables
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # the bench it runs is given 1200 s: pytest's default 300 s cut it short on a loaded machine
 def test_compare_json_has_the_documented_fields(tmp_path: Path) -> None:
     results = tmp_path / "compare"
     done = subprocess.run(
