@@ -287,7 +287,8 @@ class Tokens:
         token_id, token = new_token()
         now = time.time()
         client = (spec.client or token_id) if spec.role == CLIENT else ""  # a client is its token unless named
-        record = TokenRecord(token_id, spec.role, spec.tenant, spec.job, client, round(now, 3), round(now + spec.ttl_s, 3))
+        # Microseconds: two tokens made in one millisecond still list oldest first.
+        record = TokenRecord(token_id, spec.role, spec.tenant, spec.job, client, round(now, 6), round(now + spec.ttl_s, 3))
         created = self._create(keys=[token_key(token_id), index_key(spec.tenant)],
                                args=[token_id, digest(token), json.dumps(record.public()), int(record.expires * 1000),
                                      MAX_TOKENS_PER_TENANT])
