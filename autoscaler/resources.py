@@ -236,7 +236,8 @@ def deletion_costs(pods: Sequence[tuple[str, str, str | None]], chosen: set[str]
 # FLJob spec fields (Kubernetes' camelCase) -> lifl's job fields
 JOB_FIELDS = {"tenant": "tenant", "goal": "goal", "leafFanIn": "leaf_fan_in", "maxUpdateBytes": "max_update_bytes",
               "maxInflight": "max_inflight", "roundDeadlineSeconds": "round_deadline_s", "minUpdates": "min_updates",
-              "leaseTTLSeconds": "lease_ttl_s", "overSelection": "over_selection", "maxSamples": "max_samples"}
+              "leaseTTLSeconds": "lease_ttl_s", "overSelection": "over_selection", "maxSamples": "max_samples",
+              "strategy": "strategy", "fixedPoint": "fixed_point"}
 
 
 def job_request(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:

@@ -398,8 +398,9 @@ class GrpcConnection:
                          "lease_ttl_s", "over_selection", "max_samples", "architecture"):
                 if getattr(req, name):  # proto3: 0 or "" means "use the default"
                     body[name] = getattr(req, name)
-            if req.retention_json:
-                body["retention"] = _json_field(req.retention_json, "retention_json")
+            for field in ("retention", "strategy", "fixed_point"):
+                if text := getattr(req, f"{field}_json"):
+                    body[field] = _json_field(text, f"{field}_json")
             return _job_status(service.create_job(caller, body))
         if method == "ListJobs":
             return pb.JobList(jobs=service.job_names(caller))
@@ -682,7 +683,7 @@ def _job_status(status: dict[str, Any]) -> pb.JobStatus:
             opened_at=rnd["opened_at"] or 0.0, closed=rnd["closed"], leases=rnd["leases"],
             nodes=rnd["nodes"], top=rnd["top"] or "", lost=rnd["lost"],
         ),
-        aggregators=status["aggregators"],
+        aggregators=status["aggregators"], strategy_json=json.dumps(status["strategy"], sort_keys=True),
     )
     if status.get("last_round"):
         out.last_round.CopyFrom(_last_round(status["last_round"]))

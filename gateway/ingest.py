@@ -48,8 +48,8 @@ class LayoutCache:
         return hashlib.blake2b(header, digest_size=32).digest(), id(spec), partial
 
     def validate(self, header: bytes | bytearray, spec: fmt.ModelSpec | None, limit: int, partial: bool = False) -> fmt.Layout:
-        """The layout of ``header``, checked against ``spec`` (``partial``: a partial sum of its
-        model, in accumulator dtypes, from another node); raises what the blob is refused for."""
+        """The layout of ``header``, checked against ``spec`` (``partial``: ``spec`` is that of a
+        partial sum, in accumulator dtypes, from another node); raises what the blob is refused for."""
         key = self._key(header, spec, partial)
         with self._lock:
             hit = self._entries.get(key)
@@ -61,7 +61,7 @@ class LayoutCache:
                 return layout
         layout = fmt.parse_header(header, limit=limit, allow_partial=partial)
         if spec is not None:
-            fmt.check_matches(layout, spec.partial() if partial else spec)
+            fmt.check_matches(layout, spec)
         elif not layout.entries:
             raise Unprocessable("a model needs at least one tensor", code="empty_model")
         return layout

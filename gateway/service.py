@@ -58,6 +58,7 @@ MAX_ERROR_BODY = 64 << 10
 MAX_PEER_ANSWER = 16 << 20  # a node's part of a split query: per-client numbers, never tensors
 ASSIGN_ATTEMPTS = 3
 FETCH_ATTEMPTS = 3
+PRIVACY_LOOKBACK = 100  # rounds searched for the latest epsilon recorded (abandoned rounds record none)
 
 
 class GatewayMetrics:
@@ -403,6 +404,8 @@ class GatewayService:
             "max_samples": job.spec.max_samples,
             "architecture": job.spec.architecture or None,
             "retention": self.state.retention(name).to_dict(),
+            "strategy": self._strategy_status(job),
+            "fixed_point": job.spec.fixed_point or None,
             "version": job.version if has_model else None,
             "round": {
                 "id": job.round if has_model else None,
@@ -492,8 +495,21 @@ class GatewayService:
     def set_retention(self, principal: Principal, name: str, body: Any) -> dict[str, Any]:
         """Change the policy at run time; every node applies it within a second."""
         self.authorized_job(principal, Action.RETENTION, name)
-        self.state.set_retention(name, RetentionPolicy.from_request(body))
+        policy = RetentionPolicy.from_request(body)
+        self.state.set_retention(name, self.state.job(name).spec.retention_floor(policy))
         return self._retention(name)
+
+    def _strategy_status(self, job: Job) -> dict[str, Any]:
+        """The job's strategy with every parameter, and for differential privacy the budget spent
+        so far: the epsilon the agent recorded with the latest version (its accountant's library
+        is the agent's to import, not the gateway's)."""
+        strategy = job.spec.strategy_spec
+        out: dict[str, Any] = strategy.to_json()
+        if strategy.name == "dp_fedavg":
+            recorded = (r.get("strategy", {}) for r in reversed(self.state.rounds(job.spec.job, PRIVACY_LOOKBACK)))
+            spent = next((r["epsilon"] for r in recorded if "epsilon" in r), 0.0)
+            out["privacy"] = {"epsilon": spent, "delta": strategy.param("delta")}
+        return out
 
     def rounds(self, principal: Principal, name: str, limit: int) -> list[dict[str, Any]]:
         self.authorized_job(principal, Action.READ_ROUNDS, name)
@@ -560,9 +576,12 @@ class GatewayService:
                                     code="too_many_samples")
             if job.version == NO_MODEL or job.model_spec is None:
                 raise Conflict(f"job {meta.job!r} has no model yet", code="no_model")
-            if meta.base_version != job.version:
+            stale = job.version - meta.base_version
+            if not 0 <= stale <= job.spec.strategy_spec.max_staleness:
+                allowed = job.spec.strategy_spec.max_staleness
                 raise Conflict(
-                    f"update was trained from version {meta.base_version}, the current version is {job.version}",
+                    f"update was trained from version {meta.base_version}, the current version is {job.version}"
+                    + (f" (this job takes updates at most {allowed} versions stale)" if allowed else ""),
                     code="version_conflict", extra={"version": job.version},
                 )
             return Ingest(self, "update", meta.job, protocol, job.model_spec, job.spec.max_update_bytes, expected_size,
@@ -582,8 +601,8 @@ class GatewayService:
         job = self.authorized_job(principal, Action.INTERNAL, job_name)
         if job.model_spec is None:
             raise Conflict(f"job {job_name!r} has no model yet", code="no_model")
-        spec = job.model_spec
-        limit = (spec.partial() if meta.partial else spec).data_bytes + fmt.MAX_HEADER_BYTES
+        spec = job.model_spec.partial(job.spec.fixed_point_spec) if meta.partial else job.model_spec
+        limit = spec.data_bytes + fmt.MAX_HEADER_BYTES
         return Ingest(self, "partial", job_name, "internal", spec, limit, expected_size, partial=meta)
 
     def open_model(self, principal: Principal, job_name: str) -> ModelView:

@@ -12,9 +12,9 @@ ffibuilder.cdef(
                                     int32_t *bad_tensor, int64_t *bad_elem);
     int lifl_fold(int32_t ntensors, const uint64_t *numel, const int32_t *acc_dtype, void *const *acc,
                   int32_t ninputs, const int32_t *in_dtype, const void *const *in_, const int64_t *weight,
-                  int32_t init);
+                  int32_t init, int32_t frac_bits, double *max_abs);
     int lifl_finalize(int32_t ntensors, const uint64_t *numel, const int32_t *out_dtype, void *const *out,
-                      const void *const *acc, int64_t total);
+                      const int32_t *acc_dtype, const void *const *acc, int64_t total, int32_t frac_bits);
     """
 )
 ffibuilder.set_source(

@@ -128,10 +128,11 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from lifl.bench import channel, compare, dataplane, flstore, knative, orchestration
+    from lifl.bench import channel, compare, dataplane, flowermem, flstore, knative, orchestration
 
     return {"dataplane": dataplane.main, "orchestration": orchestration.main, "channel": channel.main,
-            "knative": knative.main, "compare": compare.main, "flstore": flstore.main}[args.bench](args)
+            "knative": knative.main, "compare": compare.main, "flstore": flstore.main,
+            "flower-memory": flowermem.main}[args.bench](args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -224,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from lifl.bench import channel, compare, dataplane, flstore, knative, orchestration
+    from lifl.bench import channel, compare, dataplane, flowermem, flstore, knative, orchestration
 
     compare.add_arguments(bench_sub.add_parser(
         "compare", help="lifl against serverful (SF, SF-micro), stock-serverless (SL) and Flower: transfer, queuing, "
@@ -239,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
         "orchestration", help="the control plane on emulated nodes: SL-H, +1, +123, +1234 (LIFL Fig. 8)"))
     knative.add_arguments(bench_sub.add_parser(
         "knative", help="lifl's autoscaler class against Knative's KPA on the Kubernetes test bed (needs root)"))
+    flowermem.add_arguments(bench_sub.add_parser(
+        "flower-memory", help="the Flower server's peak memory aggregating a round: Flower's FedAvg against the lifl bridge"))
     bench.set_defaults(func=cmd_bench)
     return p
 

@@ -371,8 +371,9 @@ class Gateway:
     def create_job(self, job: str, goal: int, **options: Any) -> dict[str, Any]:
         if self.protocol == "http":
             return self._json("POST", "/v1/jobs", {"job": job, "goal": goal, **options}, idempotent=False)
-        if "retention" in options:
-            options["retention_json"] = json.dumps(options.pop("retention"))
+        for field in ("retention", "strategy", "fixed_point"):  # JSON-valued job fields
+            if field in options:
+                options[f"{field}_json"] = json.dumps(options.pop(field))
         req = self._pb.CreateJobRequest(job=job, goal=goal, **options)
         self._rpc("CreateJob", self._pb.JobStatus.FromString, req.SerializeToString(), idempotent=False)
         return self.job(job)
@@ -570,6 +571,8 @@ def _status_dict(status: Any) -> dict[str, Any]:
         rnd[key] = None if int(rnd[key]) < 0 else int(rnd[key])
     rnd["top"] = rnd["top"] or None
     out["last_round"] = _round_dict(status.last_round) if status.HasField("last_round") else None
+    if text := out.pop("strategy_json", ""):  # a client's view has none
+        out["strategy"] = json.loads(text)
     return out
 
 

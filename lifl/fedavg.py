@@ -15,6 +15,11 @@ Folding policy, chosen for memory traffic (every fold is one fused pass over mem
   mid-fold: a task that dies runs again from it and the inputs not folded yet.
 - an aggregator with one input forwards it untouched: a leaf that receives a single update
   passes its key on, and a top with a single client update installs it as the model.
+
+Fixed point (``lifl.fixedpoint``, optional per job): float tensors are summed as integers,
+c * round(w * 2^F), so the sum has the same bits whatever the order and grouping of the folds;
+each partial sum also carries its overflow bound, checked at every fold. A round of one
+update still installs that update untouched: every hierarchy shape does the same for it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from lifl.fixedpoint import FixedPoint
 from lifl.kernels import Tensors, finalize, fold
 
 
@@ -35,6 +43,7 @@ class Contribution:
     updates: int  # number of client updates it stands for
     partial: bool  # True: tensors hold sum(c*w) in accumulator dtypes; False: a client's w
     token: Any = None  # the caller's handle (object key, mapping) for releasing it
+    bound: int = 0  # fixed-point partial sums: sum of c * max|q| over the updates in it (lifl.fixedpoint)
 
     @property
     def weight(self) -> int:
@@ -42,12 +51,15 @@ class Contribution:
 
 
 class StreamingFedAvg:
-    """``fan_in`` None: not known yet (``resize`` tells it once the round has closed)."""
+    """``fan_in`` None: not known yet (``resize`` tells it once the round has closed).
+    ``fixed_point``: sum float tensors in integers (the accumulators must be of
+    ``spec.partial(fixed_point)``; partial inputs must say their ``bound``)."""
 
-    def __init__(self, fan_in: int | None) -> None:
+    def __init__(self, fan_in: int | None, fixed_point: FixedPoint | None = None) -> None:
         if fan_in is not None and fan_in < 1:
             raise ValueError(f"fan-in must be at least 1, got {fan_in}")
         self.fan_in = fan_in
+        self.fixed_point = fixed_point
         self.received = 0
         self._held: Contribution | None = None
         self._acc: Contribution | None = None
@@ -84,9 +96,22 @@ class StreamingFedAvg:
         else:
             folded = [self._acc, *batch]
         tensors, token = new_accumulator()
-        fold(tensors, [(c.tensors, c.weight) for c in folded], init=True)
-        self._acc = Contribution(tensors, sum(c.samples for c in folded), sum(c.updates for c in folded), True, token)
+        frac_bits = self.fixed_point.frac_bits if self.fixed_point else 0
+        max_abs = fold(tensors, [(c.tensors, c.weight) for c in folded], init=True, frac_bits=frac_bits)
+        self._acc = Contribution(tensors, sum(c.samples for c in folded), sum(c.updates for c in folded), True, token,
+                                 self._bound(folded, max_abs))
         return folded
+
+    def _bound(self, folded: Sequence[Contribution], max_abs: np.ndarray) -> int:
+        """The fixed-point overflow bound of the sum of ``folded`` (0 without fixed point); raises
+        if it may have overflowed. Checked after the pass, which found the max|w| it needs: a
+        wrapped sum is never forwarded or installed."""
+        fp = self.fixed_point
+        if fp is None:
+            return 0
+        bound = sum(c.bound if c.partial else c.samples * fp.quantised_max(float(m)) for c, m in zip(folded, max_abs))
+        fp.check_bound(bound, float(max_abs.max()))
+        return bound
 
     @property
     def state(self) -> Contribution | None:
@@ -103,8 +128,8 @@ class StreamingFedAvg:
         return result
 
 
-def average_into(out: Tensors, total: Contribution) -> None:
+def average_into(out: Tensors, total: Contribution, fixed_point: FixedPoint | None = None) -> None:
     """Write the FedAvg result of a partial sum into ``out`` (model dtypes)."""
     if not total.partial:
         raise ValueError("a single client update is already its own average")
-    finalize(out, total.tensors, total.samples)
+    finalize(out, total.tensors, total.samples, frac_bits=fixed_point.frac_bits if fixed_point else 0)

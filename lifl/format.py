@@ -8,7 +8,8 @@ Validation is split so that a streaming receiver can reject early: ``header_leng
 job's model; the tensor bytes are checked for finiteness as they arrive (``lifl.kernels``).
 
 Aggregators keep their running sums in *partial* objects: the same layout with accumulator
-dtypes (F64 for float tensors, I128 for integer ones), which never come from outside.
+dtypes (F64 for float tensors, or integers under fixed point, and I128 for integer ones),
+which never come from outside.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from lifl.errors import BadRequest, PayloadTooLarge, Unprocessable
+from lifl.fixedpoint import BOUND_TENSOR, FixedPoint
 
 PREFIX_BYTES = 8
 MAX_HEADER_BYTES = 16 << 20
@@ -109,8 +111,16 @@ class ModelSpec:
         order, and metadata, fit easily; a receiver refuses a longer one before reading it."""
         return min(MAX_HEADER_BYTES, HEADER_SPACING * len(spec_header(self)) + MAX_METADATA_BYTES)
 
-    def partial(self) -> ModelSpec:
-        return ModelSpec(tuple(TensorSpec(t.name, accumulator_dtype(t.dtype), t.shape) for t in self.tensors))
+    def partial(self, fixed_point: FixedPoint | None = None) -> ModelSpec:
+        """The spec of this model's partial sums. Fixed point (lifl.fixedpoint): float tensors sum
+        in integers of its width, and one more tensor carries the sum's overflow bound."""
+        if fixed_point is None:
+            return ModelSpec(tuple(TensorSpec(t.name, accumulator_dtype(t.dtype), t.shape) for t in self.tensors))
+        if BOUND_TENSOR in self:
+            raise BadRequest(f"tensor name {BOUND_TENSOR!r} is reserved for fixed-point aggregation", code="bad_fixed_point")
+        integer = I64 if fixed_point.width == 64 else I32
+        return ModelSpec((*(TensorSpec(t.name, integer if t.dtype.kind == "f" else I128, t.shape) for t in self.tensors),
+                          TensorSpec(BOUND_TENSOR, I64, (1,))))
 
     def to_json(self) -> list[list[Any]]:
         return [[t.name, t.dtype.name, list(t.shape)] for t in self.tensors]

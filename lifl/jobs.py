@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from lifl.errors import BadRequest
+from lifl.fixedpoint import FixedPoint
 from lifl.flstore.retention import RetentionPolicy
+from lifl.strategy import StrategySpec
 
 # Always fullmatch: "$" also matches before a final newline, and a name ending in one would become
 # a checkpoint directory and a shared-memory object with a newline in their names.
@@ -33,6 +35,8 @@ class JobSpec:
     max_samples: int = 0  # the largest sample count one update may claim (its weight); 0: MAX_SAMPLES
     retention: dict[str, Any] = field(default_factory=dict, hash=False)  # the initial retention policy (lifl.flstore.retention)
     architecture: str = ""  # the model's torch architecture (lifl.workload.MODELS), for inference queries
+    strategy: dict[str, Any] = field(default_factory=dict, hash=False)  # lifl.strategy, every parameter filled in; {}: fedavg
+    fixed_point: dict[str, Any] = field(default_factory=dict, hash=False)  # lifl.fixedpoint; {}: float aggregation
 
     @property
     def sample_cap(self) -> int:
@@ -92,11 +96,36 @@ class JobSpec:
             values["architecture"] = body["architecture"]
         if values.get("min_updates", 1) > values["goal"]:
             raise BadRequest("job field 'min_updates' cannot exceed the goal", code="bad_job")
+        strategy = StrategySpec.from_request(body.get("strategy"), goal=values["goal"])
+        values["strategy"] = strategy.to_json()
+        fixed_point = FixedPoint.from_request(body.get("fixed_point"))
+        if fixed_point is not None:
+            if not strategy.eager:
+                raise BadRequest(f"fixed-point aggregation sums updates in the hierarchy; strategy {strategy.name!r} "
+                                 "reads every update at the top instead: choose one", code="bad_job")
+            values["fixed_point"] = fixed_point.to_json()
         return cls(job=name, tenant=tenant, **values)
 
     @property
+    def strategy_spec(self) -> StrategySpec:
+        return StrategySpec.from_json(self.strategy) if self.strategy else StrategySpec()
+
+    @property
+    def fixed_point_spec(self) -> FixedPoint | None:
+        return FixedPoint.from_request(self.fixed_point)
+
+    @property
     def retention_policy(self) -> RetentionPolicy:
-        return RetentionPolicy.from_request(self.retention)
+        return self.retention_floor(RetentionPolicy.from_request(self.retention))
+
+    def retention_floor(self, policy: RetentionPolicy) -> RetentionPolicy:
+        """``policy``, keeping at least what the strategy reads: a strategy that is not eager reads
+        every update of the round at the top, and fedbuff also the models its stale updates
+        were trained from."""
+        strategy = self.strategy_spec
+        if not strategy.needs_updates:
+            return policy
+        return replace(policy, updates=max(policy.updates, 1), models=max(policy.models, strategy.max_staleness + 1))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

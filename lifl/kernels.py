@@ -93,27 +93,34 @@ class Tensors:
         ffi.release(self._handle)
 
 
-def fold(acc: Tensors, inputs: Sequence[tuple[Tensors, int]], *, init: bool) -> None:
-    """acc = (0 if init else acc) + sum(weight * input), one fused pass over memory."""
+def fold(acc: Tensors, inputs: Sequence[tuple[Tensors, int]], *, init: bool, frac_bits: int = 0) -> np.ndarray:
+    """acc = (0 if init else acc) + sum(weight * input), one fused pass over memory.
+
+    Into integer accumulators of float tensors (fixed point, lifl.fixedpoint) a float input adds
+    weight * round(input * 2^frac_bits), wrapping modulo 2^width. Returns each input's largest
+    |value| among the tensors it quantised (0 for the others), for the overflow bound."""
+    max_abs = np.zeros(len(inputs), np.float64)
     if not inputs:
-        return
+        return max_abs
     pointers = np.stack([t.pointers for t, _ in inputs])
     dtypes = np.stack([t.dtypes for t, _ in inputs])
     weights = np.array([w for _, w in inputs], np.int64)
     rc = lib.lifl_fold(
         len(acc.numel), _ptr("uint64_t *", acc.numel), _ptr("int32_t *", acc.dtypes), _ptr("void *const *", acc.pointers),
         len(inputs), _ptr("int32_t *", dtypes), _ptr("void *const *", pointers), _ptr("int64_t *", weights), int(init),
+        frac_bits, _ptr("double *", max_abs),
     )
     if rc:
         raise Internal("fold received tensors whose dtypes do not match their accumulators")
+    return max_abs
 
 
-def finalize(out: Tensors, acc: Tensors, total: int) -> None:
-    """out = acc / total in the model's dtypes, rounding once per element."""
+def finalize(out: Tensors, acc: Tensors, total: int, *, frac_bits: int = 0) -> None:
+    """out = acc / total in the model's dtypes, rounding once per element (fixed-point sums:
+    acc / (total * 2^frac_bits))."""
     rc = lib.lifl_finalize(
-        len(out.numel), _ptr("uint64_t *", out.numel), _ptr("int32_t *", out.dtypes),
-        _ptr("void *const *", out.pointers), _ptr("void *const *", acc.pointers), int(total),
+        len(out.numel), _ptr("uint64_t *", out.numel), _ptr("int32_t *", out.dtypes), _ptr("void *const *", out.pointers),
+        _ptr("int32_t *", acc.dtypes), _ptr("void *const *", acc.pointers), int(total), frac_bits,
     )
     if rc:
         raise Internal(f"finalize failed (total weight {total})")
-

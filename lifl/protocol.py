@@ -386,6 +386,7 @@ class Invoke(Message):
     fan_in: int  # 0: open, a close message will tell
     lazy: bool = False  # fold only once every input has arrived (a baseline, not lifl's way)
     spec: list[Any] | None = None  # the job's model spec, the first time an instance works for the job
+    options: dict[str, Any] | None = None  # ...with how it aggregates: {"strategy": ..., "fixed_point": ...}
     parent_instance: int = 0  # where the parent task ran when this one started (0: not placed yet)...
     parent_task: int = 0  # ...so the result's key goes there first, before the agent hears of it
 
@@ -439,6 +440,20 @@ class InstallResult(Message):
     key: bytes
     samples: int
     updates: int
+    state: bytes = b""  # the strategy's state after this step (lifl.strategy), kept and checkpointed with the model
+    report: dict[str, Any] = field(default_factory=dict)  # what the strategy says of the step (the rounds history shows it)
+
+
+@message("strategy_inputs", Document)
+@dataclass(frozen=True)
+class StrategyInputs(Message):
+    """The top of a round whose strategy is not plain FedAvg asks what else it reads: the model
+    the round started from, the strategy's state, and (strategies that are not eager) every
+    client update of the round, with the model each was trained from. The objects are held
+    for the task until it ends."""
+
+    task: int
+    updates: int  # client updates the round's sum stands for: the updates to wait for
 
 
 @message("take_query", Document)

@@ -38,9 +38,13 @@ from lifl import format as fmt
 from lifl.channel import KIND_KEY, KeyEndpoint, KeyMessage, now_ns
 from lifl.channel import attach as attach_channel
 from lifl.errors import LiflError
-from lifl.protocol import QUERY_ROLE, Alloc, Attach, CancelTask, Done, Failed, Folded, Handoff, InstallResult, Invoke, Ready
+from lifl.fixedpoint import FixedPoint
+from lifl.protocol import (
+    QUERY_ROLE, Alloc, Attach, CancelTask, Done, Failed, Folded, Handoff, InstallResult, Invoke, Ready, StrategyInputs,
+)
 from lifl.rpc import Client, Connection
 from lifl.store import MappingCache, object_name
+from lifl.strategy import StrategySpec
 
 
 class TaskCancelled(Exception):
@@ -57,6 +61,8 @@ class Invocation:
     lazy: bool  # fold only once every input has arrived
     spec: fmt.ModelSpec
     parent: tuple[int, int] = (0, 0)  # (instance, task) of the parent when this task started; (0, 0): unknown
+    strategy: StrategySpec = StrategySpec()  # how the top turns the round into the next model
+    fixed_point: FixedPoint | None = None  # sum quantised updates in integers (deterministic)
 
 
 class Context:
@@ -178,10 +184,19 @@ class Context:
         if route.instance and (route.instance, route.task) != early:
             send(route.instance, route.task)
 
-    def install(self, inv: Invocation, key: bytes, samples: int, updates: int) -> int:
-        """The top's result, averaged: it becomes the next global version (returned)."""
-        reply, _ = self.client.call(InstallResult(task=inv.task, key=key, samples=samples, updates=updates))
+    def install(self, inv: Invocation, key: bytes, samples: int, updates: int, *, state: bytes = b"",
+                report: dict[str, Any] | None = None) -> int:
+        """The top's result, averaged: it becomes the next global version (returned). ``state``: the
+        strategy's new state (an accumulator of this task), kept and checkpointed with the model."""
+        reply, _ = self.client.call(InstallResult(task=inv.task, key=key, samples=samples, updates=updates, state=state,
+                                                  report=report or {}))
         return reply.version
+
+    def strategy_inputs(self, inv: Invocation, updates: int) -> dict[str, Any]:
+        """What the top's strategy reads besides the round's sum (``lifl.protocol.StrategyInputs``):
+        object keys (hex) of the current model, the strategy's state and the round's updates."""
+        reply, _ = self.client.call(StrategyInputs(task=inv.task, updates=updates))
+        return dict(reply.body)
 
 
 Handler = Callable[[Invocation, Context], dict[str, Any]]
@@ -196,7 +211,7 @@ def load_handler(spec: str) -> Handler:
 
 def serve(ctx: Context, handler: Handler, finished: Callable[[Invocation, dict[str, Any]], None] | None = None) -> None:
     """Run invocations until the agent goes; ``finished`` hears of each task's statistics."""
-    specs: dict[str, fmt.ModelSpec] = {}
+    specs: dict[str, tuple[fmt.ModelSpec, StrategySpec, FixedPoint | None]] = {}
     while True:
         try:
             push, _ = ctx.client.next_push()
@@ -209,9 +224,14 @@ def serve(ctx: Context, handler: Handler, finished: Callable[[Invocation, dict[s
                 return
             continue
         if push.spec is not None:
-            specs[push.job] = fmt.ModelSpec.from_json(push.spec)
-        inv = Invocation(push.task, push.job, push.version, push.role, push.fan_in, push.lazy, specs[push.job],
-                         (push.parent_instance, push.parent_task))
+            options = push.options or {}
+            strategy = options.get("strategy")
+            specs[push.job] = (fmt.ModelSpec.from_json(push.spec),
+                               StrategySpec.from_json(strategy) if strategy else StrategySpec(),
+                               FixedPoint.from_request(options.get("fixed_point")))
+        model_spec, strategy_spec, fixed_point = specs[push.job]
+        inv = Invocation(push.task, push.job, push.version, push.role, push.fan_in, push.lazy, model_spec,
+                         (push.parent_instance, push.parent_task), strategy_spec, fixed_point)
         try:
             stats = handler(inv, ctx)
             ctx.client.call(Done(task=inv.task, stats=stats))

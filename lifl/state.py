@@ -83,7 +83,8 @@ local h = KEYS[1]
 if redis.call('EXISTS', h) == 0 then return {-1, 0, 0} end
 local v, r = field(h, 'version'), field(h, 'round')
 if v < 0 then return {-2, v, r} end
-if v ~= tonumber(ARGV[1]) then return {-3, v, r} end
+local base = tonumber(ARGV[1])
+if base > v or v - base > (field(h, 'max_staleness') or 0) then return {-3, v, r} end
 if field(h, 'closed') == 1 then return {closed_status(h), v, r} end
 if ARGV[4] ~= '' and redis.call('HEXISTS', KEYS[3], 'client.' .. ARGV[4]) == 1 then return {-6, v, r} end
 if ARGV[4] ~= '' and redis.call('SISMEMBER', KEYS[5], ARGV[4]) == 1 then return {-7, v, r} end
@@ -604,6 +605,7 @@ class ClusterState:
         self.redis.hset(job_key(spec.job), mapping={
             "goal": spec.goal, "version": NO_MODEL, "round": -1, "round_opened": 0, "closed": 0, "reserved": 0,
             "accepted": 0, "aggregated": 0, "model_key": "", "model_node": "", "checkpoint": -1,
+            "max_staleness": spec.strategy_spec.max_staleness, "strategy_seed": secrets.randbits(62),
         })
         self.redis.set(retention_key(spec.job), spec.retention_policy.to_json())
         self.redis.sadd("lifl:jobs", spec.job)
@@ -681,6 +683,15 @@ class ClusterState:
     def retained(self, name: str, round_id: int) -> dict[str, dict[str, Any]]:
         """The retained updates of a round, by client."""
         return {c: json.loads(m) for c, m in self.redis.hgetall(retained_key(name, round_id)).items()}
+
+    def strategy_seed(self, name: str) -> int:
+        """The job's secret seed for its strategy's randomness (DP noise): a rerun of a step draws the
+        same noise, and nobody outside the cluster can predict it."""
+        seed = self.redis.hget(job_key(name), "strategy_seed")
+        if seed is None:  # a job created before strategies existed
+            self.redis.hsetnx(job_key(name), "strategy_seed", secrets.randbits(62))
+            seed = self.redis.hget(job_key(name), "strategy_seed")
+        return int(seed)
 
     def retained_rounds(self, name: str) -> list[int]:
         return [int(r) for r in self.redis.zrange(retained_rounds_key(name), 0, -1)]

@@ -154,9 +154,13 @@ def test_an_fljob_is_a_lifl_job() -> None:
     from lifl.jobs import JobSpec
 
     spec = JobSpec.from_request(resources.job_request("mnist", {"tenant": "acme", "goal": 20, "leafFanIn": 4,
-                                                                "roundDeadlineSeconds": 120.0, "leaseTTLSeconds": 60}))
+                                                                "roundDeadlineSeconds": 120.0, "leaseTTLSeconds": 60,
+                                                                "strategy": {"name": "fedadam", "eta": 0.01},
+                                                                "fixedPoint": {"frac_bits": 20}}))
     assert (spec.job, spec.tenant, spec.goal, spec.leaf_fan_in, spec.round_deadline_s, spec.lease_ttl_s) == \
         ("mnist", "acme", 20, 4, 120.0, 60)
+    assert (spec.strategy_spec.name, spec.strategy_spec.param("eta")) == ("fedadam", 0.01)
+    assert spec.fixed_point_spec is not None and spec.fixed_point_spec.frac_bits == 20
 
 
 @pytest.mark.parametrize("spec, problem", [

@@ -100,6 +100,39 @@ def test_a_round_spans_three_nodes_and_every_node_serves_the_model(cluster) -> N
         assert int(Path(f"/sys/class/net/{addresses.nodes[node].host_end}/statistics/tx_bytes").read_text()) > 0
 
 
+def test_a_robust_strategy_reads_every_nodes_updates(cluster) -> None:
+    """The top's median reads the updates acknowledged on the other nodes (from the checkpoint
+    store they were written behind to), not just their nodes' sums."""
+    c, addresses = cluster
+    clients = Clients(addresses, "median", goal=6, leaf_fan_in=2, strategy={"name": "median"})
+    nodes = list(clients.gw)
+    for i in range(6):
+        clients.push(nodes[i % 3])
+    last = clients.wait_version(1)
+    assert last["nodes"] == {n: 2 for n in nodes} and last["strategy"] == {"name": "median"}
+    everything = np.stack([w for n in nodes for w, _ in clients.acked[n]])
+    version, w = clients.model_on(last["top"])
+    assert version == 1
+    np.testing.assert_allclose(w, np.median(everything.astype(np.float64), axis=0), rtol=1e-6, atol=1e-7)
+
+
+def test_fixed_point_rounds_are_bit_identical_however_the_updates_spread_over_nodes(cluster) -> None:
+    """Integer partial sums cross nodes as they are: the same updates pushed to three nodes or
+    to one install the same bits."""
+    c, addresses = cluster
+    fixed_point = {"frac_bits": 20, "width": 64}
+    spread = Clients(addresses, "fp-spread", goal=6, leaf_fan_in=2, fixed_point=fixed_point)
+    one = Clients(addresses, "fp-one", goal=6, leaf_fan_in=3, fixed_point=fixed_point)
+    one.rng = np.random.default_rng(sum(map(ord, "fp-spread")))  # the same updates, in the same order
+    nodes = list(spread.gw)
+    for i in range(6):
+        spread.push(nodes[i % 3])
+        one.push(nodes[0])
+    assert spread.wait_version(1)["nodes"] == {n: 2 for n in nodes}
+    one.wait_version(1)
+    assert bytes(spread.gw[nodes[0]].model("fp-spread")[1]) == bytes(one.gw[nodes[0]].model("fp-one")[1])
+
+
 def test_any_gateway_assigns_clients_and_the_sdk_follows(cluster) -> None:
     c, addresses = cluster
     clients = Clients(addresses, "assign", goal=4)

@@ -19,11 +19,13 @@ from lifl import format as fmt
 from lifl.channel import KIND_CLOSE, now_ns
 from lifl.control.planner import TOP
 from lifl.fedavg import Contribution, StreamingFedAvg, average_into
+from lifl.fixedpoint import FixedPoint, read_bound, write_bound
 from lifl.kernels import TensorTable, Tensors
+from lifl.functions.aggregator import top
 from lifl.runtime import Context, Invocation
 
 _tables: dict[tuple[int, int], tuple[fmt.Layout, fmt.ModelSpec, TensorTable]] = {}
-_headers: dict[int, tuple[fmt.ModelSpec, bytes, bytes]] = {}
+_headers: dict[tuple[int, FixedPoint | None], tuple[fmt.ModelSpec, bytes, bytes]] = {}
 
 
 def _table(layout: fmt.Layout, spec: fmt.ModelSpec) -> TensorTable:
@@ -36,11 +38,11 @@ def _table(layout: fmt.Layout, spec: fmt.ModelSpec) -> TensorTable:
     return hit[2]
 
 
-def _spec_headers(spec: fmt.ModelSpec) -> tuple[bytes, bytes]:
+def _spec_headers(spec: fmt.ModelSpec, fixed_point: FixedPoint | None) -> tuple[bytes, bytes]:
     """(model header, partial-sum header) for a job's model."""
-    hit = _headers.get(id(spec))
+    hit = _headers.get((id(spec), fixed_point))
     if hit is None or hit[0] is not spec:
-        hit = _headers[id(spec)] = (spec, fmt.spec_header(spec), fmt.spec_header(spec.partial()))
+        hit = _headers[(id(spec), fixed_point)] = (spec, fmt.spec_header(spec), fmt.spec_header(spec.partial(fixed_point)))
     return hit[1], hit[2]
 
 
@@ -50,20 +52,23 @@ def _mapped(ctx: Context, mm: Any, spec: fmt.ModelSpec) -> Tensors:
 
 def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
     spec = inv.spec
-    model_header, partial_header = _spec_headers(spec)
-    agg = StreamingFedAvg(inv.fan_in or None)
+    fixed_point = inv.fixed_point
+    model_header, partial_header = _spec_headers(spec, fixed_point)
+    partial_bytes = spec.partial(fixed_point).data_bytes
+    agg = StreamingFedAvg(inv.fan_in or None, fixed_point)
     delivery_us: list[float] = []  # sent -> the message in hand (the channel, and waking up)
     handoff_us: list[float] = []  # sent -> a readable view of the object (delivery, then mapping it)
     recv_s = agg_s = alloc_s = 0.0
     folds = 0
     live: list[Tensors] = []
     queued: list[Contribution] = []  # lazy: everything waits for the last input
+    latest: Any = None  # the newest accumulator's mapping (fixed point: its bound is written there)
 
     def new_accumulator() -> tuple[Tensors, bytes]:
-        nonlocal alloc_s
+        nonlocal alloc_s, latest
         t = time.perf_counter()
-        key, mm = ctx.accumulator(inv, partial_header, spec.partial().data_bytes)
-        tensors = _mapped(ctx, mm, spec)
+        key, latest = ctx.accumulator(inv, partial_header, partial_bytes)
+        tensors = _mapped(ctx, latest, spec)
         live.append(tensors)
         alloc_s += time.perf_counter() - t
         return tensors, key
@@ -78,11 +83,13 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
                 if msg.kind == KIND_CLOSE:
                     agg.resize(msg.count)
                     continue
-                tensors = _mapped(ctx, ctx.open(msg.key), spec)
+                mm = ctx.open(msg.key)
+                tensors = _mapped(ctx, mm, spec)
                 delivery_us.append((received_ns - msg.sent_ns) / 1e3)
                 handoff_us.append((now_ns() - msg.sent_ns) / 1e3)
                 live.append(tensors)
-                queued.append(Contribution(tensors, msg.samples, msg.count, msg.partial, msg.key))
+                bound = read_bound(mm, ctx.layout(mm)) if fixed_point and msg.partial else 0
+                queued.append(Contribution(tensors, msg.samples, msg.count, msg.partial, msg.key, bound))
             batch = [] if inv.lazy and not agg.complete_with(len(queued)) else queued
             t1 = time.perf_counter()
             folded = agg.offer(batch, new_accumulator)
@@ -97,6 +104,8 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
                     c.tensors.release()
                     live.remove(c.tensors)
                 assert agg.state is not None
+                if fixed_point:  # before the accumulator is reported: a restarted task resumes from it
+                    write_bound(latest, ctx.layout(latest), agg.state.bound)
                 ctx.folded(inv, [c.token for c in folded], sum(c.updates for c in folded if not c.partial), t2 - t1,
                            agg.state.token)
         result = agg.result()
@@ -106,13 +115,18 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
         if inv.role != TOP:
             ctx.forward(inv, result.token, result.samples, result.updates, result.partial, agg_s)
         else:
-            key = result.token
-            if result.partial:  # a single client update needs no averaging: it is the model
-                key, mm = ctx.accumulator(inv, model_header, spec.data_bytes)
-                out = _mapped(ctx, mm, spec)
+            def write_mean(mm: Any, out_spec: fmt.ModelSpec, total: Contribution) -> None:
+                out = _mapped(ctx, mm, out_spec)
                 live.append(out)
-                average_into(out, result)
-            ctx.install(inv, key, result.samples, result.updates)
+                average_into(out, total, fixed_point)
+
+            key, state, report = result.token, b"", None
+            if inv.strategy.name != "fedavg":  # lifl.strategy: the sum is one of the step's inputs
+                key, state, report = top.run_step(inv, ctx, result, model_header, write_mean)
+            elif result.partial:  # a single client update needs no averaging: it is the model
+                key, mm = ctx.accumulator(inv, model_header, spec.data_bytes)
+                write_mean(mm, spec, result)
+            ctx.install(inv, key, result.samples, result.updates, state=state, report=report)
         send_s = time.perf_counter() - t3
     finally:
         for tensors in live:

@@ -65,8 +65,9 @@ class MemoryContext(Context):
                 agg_seconds: float = 0.0) -> None:
         self.forwarded = {"tensors": self.tensors(key), "samples": samples, "updates": updates, "partial": partial}
 
-    def install(self, inv: Invocation, key: bytes, samples: int, updates: int) -> int:
-        self.installed = {"tensors": self.tensors(key), "samples": samples, "updates": updates}
+    def install(self, inv: Invocation, key: bytes, samples: int, updates: int, *, state: bytes = b"",
+                report: dict | None = None) -> int:
+        self.installed = {"tensors": self.tensors(key), "samples": samples, "updates": updates, "state": state}
         return inv.version + 1
 
     def tensors(self, key: bytes) -> dict[str, np.ndarray]:

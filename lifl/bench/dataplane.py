@@ -19,6 +19,10 @@ For float32 updates of ResNet-18/34/152 sizes (44.7, 83.3, 230 MB), on a real no
   one fused pass into a float64 accumulator; half that pass per update);
   accumulate_single_ms: one update folded alone into a warm float64 accumulator;
 - memcpy_ms: a copy of the same size between two pre-faulted shared-memory buffers;
+- fixed_point: the deterministic integer path (lifl.fixedpoint) beside the float one, in this
+  process on the same buffers: fold_ms per update when two updates fold in one pass into a
+  fresh accumulator (float64; int64 at frac_bits 24, int32 at frac_bits 16), the ratio to the
+  float fold, and the max/mean |error| of the fixed-point average against float64 FedAvg;
 - peak_rss_mb: proportional set size (shared pages counted once) of the gateway and the
   aggregators while one 230 MB update is received and handed to its leaf;
 - tls: what user-space TLS costs (this kernel may have no kernel TLS): the same uploads to a
@@ -56,7 +60,8 @@ import posix_ipc
 from lifl import format as fmt
 from lifl.bench.channel import PLACEMENTS, WOKEN_IDLE_S, channel_latency
 from lifl.client import Gateway
-from lifl.kernels import Tensors, fold
+from lifl.fixedpoint import FixedPoint
+from lifl.kernels import Tensors, finalize, fold
 from lifl.net.tls import ALPN_HTTP, ClientTls, ServerTls
 from lifl.node.supervisor import Node, NodeConfig
 from lifl.procstat import cpu_seconds, pss_mb
@@ -324,6 +329,7 @@ class Bench:
             self.wait_for_version(name, 1, self.https)
         out.update(self.aggregator_figures(name))
         out.update(self.kernel_figures(update, nbytes))
+        out["fixed_point"] = fixed_point_figures(model, update, self.reps)
         return out
 
     def raw_sink(self, update: bytes, sinks: list[subprocess.Popen], *, tls: bool,
@@ -444,6 +450,55 @@ class Bench:
         return {"memcpy_ms": round(statistics.median(copies), 2), "accumulate_single_ms": round(statistics.median(single), 2)}
 
 
+FIXED_POINTS = (FixedPoint(24, 64), FixedPoint(16, 32))
+
+
+def fixed_point_figures(first: bytes, second: bytes, reps: int, weights: tuple[int, int] = (3, 5)) -> dict[str, Any]:
+    """Two updates folded in one pass into a fresh accumulator, by the float path and by fixed
+    point (median ms per update over ``reps``), and the fixed-point average's error against the
+    float64 FedAvg of the same two (averages written as float64, so only quantisation shows)."""
+    layout = fmt.parse_layout(first)
+    spec = layout.spec()
+    inputs = [(Tensors.of(blob, fmt.parse_layout(blob), spec), w) for blob, w in zip((first, second), weights)]
+    as_f64 = fmt.ModelSpec(tuple(fmt.TensorSpec(t.name, fmt.F64 if t.dtype.kind == "f" else t.dtype, t.shape) for t in spec.tensors))
+
+    def run(fp: FixedPoint | None) -> tuple[float, np.ndarray]:
+        partial = spec.partial(fp)
+        header = fmt.spec_header(partial)
+        acc_buf = ShmBuffer(len(header) + partial.data_bytes)
+        acc_buf.array[: len(header)] = np.frombuffer(header, np.uint8)
+        acc = Tensors.of(acc_buf.mm, fmt.parse_layout(acc_buf.mm, allow_partial=True), spec)
+        frac_bits = fp.frac_bits if fp else 0
+        times = []
+        for _ in range(reps + 1):  # the first try faults the accumulator in
+            t0 = time.perf_counter()
+            fold(acc, inputs, init=True, frac_bits=frac_bits)
+            times.append((time.perf_counter() - t0) * 1e3 / len(inputs))
+        out = bytearray(fmt.spec_header(as_f64)) + bytearray(as_f64.data_bytes)
+        mean = Tensors.of(out, fmt.parse_layout(out), as_f64)
+        finalize(mean, acc, sum(weights), frac_bits=frac_bits)
+        values = fmt.views(out, fmt.parse_layout(out))
+        floats = np.concatenate([values[t.name].reshape(-1) for t in spec.tensors if t.dtype.kind == "f"])
+        mean.release()
+        acc.release()
+        acc_buf.close()
+        return statistics.median(times[1:]), floats
+
+    float_ms, reference = run(None)
+    figures: dict[str, Any] = {"float_fold_ms": round(float_ms, 2)}
+    for fp in FIXED_POINTS:
+        ms, values = run(fp)
+        error = np.abs(values - reference)
+        figures[f"f{fp.frac_bits}_w{fp.width}"] = {
+            "fold_ms": round(ms, 2), "vs_float": round(ms / float_ms, 2),
+            "max_abs_error": float(error.max()), "mean_abs_error": float(error.mean()),
+            "error_bound": 2.0 ** -(fp.frac_bits + 1),
+        }
+    for tensors, _ in inputs:
+        tensors.release()
+    return figures
+
+
 def tls_cost(figures: dict[str, Any], nbytes: int) -> dict[str, Any]:
     """Each path plain and over TLS: GB/s (of the medians), CPU s/GB, and TLS's time over plain's."""
     out: dict[str, Any] = {}
@@ -496,6 +551,12 @@ def print_table(result: dict[str, Any]) -> None:
     for name, f in result["sizes"].items():
         print(f"{name}: ratios {f['ratios']}, memory per in-flight update {f['memory']['per_update_ratio']}x, targets {f['targets_met']}")
     print(f"peak PSS (gateway + aggregators + agent) with one update of the largest size in flight: {result['peak_rss_mb']} MB")
+    for name, f in result["sizes"].items():
+        fixed = f.get("fixed_point")
+        if fixed:
+            paths = ", ".join(f"{k}: {v['fold_ms']} ms ({v['vs_float']}x), max|err| {v['max_abs_error']:.3g} "
+                              f"mean {v['mean_abs_error']:.3g} (bound {v['error_bound']:.3g})" for k, v in fixed.items() if k != "float_fold_ms")
+            print(f"{name}: fold per update, float {fixed['float_fold_ms']} ms; fixed point {paths}")
     if any("tls" in f for f in result["sizes"].values()):
         print("\nthe cost of TLS (user space; GB/s of the median try; CPU s/GB client + server):")
         print(f"{'model':<10}{'path':<6}{'plain GB/s':>12}{'TLS GB/s':>10}{'time x':>8}{'plain CPU s/GB':>22}{'TLS CPU s/GB':>22}")

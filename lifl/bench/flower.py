@@ -396,9 +396,12 @@ def _toml_value(v: Any) -> str:
 
 
 def run_flower(*, target: float = 0.9, clients: int = 100, goal: int = 10, alpha: float = 0.5, seed: int = 0,
-               max_minutes: float = 9.0, workdir: Path, supernodes: int = 2, log: bool = False) -> dict[str, Any]:
-    """Train `lifl demo`'s job on Flower's deployment engine until ``target`` test accuracy or
-    ``max_minutes`` after ``flwr run``; every process is stopped before it returns or raises."""
+               max_minutes: float = 9.0, workdir: Path, supernodes: int = 2, log: bool = False, max_rounds: int = 1000,
+               lifl_gateway: str = "", lifl_token: str | None = None) -> dict[str, Any]:
+    """Train `lifl demo`'s job on Flower's deployment engine until ``target`` test accuracy,
+    ``max_rounds`` or ``max_minutes`` after ``flwr run``; every process is stopped before it returns
+    or raises. With ``lifl_gateway`` the ServerApp aggregates through lifl.flower.LiflFedAvg in the
+    lifl node there, presenting ``lifl_token`` (default: $LIFL_TOKEN)."""
     bin_dir = flower_env()
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -414,6 +417,8 @@ def run_flower(*, target: float = 0.9, clients: int = 100, goal: int = 10, alpha
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "FLWR_HOME": str(home),
            "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
            "PYTHONUNBUFFERED": "1", "LIFL_FLOWER_RUN": marker}
+    if lifl_token is not None:
+        env["LIFL_TOKEN"] = lifl_token  # the environment, not the run config: Flower keeps that with the run
     env.pop("VIRTUAL_ENV", None)
     events_path = workdir / "events.jsonl"
     events_path.unlink(missing_ok=True)
@@ -439,7 +444,7 @@ def run_flower(*, target: float = 0.9, clients: int = 100, goal: int = 10, alpha
             monitor = _Monitor(superlink.popen.pid, [p.popen.pid for p in nodes], events_path)
             monitor.sample()
             run_config = {"clients": clients, "goal": goal, "seed": seed, "target": target, "min-nodes": supernodes,
-                          "data": str(data), "events": str(events_path)}
+                          "data": str(data), "events": str(events_path), "max-rounds": max_rounds, "lifl-gateway": lifl_gateway}
             config_file = workdir / "run-config.toml"
             t_run = time.time()
             run_config["deadline"] = t_run + max_minutes * 60
@@ -489,7 +494,7 @@ def run_flower(*, target: float = 0.9, clients: int = 100, goal: int = 10, alpha
     reached = next((e for e in monitor.events if e["event"] == "round" and e["accuracy"] >= target), None)
     peaks = monitor.by_role("server", "peak_mb")
     return {
-        "system": "flower",
+        "system": "flower+lifl" if lifl_gateway else "flower",
         "flwr_version": FLWR_VERSION,
         "target_accuracy": target,
         "reached": s["reached"],
@@ -531,6 +536,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=9.0)
     p.add_argument("--supernodes", type=int, default=2)
+    p.add_argument("--max-rounds", type=int, default=1000)
+    p.add_argument("--lifl-gateway", default="", help="aggregate in the lifl node at this gateway (host:port, token: $LIFL_TOKEN) "
+                                                      "with lifl.flower.LiflFedAvg instead of Flower's FedAvg")
     p.add_argument("--workdir", type=Path, help="keep logs and events here (default: a temporary directory, removed)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     args = p.parse_args(argv)
@@ -538,7 +546,8 @@ def main(argv: list[str] | None = None) -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="lifl-flower-"))
     try:
         result = run_flower(target=args.target, clients=args.clients, goal=args.goal, alpha=args.alpha, seed=args.seed,
-                            max_minutes=args.max_minutes, workdir=workdir, supernodes=args.supernodes, log=not args.json)
+                            max_minutes=args.max_minutes, workdir=workdir, supernodes=args.supernodes, log=not args.json,
+                            max_rounds=args.max_rounds, lifl_gateway=args.lifl_gateway)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)

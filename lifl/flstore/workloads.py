@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from lifl.errors import BadRequest
+from lifl.params import REQUIRED, Checks, Param, optional, show
 from lifl.workload import MODELS, make_model
 
 T = TypeVar("T")
@@ -79,73 +80,11 @@ PARTIAL_TOLERANCE = 1e-6  # relative: how far nodes' |Δ|² may differ, and a do
 # -- parameters ------------------------------------------------------------------------------------
 
 
-def _bad_query(message: str) -> BadRequest:
-    return BadRequest(message, code="bad_query")
+_QUERY = Checks("bad_query")
 
 
 def _bad_inputs(message: str) -> BadRequest:
     return BadRequest(message, code="bad_inputs")
-
-
-def _show(value: Any) -> str:
-    """A short rendering of a rejected value: a parameter may be a large list."""
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:57]}..."
-
-
-Check = Callable[[str, Any], Any]
-
-
-def _integer(low: int, high: int | None = None) -> Check:
-    def check(name: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _bad_query(f"{name} must be an integer, got {_show(value)}")
-        if value < low or (high is not None and value > high):
-            bounds = f"{low}..{high}" if high is not None else f">= {low}"
-            raise _bad_query(f"{name} must be {bounds}, got {value}")
-        return value
-
-    return check
-
-
-def _number(low: float, high: float | None = None, *, low_open: bool = False) -> Check:
-    def check(name: str, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise _bad_query(f"{name} must be a finite number, got {_show(value)}")
-        if value < low or (low_open and value == low) or (high is not None and value > high):
-            bounds = f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}{']' if high is not None else ')'}"
-            raise _bad_query(f"{name} must be in {bounds}, got {value}")
-        return float(value)
-
-    return check
-
-
-def _choice(*options: str) -> Check:
-    def check(name: str, value: Any) -> str:
-        if value not in options:
-            raise _bad_query(f"{name} must be one of {', '.join(map(repr, options))}, got {_show(value)}")
-        return str(value)
-
-    return check
-
-
-def _boolean(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _bad_query(f"{name} must be true or false, got {_show(value)}")
-    return value
-
-
-def _text(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise _bad_query(f"{name} must be a non-empty string, got {_show(value)}")
-    return value
-
-
-def _optional(check: Check) -> Check:
-    def optional(name: str, value: Any) -> Any:
-        return None if value is None else check(name, value)
-
-    return optional
 
 
 def _inputs(name: str, value: Any) -> Any:
@@ -153,36 +92,27 @@ def _inputs(name: str, value: Any) -> Any:
     return value
 
 
-_REQUIRED = object()
-
-
-@dataclass(frozen=True)
-class _Param:
-    default: Any  # _REQUIRED: the caller must give it; None: resolved later (from the data, or another param)
-    check: Check
-
-
-_SPECS: dict[str, dict[str, _Param]] = {
-    "cosine": {"against": _Param("aggregate", _choice("aggregate", "clients"))},
+_SPECS: dict[str, dict[str, Param]] = {
+    "cosine": {"against": Param("aggregate", _QUERY.choice("aggregate", "clients"))},
     "filter": {
-        "f": _Param(None, _optional(_integer(0))),
-        "norm_z": _Param(3.0, _number(0.0, low_open=True)),
-        "krum_z": _Param(3.0, _number(0.0, low_open=True)),
-        "min_cosine": _Param(0.0, _number(-1.0, 1.0)),
-        "exclude": _Param(False, _boolean),
+        "f": Param(None, optional(_QUERY.integer(0))),
+        "norm_z": Param(3.0, _QUERY.number(0.0, low_open=True)),
+        "krum_z": Param(3.0, _QUERY.number(0.0, low_open=True)),
+        "min_cosine": Param(0.0, _QUERY.number(-1.0, 1.0)),
+        "exclude": Param(False, _QUERY.boolean),
     },
     "cluster": {
-        "k": _Param(2, _integer(1, MAX_CLUSTERS)),
-        "seed": _Param(0, _integer(0, MAX_SEED)),
-        "iterations": _Param(100, _integer(1, MAX_ITERATIONS)),
-        "select": _Param(None, _optional(_integer(1))),
+        "k": Param(2, _QUERY.integer(1, MAX_CLUSTERS)),
+        "seed": Param(0, _QUERY.integer(0, MAX_SEED)),
+        "iterations": Param(100, _QUERY.integer(1, MAX_ITERATIONS)),
+        "select": Param(None, optional(_QUERY.integer(1))),
     },
     "reputation": {
-        "decay": _Param(0.5, _number(0.0, 1.0, low_open=True)),
-        "norm_z": _Param(3.0, _number(0.0, low_open=True)),
+        "decay": Param(0.5, _QUERY.number(0.0, 1.0, low_open=True)),
+        "norm_z": Param(3.0, _QUERY.number(0.0, low_open=True)),
     },
-    "provenance": {"tensor": _Param(None, _optional(_text))},
-    "inference": {"inputs": _Param(_REQUIRED, _inputs), "probabilities": _Param(False, _boolean)},
+    "provenance": {"tensor": Param(None, optional(_QUERY.text))},
+    "inference": {"inputs": Param(REQUIRED, _inputs), "probabilities": Param(False, _QUERY.boolean)},
 }
 
 
@@ -191,21 +121,10 @@ def check_params(workload: str, params: Mapping[str, Any]) -> dict[str, Any]:
     a query before it fetches anything). Defaults that depend on the round (filter's ``f``)
     stay None."""
     if workload not in _SPECS:
-        raise BadRequest(f"unknown workload {_show(workload)}; choose one of {', '.join(WORKLOADS)}", code="unknown_workload")
+        raise BadRequest(f"unknown workload {show(workload)}; choose one of {', '.join(WORKLOADS)}", code="unknown_workload")
     if not isinstance(params, Mapping):
-        raise _bad_query(f"params must be an object, got {_show(params)}")
-    spec = _SPECS[workload]
-    unknown = sorted(str(name) for name in params if name not in spec)
-    if unknown:
-        raise _bad_query(f"unknown parameter(s) {', '.join(unknown)} for {workload}; it takes {', '.join(spec)}")
-    filled: dict[str, Any] = {}
-    for name, param in spec.items():
-        if name in params:
-            filled[name] = param.check(name, params[name])
-        elif param.default is _REQUIRED:
-            raise _bad_query(f"{workload} needs the parameter {name}")
-        else:
-            filled[name] = param.default
+        raise _QUERY.bad(f"params must be an object, got {show(params)}")
+    filled = _QUERY.fill(workload, _SPECS[workload], params)
     if workload == "cluster" and filled["select"] is None:
         filled["select"] = filled["k"]
     return filled
@@ -230,7 +149,7 @@ def _float_names(rnd: RoundData, *, share: bool = False) -> list[str]:
         raise _bad_inputs(f"round {rnd.round}: client(s) {', '.join(repeated)} appear more than once")
     for update in rnd.updates:
         if isinstance(update.samples, bool) or not isinstance(update.samples, (int, np.integer)) or update.samples < 0:
-            raise _bad_inputs(f"round {rnd.round}: client {update.client} has samples={_show(update.samples)}, not a count")
+            raise _bad_inputs(f"round {rnd.round}: client {update.client} has samples={show(update.samples)}, not a count")
     models = [("the base", rnd.base)]
     if rnd.aggregate is not None:
         models.append(("the aggregate", rnd.aggregate))
@@ -256,7 +175,7 @@ def _float_names(rnd: RoundData, *, share: bool = False) -> list[str]:
 # -- Gram matrices ---------------------------------------------------------------------------------
 
 
-def _flat(array: np.ndarray) -> np.ndarray | np.flatiter:
+def flat_view(array: np.ndarray) -> np.ndarray | np.flatiter:
     """Something sliceable in C order without copying the array: a flat view of a contiguous
     array; otherwise its flat iterator, whose slices copy only the block asked for."""
     return array.reshape(-1) if array.flags.c_contiguous else array.flat
@@ -276,8 +195,8 @@ def _blocks(vectors: Sequence[Tensors], names: Sequence[str], origin: Tensors | 
     width = scratch.shape[1]
     filled = 0
     for name in names:
-        flats = [_flat(vector[name]) for vector in vectors]
-        zero = _flat(origin[name]) if origin is not None else None
+        flats = [flat_view(vector[name]) for vector in vectors]
+        zero = flat_view(origin[name]) if origin is not None else None
         size = vectors[0][name].size
         start = 0
         while start < size:
@@ -316,8 +235,8 @@ def gram(vectors: Sequence[Tensors], names: Sequence[str], block: int = DEFAULT_
     return total
 
 
-def _squares_and_dots(vectors: Sequence[Tensors], reference: Tensors | None, names: Sequence[str], origin: Tensors,
-                      block: int = DEFAULT_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+def squares_and_dots(vectors: Sequence[Tensors], reference: Tensors | None, names: Sequence[str], origin: Tensors,
+                     block: int = DEFAULT_BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """|v_i - origin|² of every vector, then of the reference if there is one, and
     <v_i - origin, reference - origin> (empty without a reference), over the named tensors.
 
@@ -438,7 +357,7 @@ def _norm_suspects(norms: np.ndarray, norm_z: float) -> np.ndarray:
     return np.abs(_robust_z(norms)) > norm_z
 
 
-def _krum_scores(g: np.ndarray, neighbours: int) -> np.ndarray:
+def krum_scores(g: np.ndarray, neighbours: int) -> np.ndarray:
     """Each update's sum of squared distances to its ``neighbours`` closest other updates."""
     distances = _squared_distances(g)
     np.fill_diagonal(distances, np.inf)
@@ -456,7 +375,7 @@ def filter(rnd: RoundData, params: Mapping[str, Any]) -> dict[str, Any]:  # the 
         if f is None:
             f = min(max(1, (n - 3) // 2), n - 3)  # Krum needs n - f - 2 >= 1 neighbours
         elif n - f - 2 < 1:
-            raise _bad_query(f"f={f} leaves Krum no neighbours with {n} clients: f must be at most {n - 3}")
+            raise _QUERY.bad(f"f={f} leaves Krum no neighbours with {n} clients: f must be at most {n - 3}")
     else:
         notes.append(f"krum needs at least 3 clients; round {rnd.round} has {n}")
     if rnd.aggregate is None:
@@ -464,7 +383,7 @@ def filter(rnd: RoundData, params: Mapping[str, Any]) -> dict[str, Any]:  # the 
     g = _delta_gram(rnd, names)
     norms = _norms(g)[:n]
     cosines = _cosines(g)[:n, n] if rnd.aggregate is not None else None
-    krum = _krum_scores(g[:n, :n], n - f - 2) if n >= 3 else None
+    krum = krum_scores(g[:n, :n], n - f - 2) if n >= 3 else None
     flags: dict[str, np.ndarray] = {"norm": _norm_suspects(norms, p["norm_z"])}
     if krum is not None:
         flags["krum"] = _robust_z(krum) > p["krum_z"]
@@ -574,9 +493,9 @@ def cluster(rnd: RoundData, params: Mapping[str, Any]) -> dict[str, Any]:
     n = len(rnd.updates)
     k, select = p["k"], p["select"]
     if k > n:
-        raise _bad_query(f"k={k} clusters need at least {k} clients; round {rnd.round} has {n}")
+        raise _QUERY.bad(f"k={k} clusters need at least {k} clients; round {rnd.round} has {n}")
     if select > n:
-        raise _bad_query(f"select={select} exceeds round {rnd.round}'s {n} clients")
+        raise _QUERY.bad(f"select={select} exceeds round {rnd.round}'s {n} clients")
     g = _delta_gram(rnd, names)[:n, :n]
     labels = _kmeans(g, k, p["iterations"], p["seed"])
     distances = _centroid_distances(g, labels, k)
@@ -599,7 +518,7 @@ def _check_rounds(rounds: Sequence[RoundData]) -> None:
         raise _bad_inputs("no rounds to run over")
     ids = [rnd.round for rnd in rounds]
     if any(later <= earlier for earlier, later in zip(ids, ids[1:])):
-        raise _bad_inputs(f"rounds must come oldest first with increasing ids, got {_show(ids)}")
+        raise _bad_inputs(f"rounds must come oldest first with increasing ids, got {show(ids)}")
 
 
 # -- decomposable workloads ------------------------------------------------------------------------
@@ -639,12 +558,12 @@ def _compute_round_stats(rnd: RoundData, names: Sequence[str], tensor: str | Non
     models = [update.tensors for update in rnd.updates]
     n = len(models)
     with np.errstate(invalid="ignore", over="ignore"):  # NaN, Inf and overflow are reported next
-        squares, dots = _squares_and_dots(models, rnd.aggregate, names, rnd.base)
+        squares, dots = squares_and_dots(models, rnd.aggregate, names, rnd.base)
     _require_finite(rnd, squares)
     known = rnd.aggregate is not None
     part = None
     if tensor is not None:  # part of the whole, so finite too; provenance has checked the aggregate is known
-        tensor_squares, tensor_dots = _squares_and_dots(models, rnd.aggregate, [tensor], rnd.base)
+        tensor_squares, tensor_dots = squares_and_dots(models, rnd.aggregate, [tensor], rnd.base)
         part = _TensorStats(tensor, float(tensor_squares[n]), tensor_squares[:n], tensor_dots)
     return _RoundStats(int(rnd.round), int(rnd.version), float(squares[n]) if known else None,
                        [update.client for update in rnd.updates], [int(update.samples) for update in rnd.updates],
@@ -662,9 +581,9 @@ def _stats(workload: str, rounds: Sequence[RoundData], p: Mapping[str, Any]) -> 
         names = _float_names(rnd, share=True)
         if tensor is not None:
             if tensor not in rnd.base:
-                raise BadRequest(f"round {rnd.round}'s model has no tensor {_show(tensor)}", code="no_such_tensor")
+                raise BadRequest(f"round {rnd.round}'s model has no tensor {show(tensor)}", code="no_such_tensor")
             if tensor not in names:
-                raise _bad_query(f"tensor {tensor} is {rnd.base[tensor].dtype}: only float tensors take part")
+                raise _QUERY.bad(f"tensor {tensor} is {rnd.base[tensor].dtype}: only float tensors take part")
         if workload != "reputation":
             _require_aggregate(rnd, "cosine against the aggregate" if workload == "cosine" else workload)
         stats.append(_round_stats(rnd, names, tensor))
@@ -797,7 +716,7 @@ def _decomposable_params(workload: str, params: Mapping[str, Any]) -> dict[str, 
     p = check_params(workload, params)
     if not decomposable(workload, p):
         how = f"{workload} against the clients" if workload == "cosine" else workload
-        raise _bad_query(f"{how} does not decompose into per-node partials: run it over every update")
+        raise _QUERY.bad(f"{how} does not decompose into per-node partials: run it over every update")
     return p
 
 
@@ -837,7 +756,7 @@ def combine(workload: str, partials: Sequence[Mapping[str, Any]], params: Mappin
     BadRequest(code="bad_partial") naming the problem."""
     p = _decomposable_params(workload, params)
     if not isinstance(partials, (list, tuple)) or not partials:
-        raise _bad_partial(f"partials must be a non-empty list, got {_show(partials)}")
+        raise _bad_partial(f"partials must be a non-empty list, got {show(partials)}")
     read = [_read_partial(workload, part, p, f"partial {i}") for i, part in enumerate(partials)]
     return _decide(workload, _merge(read), p)
 
@@ -850,7 +769,7 @@ def _bad_partial(message: str) -> BadRequest:
 
 def _fields(value: Any, keys: Sequence[str], where: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
-        raise _bad_partial(f"{where} must be an object, got {_show(value)}")
+        raise _bad_partial(f"{where} must be an object, got {show(value)}")
     if set(value) != set(keys):
         missing, extra = sorted(set(keys) - set(value)), sorted(map(str, set(value) - set(keys)))
         raise _bad_partial(f"{where} must have the fields {', '.join(keys)}"
@@ -860,19 +779,19 @@ def _fields(value: Any, keys: Sequence[str], where: str) -> Mapping[str, Any]:
 
 def _entries(value: Any, where: str) -> Sequence[Any]:
     if not isinstance(value, (list, tuple)):
-        raise _bad_partial(f"{where} must be a list, got {_show(value)}")
+        raise _bad_partial(f"{where} must be a list, got {show(value)}")
     return value
 
 
 def _whole(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _bad_partial(f"{where} must be an integer >= 0, got {_show(value)}")
+        raise _bad_partial(f"{where} must be an integer >= 0, got {show(value)}")
     return value
 
 
 def _real(value: Any, where: str, *, nonnegative: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (nonnegative and value < 0):
-        raise _bad_partial(f"{where} must be a finite number{' >= 0' if nonnegative else ''}, got {_show(value)}")
+        raise _bad_partial(f"{where} must be a finite number{' >= 0' if nonnegative else ''}, got {show(value)}")
     return float(value)
 
 
@@ -892,14 +811,14 @@ def _norm2_and_dot(entry: Mapping[str, Any], change_norm2: float | None, where: 
 def _read_partial(workload: str, part: Any, p: Mapping[str, Any], where: str) -> list[_RoundStats]:
     fields = _fields(part, ("workload", "rounds"), where)
     if fields["workload"] != workload:
-        raise _bad_partial(f"{where} is a part of {_show(fields['workload'])}, not of {workload}")
+        raise _bad_partial(f"{where} is a part of {show(fields['workload'])}, not of {workload}")
     entries = _entries(fields["rounds"], f"{where}: rounds")
     if not entries or (workload != "reputation" and len(entries) != 1):
         raise _bad_partial(f"{where} holds {len(entries)} rounds; {workload} reads {'at least one' if workload == 'reputation' else 'one'}")
     rounds = [_read_round(workload, entry, p, f"{where}, round entry {i}") for i, entry in enumerate(entries)]
     ids = [rnd.round for rnd in rounds]
     if any(later <= earlier for earlier, later in zip(ids, ids[1:])):
-        raise _bad_partial(f"{where}: rounds must come oldest first with increasing ids, got {_show(ids)}")
+        raise _bad_partial(f"{where}: rounds must come oldest first with increasing ids, got {show(ids)}")
     return rounds
 
 
@@ -916,7 +835,7 @@ def _read_round(workload: str, entry: Any, p: Mapping[str, Any], where: str) -> 
     for i, item in enumerate(_entries(fields["clients"], f"{where}: clients")):
         values = _fields(item, ("client", "samples", "norm2", "dot"), f"{where}, client entry {i}")
         if not isinstance(values["client"], str) or not values["client"]:
-            raise _bad_partial(f"{where}, client entry {i}: client must be a non-empty string, got {_show(values['client'])}")
+            raise _bad_partial(f"{where}, client entry {i}: client must be a non-empty string, got {show(values['client'])}")
         clients.append(values["client"])
         samples.append(_whole(values["samples"], f"{where}, client {values['client']}: samples"))
         norm2, dot = _norm2_and_dot(values, change_norm2, f"{where}, client {values['client']}")
@@ -932,7 +851,7 @@ def _read_round(workload: str, entry: Any, p: Mapping[str, Any], where: str) -> 
 def _read_tensor(value: Any, name: str, clients: Sequence[str], where: str) -> _TensorStats:
     fields = _fields(value, ("name", "change_norm2", "clients"), where)
     if fields["name"] != name:
-        raise _bad_partial(f"{where} is {_show(fields['name'])}, not the tensor asked for, {name}")
+        raise _bad_partial(f"{where} is {show(fields['name'])}, not the tensor asked for, {name}")
     change_norm2 = _real(fields["change_norm2"], f"{where}: change_norm2", nonnegative=True)
     entries = _entries(fields["clients"], f"{where}: clients")
     if len(entries) != len(clients):
@@ -941,7 +860,7 @@ def _read_tensor(value: Any, name: str, clients: Sequence[str], where: str) -> _
     for i, (item, client) in enumerate(zip(entries, clients)):
         values = _fields(item, ("client", "norm2", "dot"), f"{where}, client entry {i}")
         if values["client"] != client:
-            raise _bad_partial(f"{where}, client entry {i} is {_show(values['client'])}, the round's is {client}")
+            raise _bad_partial(f"{where}, client entry {i} is {show(values['client'])}, the round's is {client}")
         norm2, dot = _norm2_and_dot(values, change_norm2, f"{where}, client {client}")
         norms.append(norm2)
         dots.append(dot)
@@ -1041,7 +960,7 @@ def _build(architecture: str, model: Tensors) -> Any:
 def _model(architecture: str, model_key: str, model: Tensors) -> Any:
     """A built module per (architecture, model key), the MODEL_CACHE_SIZE most recently used."""
     if architecture not in MODELS:
-        raise BadRequest(f"unknown architecture {_show(architecture)}; choose one of {', '.join(MODELS)}", code="bad_model")
+        raise BadRequest(f"unknown architecture {show(architecture)}; choose one of {', '.join(MODELS)}", code="bad_model")
     key = (architecture, model_key)
     with _built_lock:
         if key in _built:
@@ -1086,9 +1005,9 @@ def run(workload: str, rounds: Sequence[RoundData], params: Mapping[str, Any]) -
     """Run a data workload: reputation over all ``rounds`` (oldest first), the others over the
     newest one. Inference runs on a model, not on rounds: call ``inference``."""
     if workload not in WORKLOADS:
-        raise BadRequest(f"unknown workload {_show(workload)}; choose one of {', '.join(WORKLOADS)}", code="unknown_workload")
+        raise BadRequest(f"unknown workload {show(workload)}; choose one of {', '.join(WORKLOADS)}", code="unknown_workload")
     if workload == "inference":
-        raise _bad_query("inference runs on a model version, not over rounds")
+        raise _QUERY.bad("inference runs on a model version, not over rounds")
     _check_rounds(rounds)
     if workload == "reputation":
         return reputation(rounds, params)

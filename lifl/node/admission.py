@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from lifl import format as fmt
+from lifl.fixedpoint import FixedPoint
 from lifl.errors import Overloaded
 
 WANTING_SECONDS = 5.0  # a refused job counts for the fair shares this long (longer than its Retry-After)
@@ -64,15 +65,18 @@ class JobSizes:
     """The sizes that aggregating a job's updates allocates on a node."""
 
     accumulator: int  # a partial sum: header and tensors in accumulator dtypes
-    model: int  # the next model the top writes: header and tensors in model dtypes
+    model: int  # what the top writes: the next model (header and tensors in model dtypes), and a strategy's objects
     leaf_fan_in: int
 
     @classmethod
-    def of(cls, spec: fmt.ModelSpec, leaf_fan_in: int) -> JobSizes:
-        """The objects the aggregator function allocates (``functions/aggregator/handler``)."""
-        partial = spec.partial()
-        return cls(len(fmt.spec_header(partial)) + partial.data_bytes, len(fmt.spec_header(spec)) + spec.data_bytes,
-                   leaf_fan_in)
+    def of(cls, spec: fmt.ModelSpec, leaf_fan_in: int, strategy_bytes: int = 0,
+           fixed_point: FixedPoint | None = None) -> JobSizes:
+        """The objects the aggregator function allocates (``functions/aggregator/handler``);
+        ``strategy_bytes``: what a strategy step allocates besides the model (``functions/aggregator/top``);
+        ``fixed_point``: partial sums are integers (``lifl.fixedpoint``)."""
+        partial = spec.partial(fixed_point)
+        return cls(len(fmt.spec_header(partial)) + partial.data_bytes,
+                   len(fmt.spec_header(spec)) + spec.data_bytes + strategy_bytes, leaf_fan_in)
 
 
 def round_extra(sizes: JobSizes, updates: int, partials: int) -> int:

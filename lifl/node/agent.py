@@ -68,15 +68,17 @@ from lifl.protocol import (
     PROTOCOL, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Admitted, Alloc, Attach, Allocated, CancelTask, Document,
     Done, Failed, Folded, Forwarded, ForwardPartial, GetMetrics, GetRecent, GetStatus, Handoff, Hello, InstallModel,
     InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, OpenModel, QUERY_ROLE, Query, Ready, Release,
-    Route, Submit, SubmitPartial, Submitted, TakeQuery, Text, Welcome, decode,
+    Route, StrategyInputs, Submit, SubmitPartial, Submitted, TakeQuery, Text, Welcome, decode,
 )
 from lifl.rpc import Connection, error_reply
 from lifl.state import (
     ACCEPT_CLOSED_ROUND, NO_MODEL, RESERVE_OK, ClusterState, Job, Shard, accept_refusal, refusal,
 )
 from lifl.store import SHM_DIR, ObjectStore, Segment, Tenant, remove_node_objects
+from lifl.strategy import privacy, strategy_bytes
 
 DEFAULT_HANDLER = "lifl.functions.aggregator.handler:handle"
+STRATEGY_INPUTS_TIMEOUT_S = 60.0  # how long a top waits for other nodes' updates of its round to be readable
 SETTLE_PASSES = 4  # duties that enable further duties (close, then place the top) within one settle
 FORWARD_RETRY = (0.2, 0.5, 1.0, 2.0)  # seconds before resending a partial that did not arrive
 OUTBOX_RETRY = 0.005  # seconds between attempts to deliver keys to an instance whose queue was full
@@ -155,6 +157,7 @@ class JobRun:
     model_key: bytes | None = None  # the model, if this node installed it
     model_version: int = NO_MODEL
     replica: tuple[bytes, int] | None = None  # (key, version): a copy fetched to serve it here
+    strategy_state: tuple[bytes, int] | None = None  # (key, version): the strategy's state after that version, if made here
     inflight: int = 0  # updates admitted here and not yet aggregated
     model_upload: bool = False
 
@@ -162,7 +165,9 @@ class JobRun:
     def sizes(self) -> JobSizes:
         """What aggregating its updates allocates (computed once: it encodes the model's header)."""
         assert self.model_spec is not None
-        return JobSizes.of(self.model_spec, self.spec.leaf_fan_in)
+        strategy = self.spec.strategy_spec
+        return JobSizes.of(self.model_spec, self.spec.leaf_fan_in, strategy_bytes(strategy, self.model_spec),
+                           self.spec.fixed_point_spec)
 
 
 @dataclass(eq=False)
@@ -174,6 +179,7 @@ class Upload:
     round: int = -1
     epoch: int = 0
     from_node: str = ""
+    base: int = NO_MODEL  # an update's base version: older than ``version`` (the round's) in fedbuff jobs
 
 
 @dataclass(eq=False)
@@ -339,6 +345,7 @@ class Agent:
         self.outbox: deque[tuple[Tenant, KeyMessage]] = deque()  # (tenant, message) for full queues
         self.outgoing: dict[int, OutgoingPartial] = {}
         self.failed_checkpoints: dict[str, FailedCheckpoint] = {}  # by job
+        self.steps: dict[tuple[str, int], StrategyStep] = {}  # a top's strategy step, by (job, new version), until installed
         self.local_updates: dict[bytes, str] = {}  # client updates admitted here and not yet aggregated, by key
         self.store.on_free = self._update_done
         self.retainer = Retainer(config.node, self.store, state, self.checkpointer.store, self.metrics, self.lock,
@@ -467,8 +474,8 @@ class Agent:
             self.metrics.version.labels(name).set(latest)
             print(f"lifl agent: job {name!r} resumed at version {latest} from its checkpoint", file=sys.stderr)
 
-    def _blob_object(self, run: JobRun, blob: bytes, holder: Hashable) -> Any:
-        layout = fmt.validate(blob, run.model_spec)
+    def _blob_object(self, run: JobRun, blob: bytes, holder: Hashable, *, model: bool = True) -> Any:
+        layout = fmt.validate(blob, run.model_spec if model else None)
         seg = self.store.create(run.tenant, layout.total_size, holder, affinity="gateway")
         os.pwrite(seg.fd, blob, 0)
         self.store.seal(seg.key)
@@ -586,6 +593,7 @@ class Agent:
             Done: lambda m, f: self.done(iid, m),
             Failed: lambda m, f: self.failed(iid, m),
             TakeQuery: lambda m, f: self.take_query(iid, m),
+            StrategyInputs: lambda m, f: self.strategy_inputs(iid, m),
         }
         serve(conn, handlers, lambda: self._instance_gone(iid, "its process exited"), "function instance")
 
@@ -636,7 +644,7 @@ class Agent:
                 seg = self._admit_input(run, holder, RoundOf(m.job, round_id), UPDATE, m.size)
                 run.inflight += 1
                 self.local_updates[seg.key] = m.job
-                self.uploads[seg.key] = Upload(m.job, "update", holder, m.version, round_id)
+                self.uploads[seg.key] = Upload(m.job, "update", holder, current, round_id, base=m.version)
                 self._publish_gauges(m.job, run)
                 return Admitted(seg.key, m.version, round_id), [os.dup(seg.fd)]
         except LiflError as e:
@@ -779,10 +787,10 @@ class Agent:
         with self.lock:
             size = self.store.get(m.key).size
         self.state.record_retained(upload.job, upload.round, client, {
-            "client": client, "samples": m.samples, "version": upload.version, "node": self.node,
+            "client": client, "samples": m.samples, "version": upload.base, "node": self.node,
             "blob": update_blob(upload.round, m.key), "size": size})
         with self.lock:
-            self.retainer.keep_update(upload.job, run.tenant, m.key, upload.round, upload.version, client, m.samples)
+            self.retainer.keep_update(upload.job, run.tenant, m.key, upload.round, upload.base, client, m.samples)
 
     def submit_partial(self, holder: Hashable, m: SubmitPartial) -> tuple[Message, list[int]]:
         with self.lock:
@@ -1158,8 +1166,132 @@ class Agent:
 
     def install(self, iid: int, m: InstallResult) -> tuple[Message, list[int]]:
         """The top has the round's model: checkpoint it in the background, then install it."""
+        if m.state or m.report:
+            self._stage_step(iid, m)
         task = self._result(iid, m.task, tree.Input(m.key, m.samples, m.updates, False))
         return Installed(task.version + 1), []
+
+    # -- strategies (lifl.strategy) -------------------------------------------------------------------
+    def strategy_inputs(self, iid: int, m: StrategyInputs) -> tuple[Message, list[int]]:
+        """What a top's strategy step reads besides the round's sum, held for the task: the model
+        the round started from, the strategy's state after it, and (a strategy that is not eager)
+        every client update of the round, each with the model it was trained from."""
+        with self.lock:
+            task = self._task_of(iid, m.task)
+        j, run = self._job(task.job)
+        strategy = run.spec.strategy_spec
+        holder = _scratch_holder(task.id)
+        doc: dict[str, Any] = {"seed": self.state.strategy_seed(task.job), "updates": []}
+        bases = {task.version: self._held_model(run, task.version, holder)}
+        doc["current"] = bases[task.version].hex()
+        doc["state"] = None if not strategy.stateful else self._held_state(run, task.version, holder)
+        if strategy.needs_updates:
+            for client, (key, base) in sorted(self._round_updates(run, task, m.updates, holder).items()):
+                if base not in bases:
+                    bases[base] = self._held_model(run, base, holder)
+                samples = self._retained_samples(task.job, task.round, client)
+                doc["updates"].append({"client": client, "key": key.hex(), "samples": samples,
+                                       "staleness": task.version - base, "base": bases[base].hex()})
+        return Document(doc), []
+
+    def _held_model(self, run: JobRun, version: int, holder: Hashable) -> bytes:
+        """Model ``version`` held by ``holder``: installed here, a replica, retained, or read back
+        from its checkpoint."""
+        with self.lock:
+            for key, v in ((run.model_key, run.model_version), run.replica or (None, NO_MODEL)):
+                if key is not None and v == version:
+                    self.store.add_ref(key, holder)
+                    return key
+        key, _ = self.retainer.acquire_model(run.spec.job, run.tenant, version, holder, keep=False)
+        return key
+
+    def _held_state(self, run: JobRun, version: int, holder: Hashable) -> str | None:
+        """The strategy's state after ``version``, held by ``holder``: kept here, or read back from
+        the checkpoint store (a restart, or the top moved to this node). None: no step made one
+        yet (the first step starts from zeros)."""
+        with self.lock:
+            if run.strategy_state is not None and run.strategy_state[1] == version:
+                self.store.add_ref(run.strategy_state[0], holder)
+                return run.strategy_state[0].hex()
+        try:
+            blob = self.checkpointer.store.load_blob(run.spec.job, strategy_state_blob(version))
+        except FileNotFoundError:
+            return None
+        with self.lock:
+            return str(self._blob_object(run, blob, holder, model=False).key.hex())
+
+    def _round_updates(self, run: JobRun, task: tree.Task, expected: int, holder: Hashable) -> dict[str, tuple[bytes, int]]:
+        """Every client update of the task's round, held by ``holder``: (object, base version) by
+        client. Those accepted here are retained in memory already; other nodes' are indexed in
+        Redis once their write-behind is durable, and read back from the checkpoint store."""
+        job = run.spec.job
+        deadline = time.monotonic() + STRATEGY_INPUTS_TIMEOUT_S
+        while True:
+            with self.lock:
+                local = {item.client: item for item in self.retainer.items.values()
+                         if (item.job, item.kind, item.index) == (job, UPDATE, task.round) and item.key is not None}
+            indexed = self.state.retained(job, task.round)
+            if len(set(local) | set(indexed)) >= expected:
+                break
+            if time.monotonic() > deadline:
+                raise Unavailable(f"round {task.round} of job {job!r} aggregated {expected} updates but only "
+                                  f"{len(set(local) | set(indexed))} are retained for its strategy after "
+                                  f"{STRATEGY_INPUTS_TIMEOUT_S:g} s", code="updates_missing", retry_after=1.0)
+            time.sleep(0.05)  # other nodes' write-behind: Redis offers nothing to wait on here
+        out: dict[str, tuple[bytes, int]] = {}
+        for client in sorted(set(local) | set(indexed)):
+            item = local.get(client)
+            meta = indexed.get(client) or {"size": item.size, "samples": item.samples, "version": item.version,
+                                            "blob": item.blob}
+            key, _ = self.retainer.acquire_update(job, run.tenant, task.round, client, meta, holder, keep=True)
+            out[client] = (key, int(meta["version"]))
+        return out
+
+    def _retained_samples(self, job: str, round_id: int, client: str) -> int:
+        with self.lock:
+            for item in self.retainer.items.values():
+                if (item.job, item.kind, item.index, item.client) == (job, UPDATE, round_id, client):
+                    return item.samples
+        return int(self.state.retained(job, round_id)[client]["samples"])
+
+    def _stage_step(self, iid: int, m: InstallResult) -> None:
+        """Keep the strategy's new state (durable before the model can be) and its report until
+        the round's model is installed."""
+        with self.lock:
+            task = self._task_of(iid, m.task)
+            step = StrategyStep(m.state or None, m.report)
+            if step.state is not None:
+                seg = self.store.seal(step.state)
+                self.store.hand_over(step.state, ("strategy", task.job, task.version + 1))
+                fd, size = os.dup(seg.fd), seg.size
+        if step.state is not None:  # written here, before the model's checkpoint: a durable version has its state
+            try:
+                self.checkpointer.store.save_blob(task.job, strategy_state_blob(task.version + 1), fd, size)
+            finally:
+                os.close(fd)
+            # a restart resumes from a version the model checkpoints keep: older states are of no use
+            if task.version - checkpoints.KEEP >= 0:
+                self.checkpointer.store.delete_blob(task.job, strategy_state_blob(task.version - checkpoints.KEEP))
+        with self.lock:
+            replaced = self.steps.pop((task.job, task.version + 1), None)
+            if replaced is not None and replaced.state is not None:
+                self.store.release(replaced.state, ("strategy", task.job, task.version + 1))
+            self.steps[(task.job, task.version + 1)] = step
+
+    def _install_step(self, run: JobRun, version: int, installed: bool) -> dict[str, Any]:
+        """The staged step of ``version`` (lock held): its state becomes the job's if the version
+        was installed, else goes; what the rounds history says of it."""
+        step = self.steps.pop((run.spec.job, version), None)
+        holder = ("strategy", run.spec.job, version)
+        if step is None or step.state is None:
+            return step.report if step is not None else {}
+        if not installed:
+            self.store.release(step.state, holder)
+            return step.report
+        if run.strategy_state is not None:
+            self.store.release(run.strategy_state[0], ("strategy", run.spec.job, run.strategy_state[1]))
+        run.strategy_state = (step.state, version)
+        return step.report
 
     def _result(self, iid: int, task_id: int, output: tree.Input, route: list[tuple[int, int]] | None = None) -> tree.Task:
         """A task's result, sealed and kept by its round until the tree says where it goes."""
@@ -1392,10 +1524,18 @@ class Agent:
         summary = self._summary(j, shard, version, "complete" if e.input.updates >= j.spec.goal else "partial",
                                 updates=e.input.updates, samples=e.input.samples, checkpoint_s=round(seconds, 6),
                                 seconds=round(aggregated - shard.first_update, 6) if shard.first_update else None)
+        with self.lock:
+            step = self.steps.get((job, version))
+        if j.spec.strategy:
+            strategy = j.spec.strategy_spec
+            summary["strategy"] = {"name": strategy.name, **(step.report if step is not None else {})}
+            if strategy.name == "dp_fedavg":  # the budget spent once this version is out
+                summary["strategy"].update(privacy(strategy, version))
         opened = self.state.next_round(job, e.round, version, key=key.hex(), node=self.node, summary=summary)
         retain = self.retainer.policy(job).active
         with self.lock:
             run = self.jobs[job]
+            self._install_step(run, version, installed=opened >= 0)
             if opened < 0:  # the round moved on meanwhile (abandoned): drop this model
                 self.store.release(key, ("pending", job, e.round))
                 return
@@ -1534,14 +1674,15 @@ class Agent:
         progress = self.progress.setdefault(task.id, TaskProgress())
         progress.start()
         run = self.jobs[task.job]
-        spec = None
+        spec = options = None
         if task.job not in inst.specs_sent:
             assert run.model_spec is not None
             spec = run.model_spec.to_json()
+            options = {"strategy": run.spec.strategy, "fixed_point": run.spec.fixed_point}
             inst.specs_sent.add(task.job)
         parent = self._parent_placement(task)
         self.actuator.invoke(inst.id, Invoke(task.id, task.job, task.version, task.role, progress.fan_in(task.fan_in),
-                                             self.config.lazy, spec, *parent))
+                                             self.config.lazy, spec, options, *parent))
         for msg in self.pending.pop(task.id, []):
             self._send_key(inst, msg)
         self._refresh_instance_gauges()
@@ -1873,6 +2014,19 @@ def _query_error(error: Any) -> LiflError:
 def _input_holder(task_id: int) -> tuple[str, int]:
     """Holds a task's inputs until it reports them folded."""
     return ("input", task_id)
+
+
+@dataclass(frozen=True)
+class StrategyStep:
+    """What a top's strategy step made besides the model: its new state (an object) and report."""
+
+    state: bytes | None
+    report: dict[str, Any]
+
+
+def strategy_state_blob(version: int) -> str:
+    """The checkpoint store's name for the strategy's state after ``version``."""
+    return f"strategy-state-{version:012d}"
 
 
 def _scratch_holder(task_id: int) -> tuple[str, int]:

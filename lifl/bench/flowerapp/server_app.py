@@ -1,11 +1,12 @@
-"""ServerApp: `lifl demo`'s job with Flower's own FedAvg, evaluated on the test split every round.
+"""ServerApp: `lifl demo`'s job with Flower's own FedAvg (or, with ``lifl-gateway`` set, lifl's bridge
+lifl.flower.LiflFedAvg aggregating in the lifl node there), evaluated on the test split every round.
 
 A population of ``clients`` (lifl.workload's Dirichlet split, saved to the ``data`` file by
 lifl.bench.flower) is served by a few SuperNodes. Every round the strategy draws ``goal`` clients
 (those with at least two samples, as `lifl demo`'s workers do) and sends each one's message to
 a SuperNode in turn, naming the client in the message's config (``partition-id``): a SuperNode
 takes its messages one at a time and each becomes a ClientApp run for that client. Aggregation is FedAvg's own ``aggregate_train``
-(weighted by ``num-examples``). The round loop is Strategy.start's, without client-side
+(weighted by ``num-examples``), or the bridge's: its grid pushes each reply to lifl as it is pulled. The round loop is Strategy.start's, without client-side
 evaluation, and stops at the target accuracy or the deadline. Every round is written to the
 ``events`` file (JSON lines) for lifl.bench.flower to time: it runs in another process tree.
 """
@@ -25,6 +26,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, R
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
+from lifl.flower import LiflFedAvg
 from lifl.workload import evaluate, make_model
 
 torch.set_num_threads(1)  # like the clients: the machine's cores are shared by every process
@@ -43,11 +45,19 @@ def spread(clients: list[int], nodes: list[int]) -> list[tuple[int, int]]:
     return [(client, nodes[i % len(nodes)]) for i, client in enumerate(clients)]
 
 
-class PopulationFedAvg(FedAvg):
-    """FedAvg over a client population larger than the set of SuperNodes serving it."""
+class Population:
+    """Training messages for a client population larger than the set of SuperNodes serving it
+    (mixed into FedAvg or the lifl bridge)."""
 
-    def __init__(self, eligible: list[int], goal: int, seed: int, min_nodes: int) -> None:
-        super().__init__(fraction_evaluate=0.0, weighted_by_key="num-examples")
+    eligible: list[int]
+    goal: int
+    seed: int
+    min_nodes: int
+    arrayrecord_key: str
+    configrecord_key: str
+
+    def __init__(self, eligible: list[int], goal: int, seed: int, min_nodes: int, **strategy: Any) -> None:
+        super().__init__(fraction_evaluate=0.0, weighted_by_key="num-examples", **strategy)  # type: ignore[call-arg]
         self.eligible, self.goal, self.seed, self.min_nodes = eligible, goal, seed, min_nodes
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
@@ -59,6 +69,14 @@ class PopulationFedAvg(FedAvg):
                                  self.configrecord_key: ConfigRecord({**config, "server-round": server_round, "partition-id": client})})
             messages.append(Message(record, dst_node_id=node, message_type=MessageType.TRAIN, group_id=str(server_round)))
         return messages
+
+
+class PopulationFedAvg(Population, FedAvg):
+    """Flower's FedAvg over the population."""
+
+
+class PopulationLiflFedAvg(Population, LiflFedAvg):
+    """The lifl bridge over the population."""
 
 
 class Events:
@@ -97,7 +115,11 @@ def main(grid: Grid, context: Context) -> None:
         with np.load(str(cfg["data"])) as data:
             test = data["test_x"], data["test_y"]
             eligible = [c for c in range(int(cfg["clients"])) if len(data[f"y{c}"]) >= 2]
-        strategy = PopulationFedAvg(eligible, int(cfg["goal"]), seed, int(cfg["min-nodes"]))
+        population = eligible, int(cfg["goal"]), seed, int(cfg["min-nodes"])
+        gateway = str(cfg["lifl-gateway"])
+        strategy = PopulationLiflFedAvg(*population, gateway=gateway, poll_interval_s=float(cfg["poll-interval"])) \
+            if gateway else PopulationFedAvg(*population)
+        train_grid = strategy.streaming(grid) if isinstance(strategy, LiflFedAvg) else grid
         model = make_model("cnn", seed)
         arrays = ArrayRecord(model.state_dict())
         accuracy = evaluate(model, test)
@@ -107,7 +129,7 @@ def main(grid: Grid, context: Context) -> None:
                 break
             events.write("round_start", round=server_round)
             t = time.time()
-            replies = list(grid.send_and_receive(strategy.configure_train(server_round, arrays, ConfigRecord(), grid),
+            replies = list(train_grid.send_and_receive(strategy.configure_train(server_round, arrays, ConfigRecord(), grid),
                                                  timeout=max(1.0, deadline - time.time()) if deadline else None))
             t_replies = time.time()
             aggregated, _ = strategy.aggregate_train(server_round, replies)

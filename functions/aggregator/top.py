@@ -1,0 +1,60 @@
+"""The top's strategy step: the round's sum becomes the next model the way the job's strategy says.
+
+FedAvg needs nothing but the sum (the handler averages it itself). Every other strategy
+(``lifl.strategy``) runs here, once per round, on the top's instance: the agent hands over the
+keys of what the step reads besides the sum (the model the round started from, the strategy's
+state, and for strategies that are not eager every client update of the round with the model
+it was trained from), all mapped read-only in place. The step writes the new model and the new
+state into fresh objects of this task; the agent checkpoints the state before the model and
+keeps it for the next round's step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from lifl import format as fmt
+from lifl.fedavg import Contribution
+from lifl.runtime import Context, Invocation
+from lifl.strategy import StepInputs, Update, mean_spec, state_model_spec, step
+
+
+def _views(ctx: Context, mm: Any) -> dict[str, np.ndarray]:
+    return fmt.views(mm, ctx.layout(mm))
+
+
+def run_step(inv: Invocation, ctx: Context, result: Contribution, model_header: bytes,
+             average_into: Callable[[Any, fmt.ModelSpec, Contribution], None]) -> tuple[bytes, bytes, dict[str, Any]]:
+    """The round's new model: (its key, the strategy state's key or b"", the step's report).
+    ``average_into(mapped, spec, result)`` writes the round's FedAvg into a mapped object of ``spec``."""
+    spec, strategy = inv.spec, inv.strategy
+    if any(t.dtype is fmt.BF16 for t in spec.tensors):
+        raise ValueError(f"strategy {strategy.name!r} does not take bfloat16 tensors: use fedavg, or send float32")
+    inputs = ctx.strategy_inputs(inv, result.updates)
+
+    def opened(hex_key: str) -> dict[str, np.ndarray]:
+        return _views(ctx, ctx.open(bytes.fromhex(hex_key)))
+
+    if result.partial:  # the sum becomes the round's mean first, in an object of this task
+        mean = mean_spec(spec)
+        _, mm = ctx.accumulator(inv, fmt.spec_header(mean), mean.data_bytes)
+        average_into(mm, mean, result)
+        average = _views(ctx, mm)
+    else:  # a single update is its own mean
+        average = opened(result.token.hex())
+    updates = [Update(opened(u["key"]), int(u["samples"]), int(u["staleness"]), opened(u["base"]), u["client"])
+               for u in inputs["updates"]]
+    key, out = ctx.accumulator(inv, model_header, spec.data_bytes)
+    state_key, state_out = b"", None
+    state = state_model_spec(strategy, spec)
+    if state is not None:
+        state_key, state_mm = ctx.accumulator(inv, fmt.spec_header(state), state.data_bytes)
+        state_out = _views(ctx, state_mm)
+    report = step(strategy, StepInputs(
+        current=opened(inputs["current"]), version=inv.version, average=average, updates=updates,
+        state=opened(inputs["state"]) if inputs.get("state") else None, seed=int(inputs["seed"]),
+    ), _views(ctx, out), state_out)
+    return key, state_key, report
