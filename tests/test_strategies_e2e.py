@@ -14,7 +14,7 @@ import pytest
 from conftest import RunningNode, wait_for
 from lifl import format as fmt
 from lifl.client import Gateway
-from lifl.errors import BadRequest, Conflict
+from lifl.errors import BadRequest, Conflict, Unprocessable
 from lifl.strategy import StepInputs, StrategySpec, Update, state_spec, step
 from test_crash import Up
 
@@ -197,3 +197,33 @@ def test_grpc_status_reports_the_strategy(node: RunningNode) -> None:
     gw = Gateway(node.grpc, protocol="grpc")
     status = gw.create_job("g", 4, strategy={"name": "trimmed_mean", "beta": 0.25})
     assert status["strategy"] == {"name": "trimmed_mean", "beta": 0.25}
+
+
+def test_a_server_optimiser_runs_on_a_fixed_point_mean(node: RunningNode) -> None:
+    """fixed_point and an eager strategy combine: the step reads the mean the integer sums give,
+    within half a quantisation step of the float one."""
+    gw = Gateway(node.http)
+    rng = np.random.default_rng(13)
+    initial = tensors(rng)
+    status = gw.create_job("fpo", 4, strategy={"name": "fedavgm", "server_momentum": 0.5},
+                           fixed_point={"frac_bits": 24, "width": 64})
+    assert status["fixed_point"] == {"frac_bits": 24, "width": 64}
+    gw.set_model("fpo", fmt.encode(initial))
+    ref = Reference(status, initial)
+    for r in range(2):
+        updates = [(f"c{i}", tensors(rng), int(rng.integers(1, 50)), r) for i in range(4)]
+        push_all(gw, "fpo", updates)
+        wait_for(lambda: gw.job("fpo")["version"] == r + 1, what=f"version {r + 1}")
+        expected, got = ref.round(updates), model(gw, "fpo")[1]
+        for k in expected:  # momentum 0.5 at most doubles the mean's quantisation error (2^-25)
+            np.testing.assert_allclose(got[k], expected[k], rtol=1e-6, atol=2.0 ** -23)
+
+
+def test_a_bfloat16_model_is_refused_by_a_strategy_that_computes_in_float(node: RunningNode) -> None:
+    gw = Gateway(node.http)
+    gw.create_job("bf", 3, strategy={"name": "fedadam"})
+    bf16 = fmt.encode({"w": np.zeros(8, np.uint16)}, dtypes={"w": "BF16"})
+    with pytest.raises(Unprocessable) as e:
+        gw.set_model("bf", bf16)
+    assert e.value.code == "unsupported_dtype" and "bfloat16" in e.value.message
+    assert gw.set_model("bf", fmt.encode({"w": np.zeros(8, np.float32)})) == 0  # nothing was left half-set

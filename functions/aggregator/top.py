@@ -30,9 +30,7 @@ def run_step(inv: Invocation, ctx: Context, result: Contribution, model_header: 
              average_into: Callable[[Any, fmt.ModelSpec, Contribution], None]) -> tuple[bytes, bytes, dict[str, Any]]:
     """The round's new model: (its key, the strategy state's key or b"", the step's report).
     ``average_into(mapped, spec, result)`` writes the round's FedAvg into a mapped object of ``spec``."""
-    spec, strategy = inv.spec, inv.strategy
-    if any(t.dtype is fmt.BF16 for t in spec.tensors):
-        raise ValueError(f"strategy {strategy.name!r} does not take bfloat16 tensors: use fedavg, or send float32")
+    spec, strategy = inv.spec, inv.strategy  # no bfloat16 tensors: the agent refuses such a model for a strategy
     inputs = ctx.strategy_inputs(inv, result.updates)
 
     def opened(hex_key: str) -> dict[str, np.ndarray]:

@@ -53,7 +53,9 @@ from lifl.channel import CHANNELS, KIND_CLOSE, KeyMessage, now_ns, transport
 from lifl.control import rounds as cluster_rounds
 from lifl.control.controller import Controller, ControlConfig
 from lifl.control.planner import LEAF, ROLES, InstanceView, expired, pick_warm
-from lifl.errors import BadRequest, Conflict, Forbidden, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge, Unavailable
+from lifl.errors import (
+    BadRequest, Conflict, Forbidden, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge, Unavailable, Unprocessable,
+)
 from lifl.jobs import TENANT_NAME, JobSpec
 from lifl.node import tree
 from lifl.node.actuator import ACTUATORS, Actuator, ClusterPods, LocalProcesses
@@ -821,6 +823,13 @@ class Agent:
             seg = self.store.seal(m.key)
             spec = self._read_layout(seg.fd).spec()
             del self.uploads[m.key]
+            strategy = run.spec.strategy_spec
+            if strategy.name != "fedavg" and any(t.dtype is fmt.BF16 for t in spec.tensors):
+                self.store.release(m.key, holder)
+                run.model_upload = False
+                raise Unprocessable(f"strategy {strategy.name!r} computes in float64 from float16/32/64 tensors; this "
+                                    "model has bfloat16 ones: send them as float32, or aggregate with fedavg",
+                                    code="unsupported_dtype")
             self.store.move_ref(m.key, holder, ("pending", upload.job))
             fd, size = os.dup(seg.fd), seg.size
         try:
