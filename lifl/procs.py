@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import select
 import signal
 import subprocess
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 
 _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved now: safe to call between fork and exec
@@ -50,3 +53,23 @@ def stop_process(proc: subprocess.Popen, timeout: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def wait_exited(pids: Iterable[int], timeout: float) -> None:
+    """Wait until these processes, children of anyone, have exited; SIGKILL those still running
+    ``timeout`` seconds from now. A pidfd becomes readable when its process exits: no polling
+    of /proc, and a pid reused meanwhile is never mistaken for the process."""
+    fds = []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):  # gone already
+            fds.append(os.pidfd_open(pid))
+    deadline = time.monotonic() + timeout
+    try:
+        for fd in fds:
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                select.select([fd], [], [])  # SIGKILL cannot be ignored: it exits
+    finally:
+        for fd in fds:
+            os.close(fd)

@@ -1,4 +1,5 @@
-"""lifl.procs: a stop signal always stops a process, even one that spends its time in Event.wait()."""
+"""lifl.procs: a stop signal always stops a process, even one that spends its time in Event.wait(); waiting for
+processes that are not our children."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import subprocess
 import sys
 
 from conftest import wait_for
+from lifl.procs import wait_exited
 
 WAITER = """
 import threading
@@ -32,3 +34,13 @@ def test_a_signal_stops_a_process_waiting_on_an_event() -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_wait_exited_waits_for_an_exit_and_kills_what_outlives_its_timeout() -> None:
+    quick = subprocess.Popen(["sleep", "0.2"])
+    stuck = subprocess.Popen(["sleep", "600"])
+    wait_exited([quick.pid], timeout=60)  # it ends on its own well within it
+    assert quick.wait(5) == 0
+    wait_exited([stuck.pid], timeout=0)
+    assert stuck.wait(5) == -signal.SIGKILL
+    wait_exited([quick.pid], timeout=0)  # reaped and gone: nothing to wait for

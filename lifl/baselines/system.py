@@ -30,11 +30,12 @@ from lifl import procstat
 from lifl.baselines.aggregate import MAX_BATCH_INPUTS
 from lifl.baselines.serverless import DEFAULT_FAN_IN
 from lifl.node.supervisor import Child
-from lifl.procs import on_signals
+from lifl.procs import on_signals, wait_exited
 
 SYSTEMS = ("lifl", "sf", "sf-micro", "sl")
 BASELINES = SYSTEMS[1:]
 DEFAULT_KPA_SCALE = 0.1  # KPA's 60 s stable window would outlast a whole comparison run
+STOP_TIMEOUT_S = 30.0  # how long stop() lets the processes of the system exit before it kills them
 
 
 @dataclass
@@ -130,10 +131,14 @@ class BaselineSystem:
         return sorted({pid for group in self.pids().values() for pid in group})
 
     def stop(self) -> None:
+        """Stop every process; when it returns none is running, the dispatcher's function
+        instances and sidecars included (they exit as their parent does, not with it)."""
+        pids = self.all_pids()
         for name in ("frontend", "dispatcher", "leaf", "top", "redis"):
             child = self.children.get(name)
             if child:
                 child.stop()
+        wait_exited(pids, STOP_TIMEOUT_S)
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 

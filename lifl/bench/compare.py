@@ -600,6 +600,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the FL job's model: the small CNN (default), or a ResNet for system load (flower: the CNN only)")
     p.add_argument("--load-model", choices=MODELS_FL[1:], default="resnet18", help="the load section's model (default resnet18)")
     p.add_argument("--load-rounds", type=int, default=10, help="rounds of the load section (default 10)")
+    p.add_argument("--load-max-minutes", type=float, default=None,
+                   help="the load section's time budget per system (default: --max-minutes); its clients train a ResNet")
     p.add_argument("--max-minutes", type=float, default=5.0, help="per system, for the FL job (default 5)")
     p.add_argument("--results", type=Path, default=Path("results/compare"), help="tables, plots and JSON go here")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -645,7 +647,8 @@ def run(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
                 result["tta"], series = tta(systems, setup, tmp, log, say)
                 result["tta_setup"] = asdict(setup)
             if "load" in sections:
-                setup = JobSetup(model=args.load_model, rounds=args.load_rounds, max_minutes=args.max_minutes)
+                setup = JobSetup(model=args.load_model, rounds=args.load_rounds,
+                                 max_minutes=args.load_max_minutes or args.max_minutes)
                 result["load"] = load(byte_systems, setup, tmp, log, say)
                 result["load_setup"] = asdict(setup)
     finally:
