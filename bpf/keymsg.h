@@ -11,6 +11,7 @@
 #define KEYMSG_KIND_KEY 1   /* an object to aggregate */
 #define KEYMSG_KIND_CLOSE 2 /* no more inputs: finish with what arrived (count: the new fan-in) */
 #define KEYMSG_KIND_ACK 3   /* the sender consumed `count` messages: its credits (eBPF flow control) */
+#define KEYMSG_KIND_PREPARE 4 /* a hint: a KIND_KEY naming this object follows once it is written */
 #define KEYMSG_FLAG_PARTIAL 1 /* the object holds a partial sum, not a client update */
 
 struct keymsg {

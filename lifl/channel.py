@@ -36,6 +36,8 @@ from lifl.store import Tenant
 KIND_KEY = 1  # an object to aggregate
 KIND_CLOSE = 2  # no more inputs: finish with what arrived (count = the new fan-in)
 KIND_ACK = 3  # the sender read ``count`` messages: the credits of the eBPF transport's flow control
+KIND_PREPARE = 4  # a hint: a KIND_KEY naming this object follows once it is written; map it meanwhile
+KINDS = (KIND_KEY, KIND_CLOSE, KIND_ACK, KIND_PREPARE)
 
 FLAG_PARTIAL = 1  # the object holds a partial sum, not a client update
 
@@ -75,7 +77,7 @@ class KeyMessage:
         if len(data) != MESSAGE_BYTES:
             raise ValueError(f"key message must be {MESSAGE_BYTES} bytes, got {len(data)}")
         dest, src, kind, flags, count, task, samples, sent_ns, key, tenant, agg_us = _RECORD.unpack(data)
-        if kind not in (KIND_KEY, KIND_CLOSE, KIND_ACK):
+        if kind not in KINDS:
             raise ValueError(f"unknown key message kind {kind}")
         return cls(dest, task, kind, key, samples, count, bool(flags & FLAG_PARTIAL), src, sent_ns, tenant, agg_us)
 

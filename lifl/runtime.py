@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lifl import format as fmt
-from lifl.channel import KIND_KEY, KeyEndpoint, KeyMessage, now_ns
+from lifl.channel import KIND_KEY, KIND_PREPARE, KeyEndpoint, KeyMessage, now_ns
 from lifl.channel import attach as attach_channel
 from lifl.errors import LiflError
 from lifl.fixedpoint import FixedPoint
@@ -160,6 +160,15 @@ class Context:
         """These inputs (and the previous accumulator) are summed up in the accumulator ``state``:
         their objects may go, and if this instance dies the task runs again from ``state``."""
         self.client.call(Folded(task=inv.task, keys=keys, updates=updates, seconds=seconds, state=state))
+
+    def announce(self, inv: Invocation, key: bytes) -> None:
+        """Tell the parent, if this task knows it, that its input will be ``key`` (a
+        KIND_PREPARE hint): it maps the object while this task still writes it, so the hand-off
+        that follows costs only the delivery. A hint never blocks nor fails the task."""
+        if inv.parent[0]:
+            with contextlib.suppress(OSError):
+                self.channel.try_send(KeyMessage(dest=inv.parent[0], task=inv.parent[1], kind=KIND_PREPARE, key=key,
+                                                 src=self.instance_id))
 
     def forward(self, inv: Invocation, key: bytes, samples: int, updates: int, partial: bool,
                 agg_seconds: float = 0.0) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lifl.channel import (
-    KIND_CLOSE, MESSAGE_BYTES, RECORD_FIELDS, KeyMessage, UnixTransport, _RECORD, attach, now_ns, transport,
+    FLAG_PARTIAL, KIND_CLOSE, KINDS, MESSAGE_BYTES, RECORD_FIELDS, KeyMessage, UnixTransport, _RECORD, attach, now_ns, transport,
 )
 from lifl.store import Tenant
 
@@ -41,7 +41,8 @@ def test_malformed_messages_are_rejected(data: bytes, needle: str) -> None:
 
 
 def test_the_record_is_the_one_bpf_keymsg_h_defines(tmp_path: Path) -> None:
-    """The Python layout pinned to the C struct, compiled: offsets and sizes of every field."""
+    """The Python layout pinned to the C struct, compiled: offsets and sizes of every field, and
+    the kinds and flags."""
     program = tmp_path / "layout.c"
     fields = ", ".join(f'"{name}"' for name in RECORD_FIELDS)
     offsets = " ".join(f'printf("%zu %zu\\n", offsetof(struct keymsg, {f}), sizeof(((struct keymsg *)0)->{f}));'
@@ -51,13 +52,17 @@ def test_the_record_is_the_one_bpf_keymsg_h_defines(tmp_path: Path) -> None:
 #include <stdio.h>
 #include "keymsg.h"
 static const char *names[] = {{{fields}}};
-int main(void) {{ printf("%zu\\n", sizeof(struct keymsg)); {offsets} return names[0] == 0; }}
+int main(void) {{ printf("%zu\\n", sizeof(struct keymsg)); {offsets}
+  printf("%d %d %d %d %d\\n", KEYMSG_KIND_KEY, KEYMSG_KIND_CLOSE, KEYMSG_KIND_ACK, KEYMSG_KIND_PREPARE,
+         KEYMSG_FLAG_PARTIAL);
+  return names[0] == 0; }}
 """)
     subprocess.run(["cc", "-std=c11", "-I", str(REPO / "bpf"), "-o", str(tmp_path / "layout"), str(program)], check=True)
     lines = subprocess.run([str(tmp_path / "layout")], check=True, capture_output=True, text=True).stdout.split("\n")
-    c_layout = [tuple(map(int, line.split())) for line in lines[1:] if line]
+    c_layout = [tuple(map(int, line.split())) for line in lines[1:-2]]
     assert int(lines[0]) == MESSAGE_BYTES == _RECORD.size
     assert c_layout == _python_layout()
+    assert [int(v) for v in lines[-2].split()] == [*KINDS, FLAG_PARTIAL]
 
 
 def _python_layout() -> list[tuple[int, int]]:

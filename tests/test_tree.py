@@ -185,3 +185,19 @@ def test_jobs_have_trees_of_their_own() -> None:
     t.accepted("y", 4, 2, 2, update(2))
     assert set(t.rounds) == {"x", "y"} and t.rounds["y"].round == 4
     assert kinds(t.end("x", "gone")) == ["C:2", "C:1", "Rel:0"] and set(t.rounds) == {"y"}
+
+
+def test_producers_are_the_unfinished_tasks_feeding_a_task() -> None:
+    """What a task waiting for an instance may wait for (the agent's reuse): its own producers,
+    never a task that waits for it."""
+    t = Trees("n1")
+    arrivals(t, 3)  # middle 1, leaves 2 and 3
+    kinds(t.sync("j", shard(counts={"n1": 3}, top="n1")))  # the top: task 4
+    assert [t.producers(i) for i in (1, 2, 3, 4)] == [[2, 3], [], [], [1]]
+    t.finished(2)
+    assert t.producers(1) == [3]
+    kinds(t.result(3, Input(key(90), 2, 1, True)))
+    t.finished(3)
+    assert t.producers(1) == [] and t.producers(4) == [1]
+    t.finished(1)
+    assert t.producers(4) == [] and t.producers(99) == []

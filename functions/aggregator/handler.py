@@ -16,10 +16,11 @@ import time
 from typing import Any
 
 from lifl import format as fmt
-from lifl.channel import KIND_CLOSE, now_ns
+from lifl.channel import KIND_CLOSE, KIND_PREPARE, now_ns
 from lifl.control.planner import TOP
 from lifl.fedavg import Contribution, StreamingFedAvg, average_into
 from lifl.fixedpoint import FixedPoint, read_bound, write_bound
+from lifl.errors import NotFound
 from lifl.kernels import TensorTable, Tensors
 from lifl.functions.aggregator import top
 from lifl.runtime import Context, Invocation
@@ -61,6 +62,8 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
     recv_s = agg_s = alloc_s = 0.0
     folds = 0
     live: list[Tensors] = []
+    prepared: dict[bytes, tuple[Any, Tensors]] = {}  # inputs announced and mapped ahead of their key
+    premapped = 0
     queued: list[Contribution] = []  # lazy: everything waits for the last input
     latest: Any = None  # the newest accumulator's mapping (fixed point: its bound is written there)
 
@@ -71,7 +74,19 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
         tensors = _mapped(ctx, latest, spec)
         live.append(tensors)
         alloc_s += time.perf_counter() - t
+        if agg.complete and inv.role != TOP:  # this fold writes the result: the parent may map it now
+            ctx.announce(inv, key)
         return tensors, key
+
+    def open_input(key: bytes) -> tuple[Any, Tensors]:
+        nonlocal premapped
+        hit = prepared.pop(key, None)
+        premapped += hit is not None
+        if hit is None:
+            mm = ctx.open(key)
+            hit = mm, _mapped(ctx, mm, spec)
+            live.append(hit[1])
+        return hit
 
     try:
         # Recv + Agg
@@ -83,11 +98,16 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
                 if msg.kind == KIND_CLOSE:
                     agg.resize(msg.count)
                     continue
-                mm = ctx.open(msg.key)
-                tensors = _mapped(ctx, mm, spec)
+                if msg.kind == KIND_PREPARE:  # only a hint: an object that cannot be mapped is left alone
+                    if msg.key not in prepared:
+                        try:
+                            prepared[msg.key] = open_input(msg.key)
+                        except (NotFound, PermissionError):
+                            pass
+                    continue
+                mm, tensors = open_input(msg.key)
                 delivery_us.append((received_ns - msg.sent_ns) / 1e3)
                 handoff_us.append((now_ns() - msg.sent_ns) / 1e3)
-                live.append(tensors)
                 bound = read_bound(mm, ctx.layout(mm)) if fixed_point and msg.partial else 0
                 queued.append(Contribution(tensors, msg.samples, msg.count, msg.partial, msg.key, bound))
             batch = [] if inv.lazy and not agg.complete_with(len(queued)) else queued
@@ -139,6 +159,7 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
         "samples": result.samples,
         "delivery_us": delivery_us,
         "handoff_us": handoff_us,
+        "premapped": premapped,  # inputs whose hand-off found them mapped already (announced)
         "recv_s": recv_s,
         "agg_s": agg_s,
         "alloc_s": alloc_s,  # part of agg_s: getting (and on first use, mapping) the accumulator

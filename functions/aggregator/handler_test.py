@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from lifl import format as fmt
-from lifl.channel import KIND_CLOSE, KeyMessage
+from lifl.channel import KIND_CLOSE, KIND_PREPARE, KeyMessage
+from lifl.errors import NotFound
 from lifl.runtime import Context, Invocation
 
 from .handler import handle
@@ -35,6 +36,8 @@ class MemoryContext(Context):
         self.forwarded: dict[str, Any] | None = None
         self.installed: dict[str, Any] | None = None
         self.folds = 0
+        self.opened: list[bytes] = []
+        self.announced: list[bytes] = []
         self._keys = itertools.count(1)
 
     def put(self, blob: bytes | bytearray) -> bytes:
@@ -51,7 +54,13 @@ class MemoryContext(Context):
         return batch
 
     def open(self, key: bytes) -> mmap.mmap:
+        self.opened.append(key)
+        if key not in self.objects:
+            raise NotFound(f"shared-memory object {key.hex()} does not exist", code="no_such_object")
         return self.objects[key]
+
+    def announce(self, inv: Invocation, key: bytes) -> None:
+        self.announced.append(key)
 
     def accumulator(self, inv: Invocation, header: bytes, data_bytes: int) -> tuple[bytes, mmap.mmap]:
         key = self.put(bytes(len(header) + data_bytes))
@@ -140,3 +149,41 @@ def test_an_open_task_finishes_when_the_round_closes() -> None:
     assert ctx.installed is not None and stats["inputs"] == 2
     for name, tensor in ctx.installed["tensors"].items():
         np.testing.assert_allclose(tensor, fedavg64(models, samples)[name], rtol=1e-6, atol=1e-6)
+
+
+def test_a_leaf_announces_the_object_its_last_fold_writes() -> None:
+    """The parent may map a leaf's result while the leaf still writes it; only the last fold's
+    accumulator is announced, and only below the top."""
+    models, samples = updates(4, seed=5), [1, 2, 3, 4]
+    ctx = MemoryContext([])
+    spec = fmt.parse_layout(fmt.encode(models[0])).spec()
+    for model, s in zip(models, samples):  # one at a time: three folds
+        ctx.inbox.append(KeyMessage(dest=1, task=7, key=ctx.put(fmt.encode(model)), samples=s, count=1))
+    inv = Invocation(7, "job", 3, "leaf", 4, False, spec)
+    original = ctx.receive
+    ctx.receive = lambda inv: [ctx.inbox.popleft()] if ctx.inbox else original(inv)  # type: ignore[method-assign]
+    handle(inv, ctx)
+    assert ctx.forwarded is not None
+    assert len(ctx.announced) == 1 and ctx.objects[ctx.announced[0]] is not None
+    for name, tensor in ctx.tensors(ctx.announced[0]).items():  # the forwarded result is the announced object
+        np.testing.assert_array_equal(tensor, ctx.forwarded["tensors"][name])
+    top, _ = run("top", models, samples)
+    assert top.announced == []
+
+
+def test_an_announced_input_is_mapped_once_and_a_bad_hint_is_ignored() -> None:
+    models, samples = updates(2, seed=6), [2, 5]
+    ctx = MemoryContext([])
+    spec = fmt.parse_layout(fmt.encode(models[0])).spec()
+    keys = [ctx.put(fmt.encode(m)) for m in models]
+    ctx.inbox.extend([KeyMessage(dest=1, task=7, kind=KIND_PREPARE, key=keys[1]),
+                      KeyMessage(dest=1, task=7, kind=KIND_PREPARE, key=b"\xff" * 16),  # no such object
+                      KeyMessage(dest=1, task=7, kind=KIND_PREPARE, key=keys[1])])  # twice: mapped once
+    ctx.inbox.extend(KeyMessage(dest=1, task=7, key=k, samples=s, count=1) for k, s in zip(keys, samples))
+    stats = handle(Invocation(7, "job", 3, "top", 2, False, spec), ctx)
+    assert sorted(ctx.opened) == sorted([keys[0], keys[1], b"\xff" * 16])
+    assert stats["premapped"] == 1 and stats["inputs"] == 2
+    expected = fedavg64(models, samples)
+    assert ctx.installed is not None
+    for name, tensor in ctx.installed["tensors"].items():
+        np.testing.assert_allclose(tensor, expected[name], rtol=1e-6, atol=1e-6)

@@ -12,7 +12,9 @@ For float32 updates of ResNet-18/34/152 sizes (44.7, 83.3, 230 MB), on a real no
   in one send() of the whole update, as the reference before it (which lifl's HTTP ingest beat:
   0.72-0.94x); 1.1-1.5x raw_tcp_ms at 230 MB, 0.9-1.3x at 83 MB (ratios: raw_tcp_naive);
 - handoff_us: leaf -> middle delivery of a key until the middle holds a readable view, as the
-  middle aggregator measured it (handoff_delivery_us: until the key was in its hands);
+  middle aggregator measured it (handoff_delivery_us: until the key was in its hands;
+  handoff_premapped: the share of hand-offs whose object the middle had mapped already, the
+  leaf having announced it when its last fold began);
   wake_us, its reference: one-way latency of a 64-byte message to a process that sat idle for
   20 ms in select() (AF_UNIX, what waking an idle CPU costs on this machine);
 - aggregate_ms: the weighted accumulate of one update, as leaves fold them (two updates in
@@ -413,6 +415,7 @@ class Bench:
         folds = [(t["agg_s"] - t["alloc_s"]) * 1e3 / 2 for t in pairs]
         handoffs = [us for t in tasks if t["role"] == "middle" for us in t["handoff_us"]]
         deliveries = [us for t in tasks if t["role"] == "middle" for us in t["delivery_us"]]
+        premapped = sum(t.get("premapped", 0) for t in tasks if t["role"] == "middle")
         forwards = [t["send_s"] * 1e6 for t in tasks if t["role"] == "leaf"]  # the hand-off's sending side
         return {
             "handoff_forward_us": round(statistics.median(forwards), 1),
@@ -421,6 +424,7 @@ class Bench:
             "handoff_us": round(statistics.median(handoffs), 1),
             "handoff_delivery_us": round(statistics.median(deliveries), 1),
             "handoff_max_us": round(max(handoffs), 1),
+            "handoff_premapped": round(premapped / len(handoffs), 2),
         }
 
     def kernel_figures(self, update: bytes, nbytes: int) -> dict[str, Any]:

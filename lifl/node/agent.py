@@ -52,7 +52,7 @@ from lifl import format as fmt
 from lifl.channel import CHANNELS, KIND_CLOSE, KeyMessage, now_ns, transport
 from lifl.control import rounds as cluster_rounds
 from lifl.control.controller import Controller, ControlConfig
-from lifl.control.planner import LEAF, ROLES, InstanceView, expired, pick_warm
+from lifl.control.planner import ROLES, InstanceView, expired, pick_warm
 from lifl.errors import (
     BadRequest, Conflict, Forbidden, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge, Unavailable, Unprocessable,
 )
@@ -1619,7 +1619,7 @@ class Agent:
             inst = self._idle_instance(tenant) if self.config.reuse else None
             if inst is not None:
                 self.metrics.starts.labels("warm").inc()
-            elif self.config.reuse and task.role != LEAF and self._busy(tenant):
+            elif self.config.reuse and self._producer_running(task):
                 continue  # its input's producer is about to be idle: it takes over (§5.3), no cold start
             elif len(self.instances) < self.config.max_instances and (inst := self._spawn(tenant, "cold_start")):
                 self.metrics.starts.labels("cold").inc()
@@ -1646,8 +1646,12 @@ class Agent:
             inst.task, inst.running, q.instance = qid, None, inst.id
             self.actuator.invoke(inst.id, Invoke(qid, q.job, q.version, QUERY_ROLE, 0))
 
-    def _busy(self, tenant: Tenant) -> bool:
-        return any(i.tenant == tenant and i.task is not None for i in self.instances.values())
+    def _producer_running(self, task: tree.Task) -> bool:
+        """Whether an instance runs one of the task's producers. Only such an instance is sure to
+        come free for it: any other busy one may hold a task that waits for this one (the top
+        for its node's middle)."""
+        producers = set(self.trees.producers(task.id))
+        return any(i.task in producers for i in self.instances.values())
 
     def _spawn_for_query(self, tenant: Tenant, inference: bool) -> Instance | None:
         """A cold start for a query; one that needs torch may take the place of an idle instance

@@ -242,6 +242,16 @@ class Trees:
         r.received_from.add(from_node)
         return [self._deliver(r.top, partial)]
 
+    def producers(self, task_id: int) -> list[int]:
+        """The unfinished tasks here whose results are inputs of ``task_id``: a middle's leaves,
+        the top's middle (a leaf's inputs come from clients)."""
+        task = self.tasks.get(task_id)
+        r = self.rounds.get(task.job) if task is not None else None
+        if task is None or r is None or r.round != task.round:
+            return []
+        children = {MIDDLE: r.leaves, TOP: [r.middle]}.get(task.role, [])
+        return [t.id for t in children if t.id in self.tasks]
+
     def finished(self, task_id: int) -> None:
         """The task is done (its instance reported back)."""
         self.tasks.pop(task_id, None)
