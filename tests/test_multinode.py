@@ -29,16 +29,26 @@ PREFIX, SUBNET, STEM = "liflmn", "10.79.0.0/24", "mn"
 SHAPE = (1024, 1024)  # 4 MiB of float32: partial sums (8 MiB) overrun socket buffers on their way
 
 
-@pytest.fixture
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, ClusterAddresses]]:
+def three_nodes(**options) -> Iterator[tuple[Cluster, ClusterAddresses]]:
     base = Path(tempfile.mkdtemp(prefix="lifl-mn-", dir="/tmp"))
     os.chmod(base, 0o755)
     c = Cluster(ClusterConfig(nodes=3, node_stem=STEM, prefix=PREFIX, subnet=SUBNET, run_dir=base / "run",
-                              data_dir=base / "data", shm_capacity=256 << 20, keep_warm=30))
+                              data_dir=base / "data", shm_capacity=256 << 20, keep_warm=30, **options))
     try:
         yield c, c.start()
     finally:
         c.stop()
+
+
+@pytest.fixture
+def cluster() -> Iterator[tuple[Cluster, ClusterAddresses]]:
+    yield from three_nodes()
+
+
+@pytest.fixture
+def one_instance_each() -> Iterator[tuple[Cluster, ClusterAddresses]]:
+    """Nodes that may run one function instance at a time."""
+    yield from three_nodes(max_instances=1)
 
 
 class Clients:
@@ -100,17 +110,37 @@ def test_a_round_spans_three_nodes_and_every_node_serves_the_model(cluster) -> N
         assert int(Path(f"/sys/class/net/{addresses.nodes[node].host_end}/statistics/tx_bytes").read_text()) > 0
 
 
+@pytest.mark.parametrize("nodes", ["cluster", "one_instance_each"])
+def test_rounds_of_two_updates_per_node_complete_whichever_task_takes_the_warm_instance(
+        nodes: str, request: pytest.FixtureRequest) -> None:
+    """Two updates per node: each node runs a leaf and then its middle on its one warm instance.
+    On the top's node, the other nodes' partials may start the top there first, and the top
+    waits for that middle: the middle must not wait for the top's instance (it did, and the
+    round stalled now and then), and a node that may run one instance gives it to the middle
+    first. Several jobs, each a new race."""
+    c, addresses = request.getfixturevalue(nodes)
+    for attempt in range(5):
+        clients = Clients(addresses, f"pairs{attempt}", goal=6, leaf_fan_in=2)
+        nodes = list(clients.gw)
+        for i in range(6):
+            clients.push(nodes[i % 3])
+        last = clients.wait_version(1)
+        assert last["outcome"] == "complete" and last["nodes"] == {n: 2 for n in nodes}
+        version, w = clients.model_on(last["top"])
+        ref = clients.reference(nodes)
+        assert version == 1 and np.all(np.abs(w - ref) <= 1e-5 * (np.abs(ref) + 1e-3))
+
+
 def test_a_robust_strategy_reads_every_nodes_updates(cluster) -> None:
     """The top's median reads the updates acknowledged on the other nodes (from the checkpoint
     store they were written behind to), not just their nodes' sums."""
     c, addresses = cluster
-    # three updates per node: with two, the known stall (a leaf and the top on one instance) hits now and then
-    clients = Clients(addresses, "median", goal=9, leaf_fan_in=2, strategy={"name": "median"})
+    clients = Clients(addresses, "median", goal=6, leaf_fan_in=2, strategy={"name": "median"})
     nodes = list(clients.gw)
-    for i in range(9):
+    for i in range(6):
         clients.push(nodes[i % 3])
     last = clients.wait_version(1)
-    assert last["nodes"] == {n: 3 for n in nodes} and last["strategy"] == {"name": "median"}
+    assert last["nodes"] == {n: 2 for n in nodes} and last["strategy"] == {"name": "median"}
     everything = np.stack([w for n in nodes for w, _ in clients.acked[n]])
     version, w = clients.model_on(last["top"])
     assert version == 1
@@ -196,9 +226,9 @@ def test_when_the_tops_node_dies_the_round_moves_its_top_and_completes(cluster) 
 
 def test_queries_compute_where_the_updates_are_or_read_them_through_the_shared_store(cluster) -> None:
     c, addresses = cluster
-    clients = Clients(addresses, "kept", goal=9, leaf_fan_in=2, retention={"updates": 1, "models": 2, "history": 1})
+    clients = Clients(addresses, "kept", goal=6, leaf_fan_in=2, retention={"updates": 1, "models": 2, "history": 1})
     nodes = list(clients.gw)
-    for i in range(9):
+    for i in range(6):
         clients.push(nodes[i % 3])
     clients.wait_version(1)
     first = clients.gw[nodes[0]]
@@ -206,13 +236,13 @@ def test_queries_compute_where_the_updates_are_or_read_them_through_the_shared_s
 
     # cosine to the round's change decomposes: each node computes its clients' part where they are
     split = first.query("kept", {"workload": "cosine"})
-    assert split["result"]["clients"] == [f"c{i}" for i in range(9)] and sorted(split["nodes"]) == sorted(nodes)
+    assert split["result"]["clients"] == [f"c{i}" for i in range(6)] and sorted(split["nodes"]) == sorted(nodes)
     assert split["data"]["bytes_between_nodes"] < 64 << 10  # numbers crossed, not updates
 
     # a similarity matrix is pairwise: node 1 reads the other nodes' updates from the shared store
     matrix = first.query("kept", {"workload": "cosine", "against": "clients"})
-    assert matrix["node"] == nodes[0] and matrix["data"]["store"] >= 6
-    assert matrix["data"]["bytes_fetched"] >= 6 * update_bytes
+    assert matrix["node"] == nodes[0] and matrix["data"]["store"] >= 4
+    assert matrix["data"]["bytes_fetched"] >= 4 * update_bytes
     assert np.allclose(matrix["result"]["norms"], split["result"]["norms"], rtol=1e-6)
     again = first.query("kept", {"workload": "cosine", "against": "clients"})  # now kept here too
     assert again["data"]["store"] == 0 and again["result"] == matrix["result"]

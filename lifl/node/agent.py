@@ -1609,12 +1609,13 @@ class Agent:
     # -- scheduling tasks on instances ------------------------------------------------------------
     def _dispatch(self) -> None:
         """Give waiting tasks instances: a warm idle one of the tenant, else a new one while the
-        node has room (a cold start); the rest wait for an instance to free up."""
-        for task_id in list(self.waiting):
-            task = self.trees.tasks.get(task_id)
-            if task is None:
-                self.waiting.remove(task_id)
-                continue
+        node has room (a cold start); the rest wait for an instance to free up. Producers go
+        first (leaves, then middles, then tops): a full node must not give its last instance to
+        a task that waits for one still waiting."""
+        for task_id in [t for t in self.waiting if t not in self.trees.tasks]:
+            self.waiting.remove(task_id)
+        for task_id in sorted(self.waiting, key=lambda t: ROLES.index(self.trees.tasks[t].role)):
+            task = self.trees.tasks[task_id]
             tenant = self.jobs[task.job].tenant
             inst = self._idle_instance(tenant) if self.config.reuse else None
             if inst is not None:
