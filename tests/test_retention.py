@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import mmap
+import threading
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
+from conftest import wait_for
+from lifl import format as fmt
+from lifl.checkpoints import DirectoryStore
 from lifl.errors import BadRequest
 from lifl.flstore.retention import (
     MAX_KEEP, MAX_SELECTED_CLIENTS, MODEL, UPDATE, Held, RetentionPolicy, checkpoints_kept, in_memory, lru_victims,
     round_queryable, version_queryable,
 )
 from lifl.jobs import JobSpec
+from lifl.node.metrics import Metrics
+from lifl.node.retention import Retainer
+from lifl.state import ClusterState
+from lifl.store import ObjectStore, Tenant
+
+TENANT = Tenant("acme", id=610001)
 
 
 @pytest.mark.parametrize("body, expected", [
@@ -129,3 +142,34 @@ def test_which_updates_are_retained_at_all(policy: RetentionPolicy, client: str,
 def test_budget_evicts_least_recently_used_first(held: list[tuple[float, int, str]], budget: int,
                                                  victims: list[str]) -> None:
     assert lru_victims(held, budget) == victims
+
+
+def test_an_update_the_round_let_go_of_is_fetched_back_not_fatal(shm_node: str, state: ClusterState, tmp_path: Path) -> None:
+    """The tree discards an update it will not aggregate (one of a round already over here)
+    whoever holds it, retention included: the next pass of the policy does not fail on the
+    object that is gone; it fetches the update back from its copy, as after an eviction."""
+    store = ObjectStore(shm_node, capacity=16 << 20, pool_limit=8 << 20)
+    state.create_job(JobSpec("kept", goal=2, retention=RetentionPolicy.from_request({"updates": 1}).to_dict()))
+    retainer = Retainer(shm_node, store, state, DirectoryStore(tmp_path), Metrics(), threading.RLock(), budget=8 << 20)
+    try:
+        blobs = {client: fmt.encode({"w": np.full(1000, i, np.float32)}) for i, client in enumerate("ab")}
+        keys = {}
+        for client, blob in blobs.items():
+            seg = store.create(TENANT, len(blob), "upload")
+            with mmap.mmap(seg.fd, len(blob)) as mm:
+                mm[:] = blob
+            store.seal(seg.key)
+            retainer.keep_update("kept", TENANT, seg.key, 0, 0, client, 1)
+            store.release(seg.key, "upload")
+            keys[client] = seg.key
+        wait_for(lambda: all(i.stored for i in retainer.items.values()), what="both updates written behind")
+        store.discard(keys["a"])
+        retainer.apply("kept")
+        for client, blob in blobs.items():
+            key = retainer.items[("kept", UPDATE, 0, client)].key
+            assert key is not None and (key == keys[client]) == (client == "b")
+            with mmap.mmap(store.get(key).fd, len(blob), prot=mmap.PROT_READ) as mm:
+                assert mm[:] == blob
+    finally:
+        retainer.stop()
+        store.close()

@@ -190,7 +190,7 @@ class Retainer:
                 elif not in_memory(policy, item.held, newest_round, newest_version):
                     if item.key is not None and item.stored:
                         self._drop(item, "policy")
-                elif item.key is None:
+                elif not self._present(item) and item.stored:
                     refetch.append(item)
             self._hold_budgets()
         for round_id in self.state.retained_rounds(job):
@@ -231,8 +231,9 @@ class Retainer:
 
     def _drop(self, item: Kept, reason: str) -> None:
         """Out of memory (its copy in the store, if any, stays)."""
-        if item.key is None:
+        if not self._present(item):
             return
+        assert item.key is not None
         key, item.key = item.key, None
         self.store.release(key, keep_holder(item.job))
         self.stats.setdefault(item.job, RetentionStats()).evictions += 1
@@ -240,12 +241,27 @@ class Retainer:
 
     def _hold_budgets(self) -> None:
         by_tenant: dict[str, list[tuple[float, int, Kept]]] = {}
-        for item in self.items.values():
-            if item.key is not None and item.stored and self._only_kept(item):
+        for item in list(self.items.values()):
+            if self._present(item) and item.stored and self._only_kept(item):
                 by_tenant.setdefault(item.tenant.name, []).append((item.last_used, item.size, item))
         for held in by_tenant.values():
             for victim in lru_victims(held, self.budget):
                 self._drop(victim, "budget")
+
+    def _present(self, item: Kept) -> bool:
+        """Whether the item's object is in memory. The round may have let go of an update it
+        never aggregated (store.discard: an update of a round already over here); the item
+        then forgets it, and with no copy in the store, it is forgotten itself."""
+        if item.key is None:
+            return False
+        try:
+            self.store.get(item.key)
+            return True
+        except NotFound:
+            item.key = None
+            if not item.stored and self.items.get((item.job, item.kind, item.index, item.client)) is item:
+                del self.items[(item.job, item.kind, item.index, item.client)]
+            return False
 
     def _only_kept(self, item: Kept) -> bool:
         """Nothing but retention holds it (not the current model, nor a query or a round at work)."""
@@ -255,7 +271,7 @@ class Retainer:
     def reclaim(self) -> bool:
         """Memory is short: drop the least recently used retained object whose copy is durable."""
         with self.lock:
-            candidates = [i for i in self.items.values() if i.key is not None and i.stored and self._only_kept(i)]
+            candidates = [i for i in list(self.items.values()) if self._present(i) and i.stored and self._only_kept(i)]
             if not candidates:
                 return False
             self._drop(min(candidates, key=lambda i: i.last_used), "pressure")
