@@ -128,11 +128,11 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from lifl.bench import channel, compare, dataplane, flowermem, flstore, knative, orchestration
+    from lifl.bench import channel, compare, dataplane, flowermem, flstore, knative, orchestration, throughput
 
     return {"dataplane": dataplane.main, "orchestration": orchestration.main, "channel": channel.main,
             "knative": knative.main, "compare": compare.main, "flstore": flstore.main,
-            "flower-memory": flowermem.main}[args.bench](args)
+            "flower-memory": flowermem.main, "throughput": throughput.main}[args.bench](args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from lifl.bench import channel, compare, dataplane, flowermem, flstore, knative, orchestration
+    from lifl.bench import channel, compare, dataplane, flowermem, flstore, knative, orchestration, throughput
 
     compare.add_arguments(bench_sub.add_parser(
         "compare", help="lifl against serverful (SF, SF-micro), stock-serverless (SL) and Flower: transfer, queuing, "
@@ -242,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
         "knative", help="lifl's autoscaler class against Knative's KPA on the Kubernetes test bed (needs root)"))
     flowermem.add_arguments(bench_sub.add_parser(
         "flower-memory", help="the Flower server's peak memory aggregating a round: Flower's FedAvg against the lifl bridge"))
+    throughput.add_arguments(bench_sub.add_parser(
+        "throughput", help="CPU per update and updates per second with many small updates: lifl against SF and the "
+                           "smallest server that answers them"))
     bench.set_defaults(func=cmd_bench)
     return p
 

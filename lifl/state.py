@@ -723,6 +723,45 @@ class ClusterState:
         """Give back the slot of an upload that will not be accepted."""
         return bool(self._unreserve(keys=[job_key(name), shard_key(name)], args=[round_id, node]))
 
+    def reserve_many(self, name: str, node: str, items: list[tuple[int, str, str]]) -> list[tuple[int, int, int]]:
+        """``reserve`` for each (base version, lease, client) of updates arriving at ``node``, in
+        one round trip (each a script of its own: the counters stay in the scripts)."""
+        keys = [job_key(name), leases_key(name), shard_key(name), lease_owners_key(name), excluded_key(name)]
+        pipe = self.redis.pipeline(transaction=False)
+        for base, lease, client in items:
+            self._reserve(keys=keys, args=[base, lease, node, client], client=pipe)
+        return [(int(status), int(version), int(round_id)) for status, version, round_id in pipe.execute()]
+
+    def unreserve_many(self, name: str, node: str, rounds: list[int]) -> None:
+        """``unreserve`` the slot of each upload (of the round given) that will not be accepted."""
+        pipe = self.redis.pipeline(transaction=False)
+        for round_id in rounds:
+            self._unreserve(keys=[job_key(name), shard_key(name)], args=[round_id, node], client=pipe)
+        pipe.execute()
+
+    def give_back(self, name: str, node: str, refused: list[tuple[int, str]]) -> None:
+        """Uploads that will not be accepted, each (round, reason): their slots go back and the
+        refusals are counted (``rejected.<reason>``)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for round_id, reason in refused:
+            self._unreserve(keys=[job_key(name), shard_key(name)], args=[round_id, node], client=pipe)
+            self._count(keys=[job_key(name)], args=[round_id, f"rejected.{reason}", 1], client=pipe)
+        pipe.execute()
+
+    def count_rejections(self, name: str, refused: list[tuple[int, str]]) -> None:
+        """Count refusals of arrived updates, each (round, code)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for round_id, code in refused:
+            self._count(keys=[job_key(name)], args=[round_id, f"rejected.{code}", 1], client=pipe)
+        pipe.execute()
+
+    def count_aggregated(self, counts: dict[tuple[str, int], int]) -> None:
+        """Add to the ``aggregated`` counter of each (job, round)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for (name, round_id), n in counts.items():
+            self._count(keys=[job_key(name)], args=[round_id, "aggregated", n], client=pipe)
+        pipe.execute()
+
     def take_lease(self, spec: JobSpec, client: str) -> tuple[str, int, int]:
         """``client``'s lease for training in the current round, bound to it: (lease id, version,
         round); the one it holds already, renewed, if any; raises if refused."""
@@ -757,6 +796,24 @@ class ClusterState:
         far); ACCEPT_CLOSED_ROUND when it met the goal and closed the round."""
         status, accepted = self._accept(keys=[job_key(name), shard_key(name)], args=[round_id, node, name, client])
         return int(status), int(accepted)
+
+    def accept_many(self, name: str, node: str, items: list[tuple[int, str, dict[str, Any] | None]]) -> list[tuple[int, int]]:
+        """``accept`` for each (round, client, retained) of updates that arrived at ``node``, in
+        one round trip; then, for those accepted and ``retained`` (where the update lives, see
+        ``record_retained``), the retention index (a second round trip, only when there are some)."""
+        keys = [job_key(name), shard_key(name)]
+        pipe = self.redis.pipeline(transaction=False)
+        for round_id, client, _ in items:
+            self._accept(keys=keys, args=[round_id, node, name, client], client=pipe)
+        results = [(int(status), int(accepted)) for status, accepted in pipe.execute()]
+        kept = [(round_id, meta) for (round_id, _, meta), (status, _) in zip(items, results) if status >= 0 and meta]
+        if kept:
+            pipe = self.redis.pipeline(transaction=False)
+            for round_id, meta in kept:
+                pipe.hset(retained_key(name, round_id), meta["client"], json.dumps(meta, sort_keys=True))
+                pipe.zadd(retained_rounds_key(name), {str(round_id): round_id})
+            pipe.execute()
+        return results
 
     def close_round(self, name: str, round_id: int, min_updates: int) -> int:
         """Close round ``round_id`` at its deadline: CLOSE_FINAL (finishes with what arrived),

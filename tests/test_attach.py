@@ -158,7 +158,7 @@ def test_a_pod_waits_for_its_agent_and_attaches_again_when_it_restarts(
         assert pod.status()["instance"] >= 1 and first >= 1
         # the agent lets an attached instance go: it comes back as a fresh instance
         (iid,) = agent.instances
-        agent.actuator.stop(iid)
+        agent.stop_instance(iid)
         wait_for(lambda: pod.status()["attaches"] == 3 and pod.status()["ready"], what="the pod back as a new instance")
         wait_for(lambda: iid not in agent.instances and len(agent.instances) == 1, what="the agent's books")
     finally:

@@ -17,7 +17,8 @@ from conftest import wait_for
 from flaky_handler import FAULTS
 from lifl import format as fmt
 from lifl.jobs import JobSpec
-from lifl.node.agent import MAX_TASK_ATTEMPTS, Agent
+from lifl.node.agent import Agent
+from lifl.node.tasks import MAX_TASK_ATTEMPTS
 from lifl.protocol import GetStatus
 from lifl.state import ClusterState
 from test_agent import SHAPES, aggregator_pids, gateway, metric, push, put_model, random_model, read_model
@@ -79,7 +80,7 @@ def test_a_leaf_killed_while_it_waits_for_input_runs_again_with_the_updates_it_h
     updates = [random_model(rng) for _ in range(3)]
     push(client, "j", 0, fmt.encode(updates[0]), 2)
     push(client, "j", 0, fmt.encode(updates[1]), 3)
-    wait_for(lambda: not agent.local_updates, what="the leaf folded both updates")
+    wait_for(lambda: client.call(GetStatus())[0].body["jobs"]["j"]["queued"] == 0, what="the leaf folded both updates")
     for pid in aggregator_pids():
         os.kill(pid, signal.SIGKILL)
     wait_for(lambda: metric(client, "lifl_task_reruns_total") >= 1, what="the leaf runs again")

@@ -71,6 +71,7 @@ from lifl.workload import MODELS as MODELS_FL
 from lifl.channel import KeyMessage, now_ns
 from lifl.client import Gateway, to_blob
 from lifl.node.supervisor import Node, NodeConfig
+from lifl.state import ClusterState
 from lifl.store import MappingCache, object_name
 
 SIZES = {name: size for name, size, _ in MODELS}  # resnet18 44.7 MB, resnet34 83.3 MB, resnet152 230 MB
@@ -99,8 +100,13 @@ class LiflUnderTest:
         name = f"c{os.getpid() % 100000}n{next(_node_numbers)}"  # a fresh node (and state) each time
         self.node = Node(NodeConfig(node=name, http="127.0.0.1:0", grpc="127.0.0.1:0", run_dir=tmp / name / "run",
                                     data_dir=tmp / name / "data", shm_capacity=8 << 30, pool_limit=4 << 30), log=log)
-        self.http = self.node.start().http
+        addresses = self.node.start()
+        self.http, self.grpc = addresses.http, addresses.grpc
         self.token = self.node.operator_token
+        self.state = ClusterState(addresses.redis)
+
+    def version(self, job: str) -> int:
+        return self.state.version(job)
 
     def pids(self) -> list[int]:
         groups = self.node.pids()
@@ -148,8 +154,12 @@ class BaselineUnderTest:
     def __init__(self, config: BaselineConfig, log: Any) -> None:
         self.system = BaselineSystem(config, log)
         self.http = self.system.start()
+        self.grpc = ""  # the baselines serve HTTP only
         self.token = ""
         self.jobs = Jobs(self.system.redis_url)
+
+    def version(self, job: str) -> int:
+        return self.jobs.status(job).version
 
     def pids(self) -> list[int]:
         return self.system.all_pids()

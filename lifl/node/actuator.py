@@ -1,11 +1,12 @@
 """How aggregator instances come and go on a node: the ``Actuator`` seam.
 
-The agent decides which task runs where and when an instance is let go; an actuator carries it
-out. ``LocalProcesses`` starts each instance as a process on this machine (``lifl up``);
-``ClusterPods`` starts none: the cluster runs a tenant's function pods on the node (scaled by
-lifl's operator), and each one attaches to the agent's function socket. Both accept attached
-instances, and both report an instance that goes away, for whatever reason, by its control
-connection closing.
+The agent decides which task runs where and when an instance is let go (``lifl.node.tasks``); an
+actuator carries out what touches the machine. ``LocalProcesses`` starts each instance as a
+process on this machine (``lifl up``); ``ClusterPods`` starts none: the cluster runs a tenant's
+function pods on the node (scaled by lifl's operator), and each one attaches to the agent's
+function socket. Both give an instance its endpoint of the node's key transport, and both
+retire it when its control connection closes, for whatever reason (the agent serves that
+connection on its event loop).
 """
 
 from __future__ import annotations
@@ -16,12 +17,9 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from lifl.channel import KeyTransport
-from lifl.protocol import Attached, Message
-from lifl.rpc import Connection, reply_frame
 from lifl.store import Tenant
 
 STOP_GRACE = 3.0  # seconds an instance has to exit once its control connection is closed
@@ -31,124 +29,44 @@ ACTUATORS = ("processes", "pods")  # what ``lifl up --functions`` takes
 class Actuator(Protocol):
     starts_instances: bool  # False: instances are started elsewhere (pods) and only attach
 
-    def spawn(self, tenant: Tenant, preload: tuple[str, ...] = ()) -> int | None:
-        """Start an instance for ``tenant`` (a cold start); returns its id, or None if this
-        actuator starts none. Its endpoint exists before it runs, so keys sent to it wait.
+    def spawn(self, tenant: Tenant, instance: int, preload: tuple[str, ...] = ()) -> tuple[socket.socket, Callable[[], None]]:
+        """Instance ``instance`` of ``tenant`` (a cold start): its control connection's end, which
+        exists at once (messages wait in it), and ``start``, which starts its process (it blocks:
+        call it off the event loop). Its endpoint exists before it runs, so keys sent to it wait.
         ``preload``: modules it imports before it drops to the tenant's identity (torch, for
         inference queries: the tenant may not read the interpreter's files)."""
 
-    def attach(self, tenant: Tenant, request_id: object, conn: Connection) -> int:
-        """Take an instance that connected by itself (its ``Attach`` was checked): provision its
-        endpoint, answer ``request_id`` with ``Attached`` and the endpoint, and serve it."""
+    def attach(self, tenant: Tenant, instance: int) -> tuple[socket.socket, str]:
+        """An instance that connected by itself (its ``Attach`` was checked) becomes ``instance``:
+        its endpoint's socket (to hand to it) and the spec it attaches to it with."""
 
-    def stop(self, instance: int) -> None:
-        """Let an instance go (it finishes nothing more)."""
-
-    def invoke(self, instance: int, message: Message) -> None:
-        """Push a control message (an invocation, a cancellation) to the instance."""
+    def retire(self, tenant: Tenant, instance: int, loop: Any) -> None:
+        """The instance's connection closed: its endpoint goes, and its process (if the node
+        started it) is reaped off ``loop``."""
 
     def stop_all(self) -> None:
-        """Shutdown: let every instance go."""
+        """Shutdown (every connection closed already): wait for the instances' processes."""
 
 
-@dataclass(eq=False)
-class _Instance:
-    conn: Connection
-    tenant: Tenant
-    proc: subprocess.Popen | None = None  # None: attached, not ours to reap
-    serving: threading.Thread | None = None
-
-
-class _Instances:
-    """What both actuators share: each instance's control connection (served by ``serve(instance
-    id, connection)`` on a thread of its own, which returns when the instance goes) and its
-    endpoint of the node's key transport."""
-
-    def __init__(self, node: str, keys: KeyTransport, serve: Callable[[int, Connection], None]) -> None:
-        self.node = node
-        self.keys = keys
-        self._serve = serve
-        self._instances: dict[int, _Instance] = {}
-        self._lock = threading.Lock()
-        self._next_id = 0
-
-    def _new_id(self) -> int:
-        with self._lock:
-            self._next_id += 1
-            return self._next_id
-
-    def _track(self, iid: int, instance: _Instance) -> None:
-        instance.serving = threading.Thread(target=self._run, args=(iid, instance.conn), name=f"instance-{iid}", daemon=True)
-        with self._lock:
-            self._instances[iid] = instance
-        instance.serving.start()
-
-    def attach(self, tenant: Tenant, request_id: object, conn: Connection) -> int:
-        iid = self._new_id()
-        chan, spec = self.keys.provision(tenant, iid)
-        try:
-            conn.send(reply_frame(request_id, Attached(iid, self.node, spec)), [chan.fileno()])
-        except OSError:
-            self.keys.retire(tenant, iid)
-            raise
-        finally:
-            chan.close()
-        self._track(iid, _Instance(conn, tenant))
-        return iid
-
-    def _run(self, iid: int, conn: Connection) -> None:
-        try:
-            self._serve(iid, conn)
-        finally:
-            with self._lock:
-                instance = self._instances.pop(iid, None)
-            if instance is not None:
-                self.keys.retire(instance.tenant, iid)
-                if instance.proc is not None:
-                    _reap(instance.proc)
-
-    def stop(self, instance: int) -> None:
-        with self._lock:
-            i = self._instances.get(instance)
-        if i is not None:
-            i.conn.close()  # a runtime exits (a pod's attaches again, as a new instance) when it closes
-
-    def invoke(self, instance: int, message: Message) -> None:
-        with self._lock:
-            i = self._instances.get(instance)
-        if i is None:
-            raise ConnectionError(f"instance {instance} is gone")
-        i.conn.send(message.encode())
-
-    def stop_all(self) -> None:
-        with self._lock:
-            instances = list(self._instances.values())
-        for i in instances:
-            i.conn.close()
-        for i in instances:
-            if i.proc is not None:
-                _reap(i.proc)
-        for i in instances:  # each retires its endpoint as it ends: before the transport closes
-            if i.serving is not None:
-                i.serving.join(STOP_GRACE)
-
-
-class LocalProcesses(_Instances):
+class LocalProcesses:
     """Instances as processes of ``python -m lifl.runtime`` started by the agent, each handed its
     control connection and its endpoint as inherited descriptors."""
 
     starts_instances = True
 
-    def __init__(self, node: str, keys: KeyTransport, handler: str, serve: Callable[[int, Connection], None]) -> None:
-        super().__init__(node, keys, serve)
+    def __init__(self, node: str, keys: KeyTransport, handler: str) -> None:
+        self.node = node
+        self.keys = keys
         self.handler = handler
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._retired: set[int] = set()  # instances retired before their process was started
+        self._lock = threading.Lock()  # processes start on a pool thread, and are retired on the loop
 
-    def spawn(self, tenant: Tenant, preload: tuple[str, ...] = ()) -> int:
-        iid = self._new_id()
-        chan, spec = self.keys.provision(tenant, iid)
+    def spawn(self, tenant: Tenant, instance: int, preload: tuple[str, ...] = ()) -> tuple[socket.socket, Callable[[], None]]:
+        chan, spec = self.keys.provision(tenant, instance)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cmd = [
-            sys.executable, "-m", "lifl.runtime", "--instance", str(iid), "--tenant", tenant.name,
+            sys.executable, "-m", "lifl.runtime", "--instance", str(instance), "--tenant", tenant.name,
             "--node", self.node, "--channel", spec,
             "--control-fd", str(theirs.fileno()), "--channel-fd", str(chan.fileno()), "--handler", self.handler,
         ]
@@ -159,14 +77,43 @@ class LocalProcesses(_Instances):
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "LANG", "LC_ALL")}
         env["HOME"] = "/"
         env["PYTHONDONTWRITEBYTECODE"] = "1"
-        proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), chan.fileno()), cwd="/", env=env)
-        theirs.close()
-        chan.close()
-        self._track(iid, _Instance(Connection(ours), tenant, proc))
-        return iid
+
+        def start() -> None:
+            try:
+                proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), chan.fileno()), cwd="/", env=env)
+            finally:
+                theirs.close()
+                chan.close()
+            with self._lock:
+                retired = instance in self._retired
+                self._retired.discard(instance)
+                if not retired:
+                    self._procs[instance] = proc
+            if retired:  # its connection closed already: it exits at once
+                _reap(proc)
+
+        return ours, start
+
+    def attach(self, tenant: Tenant, instance: int) -> tuple[socket.socket, str]:
+        return self.keys.provision(tenant, instance)
+
+    def retire(self, tenant: Tenant, instance: int, loop: Any) -> None:
+        self.keys.retire(tenant, instance)
+        with self._lock:
+            proc = self._procs.pop(instance, None)
+            if proc is None:
+                self._retired.add(instance)
+        if proc is not None:
+            loop.offload(lambda: _reap(proc), lambda _, error: None)
+
+    def stop_all(self) -> None:
+        with self._lock:
+            procs, self._procs = list(self._procs.values()), {}
+        for proc in procs:
+            _reap(proc)
 
 
-class ClusterPods(_Instances):
+class ClusterPods:
     """Instances are the tenant's function pods the cluster runs on this node (lifl's operator
     scales and places them by the plan): the agent starts none and lets none go while idle;
     each pod attaches to the function socket, and one whose connection the agent closes
@@ -174,11 +121,24 @@ class ClusterPods(_Instances):
 
     starts_instances = False
 
-    def spawn(self, tenant: Tenant, preload: tuple[str, ...] = ()) -> None:
-        return None
+    def __init__(self, node: str, keys: KeyTransport) -> None:
+        self.node = node
+        self.keys = keys
+
+    def spawn(self, tenant: Tenant, instance: int, preload: tuple[str, ...] = ()) -> tuple[socket.socket, Callable[[], None]]:
+        raise RuntimeError("the cluster starts a tenant's function pods, not the node")
+
+    def attach(self, tenant: Tenant, instance: int) -> tuple[socket.socket, str]:
+        return self.keys.provision(tenant, instance)
+
+    def retire(self, tenant: Tenant, instance: int, loop: Any) -> None:
+        self.keys.retire(tenant, instance)
+
+    def stop_all(self) -> None:
+        pass  # pods are not ours to reap
 
 
-def _reap(proc: subprocess.Popen, grace: float = STOP_GRACE) -> None:
+def _reap(proc: subprocess.Popen[bytes], grace: float = STOP_GRACE) -> None:
     """Wait for an instance whose connection is gone (it exits on EOF), so that it leaves no
     zombie and its CPU time is charged to the agent; kill it if it does not go."""
     try:

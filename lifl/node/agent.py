@@ -1,29 +1,33 @@
 """The node agent: owns the node's shared memory, runs its aggregator instances and routes keys.
 
-It is a thin shell around pure parts: the round's shared state is in Redis (``lifl.state``),
-the node's tree for each round is ``lifl.node.tree`` (events in, effects out), cluster-wide
-round duties are ``lifl.control.rounds`` and the planner is ``lifl.control.planner``. The
-shell applies effects, talks to Redis (never under its lock), and runs named periodic duties.
+One thread owns everything the agent knows (``lifl.net.loop``): connections, Redis's answers,
+timers and the instances' reports arrive as events on it, pure parts decide what to do, and
+this shell does it. What blocks (Redis, checkpoints, starting processes) runs on small bounded
+pools and comes back as an event; no lock guards the agent's state, because no other thread
+touches it. The pure parts, each tested with tables:
 
-- The gateway asks it for objects to receive blobs into (``Admit`` reserves a slot of the
-  job's global round in Redis, converting the client's lease if it holds one, enforces the
-  job's in-flight budget, and reserves the shared memory that aggregating the update needs,
-  within the job's fair share: ``lifl.node.admission``), then hands the sealed update over (``Submit``), which counts
-  it once for the whole round in Redis and feeds it to this node's tree.
-- Tasks run on instances of the job's tenant: idle warm ones first (reuse, §5.3: an idle leaf
-  becomes the middle, the middle's instance the top), new ones otherwise (a cold start), or
-  wait; the planner may ask for instances to be warmed ahead of the load (§5.2).
-- The middle's result goes to the round's top; if that is on another node, this node's
-  gateway streams it there out of shared memory (``ForwardPartial``) and keeps it until the
-  round ends, in case the top moves. The top's result is checkpointed in the background and
-  installed as the next version once durable.
+- ``lifl.node.tree``: each round's tree on this node (leaves, middle, top; where results go);
+- ``lifl.node.tasks``: which instance runs which task, what each task folded, reruns, cold
+  starts and scale to zero (LIFL §5.3: warm instances take any role);
+- ``lifl.node.uploads``: blobs being received and updates in flight;
+- ``lifl.node.installs``: checkpoints written again after a failure, partial results sent again;
+- ``lifl.node.admission``: the memory that aggregating what was admitted needs;
+- ``lifl.control.rounds`` and ``lifl.control.planner``: cluster-wide round duties, the plan.
+
+The hot path works in batches: what arrives while a Redis call for a job is in flight goes in
+its next call (``Batches``), so a burst of uploads costs a few scripts, not one each.
+
+- The gateway asks for objects to receive blobs into (``Admit`` reserves a slot of the job's
+  global round in Redis, converting the client's lease if it holds one, enforces the job's
+  in-flight budget, and reserves the shared memory that aggregating the update needs, within
+  the job's fair share), then hands the sealed update over (``Submit``), which counts it once
+  for the whole round in Redis and feeds it to this node's tree.
+- The middle's result goes to the round's top; if that is on another node, this node's gateway
+  streams it there out of shared memory (``ForwardPartial``) and keeps it until the round ends,
+  in case the top moves. The top's result is checkpointed in the background and installed as
+  the next version once durable.
 - Every object reference belongs to a holder (an upload, a task, a round, a job's model or
   replica, a gateway's read). A holder that disappears is released.
-- A task's inputs are immutable and stay in shared memory until the task reports them folded
-  into a new accumulator (``Folded``: every fold writes a fresh one, so the latest is always a
-  complete sum). An instance that dies or fails mid-task loses only its scratch objects: the
-  task runs again on another instance from its latest accumulator and the inputs it had not
-  folded (up to ``MAX_TASK_ATTEMPTS`` runs), so an acknowledged update is never lost to a crash.
 - A node that dies mid-round is declared lost by whoever notices (its registration in Redis
   lapses): what it acknowledged and had not delivered is recorded as lost, and the round
   completes on the others. A restarted node does this for itself before it serves.
@@ -49,43 +53,37 @@ from typing import Any
 
 from lifl import checkpoints
 from lifl import format as fmt
-from lifl.channel import CHANNELS, KIND_CLOSE, KeyMessage, now_ns, transport
+from lifl.channel import CHANNELS, KeyMessage, now_ns, transport
 from lifl.control import rounds as cluster_rounds
 from lifl.control.controller import Controller, ControlConfig
-from lifl.control.planner import ROLES, InstanceView, expired, pick_warm
 from lifl.errors import (
     BadRequest, Conflict, Forbidden, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge, Unavailable, Unprocessable,
 )
+from lifl.flstore.retention import MODEL, Held, RetentionPolicy, checkpoints_kept, in_memory, round_queryable, version_queryable
 from lifl.jobs import TENANT_NAME, JobSpec
-from lifl.node import tree
+from lifl.net.loop import SLOW_POOL, Loop
+from lifl.node import installs, tasks, tree, uploads
 from lifl.node.actuator import ACTUATORS, Actuator, ClusterPods, LocalProcesses
 from lifl.node.admission import PARTIAL, UPDATE, JobSizes, RoundOf
-from lifl.node.dispatch import serve
 from lifl.node.metrics import Metrics
 from lifl.node.privilege import attach_refusal, current, peer_identity
 from lifl.node.retention import Retainer, query_holder, update_blob
-from lifl.flstore.retention import MODEL, Held, RetentionPolicy, checkpoints_kept, in_memory, round_queryable, version_queryable
 from lifl.procs import die_with_parent, on_signals
 from lifl.protocol import (
-    PROTOCOL, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Admitted, Alloc, Attach, Allocated, CancelTask, Document,
-    Done, Failed, Folded, Forwarded, ForwardPartial, GetMetrics, GetRecent, GetStatus, Handoff, Hello, InstallModel,
-    InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, OpenModel, QUERY_ROLE, Query, Ready, Release,
-    Route, StrategyInputs, Submit, SubmitPartial, Submitted, TakeQuery, Text, Welcome, decode,
+    PROTOCOL, QUERY_ROLE, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Admitted, Alloc, Allocated, Attach,
+    Attached, CancelTask, Document, Done, Failed, Folded, Forwarded, ForwardPartial, GetMetrics, GetRecent, GetStatus,
+    Handoff, Hello, InstallModel, InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, Ok, OpenModel,
+    Query, Ready, Release, Route, StrategyInputs, Submit, SubmitPartial, Submitted, TakeQuery, Text, Welcome, decode,
 )
-from lifl.rpc import Connection, error_reply
-from lifl.state import (
-    ACCEPT_CLOSED_ROUND, NO_MODEL, RESERVE_OK, ClusterState, Job, Shard, accept_refusal, refusal,
-)
+from lifl.rpc import MessageStream, error_reply, reply_frame
+from lifl.state import ACCEPT_CLOSED_ROUND, NO_MODEL, RESERVE_OK, ClusterState, Job, Shard, accept_refusal, refusal
 from lifl.store import SHM_DIR, ObjectStore, Segment, Tenant, remove_node_objects
 from lifl.strategy import privacy, strategy_bytes
 
 DEFAULT_HANDLER = "lifl.functions.aggregator.handler:handle"
 STRATEGY_INPUTS_TIMEOUT_S = 60.0  # how long a top waits for other nodes' updates of its round to be readable
 SETTLE_PASSES = 4  # duties that enable further duties (close, then place the top) within one settle
-FORWARD_RETRY = (0.2, 0.5, 1.0, 2.0)  # seconds before resending a partial that did not arrive
 OUTBOX_RETRY = 0.005  # seconds between attempts to deliver keys to an instance whose queue was full
-CHECKPOINT_RETRY = (0.5, 1.0, 2.0, 5.0, 10.0)  # seconds before writing a failed checkpoint again; the last repeats
-MAX_TASK_ATTEMPTS = 3  # runs of one task (the first and two re-runs) before its round is abandoned
 INFERENCE_MODULES = ("torch", "torchvision", "lifl.workload")  # what an instance answering inference imports first
 QUERY_FIELDS = ("workload", "round", "version", "rounds", "scope")  # a query's fields that are no workload parameter
 GATHER, NODE_SCOPE = "gather", "node"  # read every update here; compute this node's part of a split query
@@ -93,6 +91,8 @@ QUERY_SCOPES = ("", GATHER, NODE_SCOPE)
 QUERY_TIMEOUT_S = 300.0  # a query not answered by then is called off (its instance is stopped)
 MAX_QUERY_ROUNDS = 100  # rounds one reputation query reads at most
 HANDOFF_WAIT_S = 5.0  # how long a parent's report of folding a key sent ahead waits for that key's hand-off
+MAX_BATCH = 256  # uploads admitted (or accepted) by one Redis call at most; the rest wait for the next
+LISTEN_BACKLOG = 64
 
 
 def check_traversable(directory: Path) -> None:
@@ -160,8 +160,6 @@ class JobRun:
     model_version: int = NO_MODEL
     replica: tuple[bytes, int] | None = None  # (key, version): a copy fetched to serve it here
     strategy_state: tuple[bytes, int] | None = None  # (key, version): the strategy's state after that version, if made here
-    inflight: int = 0  # updates admitted here and not yet aggregated
-    model_upload: bool = False
 
     @cached_property
     def sizes(self) -> JobSizes:
@@ -173,85 +171,6 @@ class JobRun:
 
 
 @dataclass(eq=False)
-class Upload:
-    job: str
-    kind: str  # "update", "model", "partial" or "replica"
-    holder: Hashable
-    version: int = NO_MODEL
-    round: int = -1
-    epoch: int = 0
-    from_node: str = ""
-    base: int = NO_MODEL  # an update's base version: older than ``version`` (the round's) in fedbuff jobs
-
-
-@dataclass(eq=False)
-class Instance:
-    id: int
-    tenant: Tenant
-    task: int | None = None
-    running: tree.Task | None = None  # the task itself: its round may end before the instance reports
-    ready: bool = False  # its runtime has loaded the function (a warm instance, not one still starting)
-    last_used: float = field(default_factory=time.monotonic)
-    specs_sent: set[str] = field(default_factory=set)
-    inference: bool = False  # it loaded torch before dropping privileges: it may answer inference queries
-
-
-@dataclass(eq=False)
-class TaskProgress:
-    """What a task was given and what it folded so far: enough to run it again from there."""
-
-    unfolded: list[KeyMessage] = field(default_factory=list)  # inputs delivered, not reported folded
-    state: KeyMessage | None = None  # the accumulator summing up the inputs folded so far
-    folded: int = 0  # task inputs summed up in ``state``
-    attempts: int = 0  # runs started
-    offset: int = 0  # inputs the current run does not see one by one (``state`` stands for them)
-
-    def start(self) -> None:
-        self.attempts += 1
-        self.offset = self.folded - 1 if self.state is not None else 0
-
-    def fan_in(self, fan_in: int) -> int:
-        """The task's fan-in as the current run counts its inputs."""
-        return fan_in if fan_in == tree.OPEN else fan_in - self.offset
-
-    def inputs(self) -> list[KeyMessage]:
-        """What a new run is given: the latest accumulator, then the inputs not folded into it."""
-        return ([self.state] if self.state is not None else []) + self.unfolded
-
-    def fold(self, key: bytes) -> KeyMessage | None:
-        """``key`` was folded: the input it was (None if it is no input, e.g. the previous state)."""
-        for i, msg in enumerate(self.unfolded):
-            if msg.key == key:
-                self.folded += 1
-                return self.unfolded.pop(i)
-        return None
-
-
-@dataclass(eq=False)
-class FailedCheckpoint:
-    """A round's model whose checkpoint could not be written: it waits, unseen, to be written again."""
-
-    install: tree.Install
-    attempts: int
-    next_try: float  # time.monotonic()
-
-
-@dataclass(eq=False)
-class OutgoingPartial:
-    """This node's result of a round on its way to the top on another node."""
-
-    ref: int
-    job: str
-    round: int
-    node: str
-    epoch: int
-    input: tree.Input
-    state: str = "sending"  # sending, failed, done
-    attempts: int = 0
-    next_try: float = 0.0
-
-
-@dataclass(eq=False)
 class QueryRun:
     """A query waiting for, or running on, a function instance of its tenant."""
 
@@ -260,14 +179,41 @@ class QueryRun:
     tenant: Tenant
     version: int
     doc: dict[str, Any]  # what the instance is given (TakeQuery)
-    instance: int = 0
-    answered: threading.Event = field(default_factory=threading.Event)
-    stats: dict[str, Any] | None = None
-    error: LiflError | None = None
+    done: Callable[[dict[str, Any] | None, LiflError | None], None]  # its answer (on the loop)
+    timer: Any = None
 
-    def finish(self, stats: dict[str, Any] | None, error: LiflError | None = None) -> None:
-        self.stats, self.error = stats, error
-        self.answered.set()
+
+@dataclass(frozen=True)
+class StrategyStep:
+    """What a top's strategy step made besides the model: its new state (an object) and report."""
+
+    state: bytes | None
+    report: dict[str, Any]
+
+
+def strategy_state_blob(version: int) -> str:
+    """The checkpoint store's name for the strategy's state after ``version``."""
+    return f"strategy-state-{version:012d}"
+
+
+def _input_holder(task_id: int) -> tuple[str, int]:
+    """Holds a task's inputs until it reports them folded."""
+    return ("input", task_id)
+
+
+def _accepting_holder(job: str) -> tuple[str, str]:
+    """Holds client updates while Redis counts them (their gateway connection may close meanwhile)."""
+    return ("accepting", job)
+
+
+def _scratch_holder(task_id: int) -> tuple[str, int]:
+    """Holds what a run of a task allocates (its accumulator) until it reports it folded into."""
+    return ("task", task_id)
+
+
+def _state_holder(task_id: int) -> tuple[str, int]:
+    """Holds a task's latest complete accumulator (a re-run starts from it)."""
+    return ("state", task_id)
 
 
 class Checkpointer:
@@ -300,17 +246,129 @@ class Checkpointer:
                 seconds, error = self.write(job, version, fd, size), None
             except Exception as e:  # the install still happens; the error is reported
                 seconds, error = 0.0, e
-            try:
-                done(seconds, error)
-            except Exception:  # Redis unreachable: the round's duties retry what is left
-                traceback.print_exc()
+            done(seconds, error)
 
     def stop(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=30)
 
 
-IO = Callable[[], None]  # work an effect needs outside the lock (Redis, other processes)
+class Reply:
+    """The answer to one request, sent once, now or later (nothing for a push)."""
+
+    __slots__ = ("peer", "request_id", "sent")
+
+    def __init__(self, peer: Peer, request_id: Any) -> None:
+        self.peer, self.request_id, self.sent = peer, request_id, False
+
+    def __call__(self, message: Message | None = None, fds: Sequence[int] = ()) -> None:
+        """Send ``message`` (Ok if None) with ``fds``, which become the connection's to close."""
+        if self.sent or self.request_id is None:
+            for fd in fds:
+                os.close(fd)
+            return
+        self.sent = True
+        self.peer.stream.send(reply_frame(self.request_id, message or Ok()), fds)
+
+    def error(self, e: LiflError) -> None:
+        if self.sent or self.request_id is None:
+            return
+        self.sent = True
+        self.peer.stream.send(error_reply(self.request_id, e))
+
+
+Handler = Callable[[Any, list[int], Reply], None]
+
+
+class Peer:
+    """A connection served by the agent's loop: a gateway's, its forwarder's, or an instance's.
+    Each message goes to the handler of its type; descriptors that came with it are closed once
+    the handler returns (a handler keeps one by duplicating it)."""
+
+    def __init__(self, loop: Loop, sock: socket.socket, handlers: dict[type[Message], Handler], who: str,
+                 on_close: Callable[[], None], first: str = "") -> None:
+        self.handlers = handlers
+        self.who = who
+        self.first = first  # the code of the refusal, and the connection's end, if its first message is another
+        self._on_close = on_close
+        self.stream = MessageStream(loop, sock, self._frame, self._closed)
+
+    def _frame(self, frame: dict[str, Any], fds: list[int]) -> None:
+        reply = Reply(self, frame.pop("id", None))
+        try:
+            message = decode(frame)
+            handler = self.handlers.get(type(message))
+            if handler is None and self.first:
+                expected = "/".join(kind.op for kind in self.handlers)
+                reply.error(BadRequest(f"a {self.who}'s first message must be {expected}, not {message.op}", code=self.first))
+                self.stream.finish()
+                return
+            if handler is None:
+                raise BadRequest(f"{message.op} is not served to a {self.who}", code="bad_message")
+            handler(message, fds, reply)
+        except LiflError as e:
+            reply.error(e)
+            if self.first:  # a first message that is not even well formed: nothing more is taken
+                self.stream.finish()
+        except Exception as e:  # report, keep serving: one bad request must not kill the node
+            traceback.print_exc()
+            reply.error(Internal(f"{type(e).__name__}: {e}"))
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def push(self, message: Message, fds: Sequence[int] = ()) -> None:
+        self.stream.send(message.encode(), fds)
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def _closed(self) -> None:
+        self._on_close()
+
+
+class Batches:
+    """One Redis call per job at a time: items that arrive while a job's call is in flight wait,
+    and go together in its next call (up to ``MAX_BATCH`` per call)."""
+
+    def __init__(self, loop: Loop, call: Callable[[str, list[Any]], Any],
+                 done: Callable[[str, list[Any], Any, BaseException | None], None]) -> None:
+        self.loop = loop
+        self._call = call
+        self._done = done
+        self._waiting: dict[str, list[Any]] = {}
+        self._in_flight: set[str] = set()
+
+    def add(self, job: str, item: Any) -> None:
+        self._waiting.setdefault(job, []).append(item)
+        if job not in self._in_flight:
+            self._start(job)
+
+    def _start(self, job: str) -> None:
+        waiting = self._waiting.pop(job, [])
+        if not waiting:
+            return
+        items, rest = waiting[:MAX_BATCH], waiting[MAX_BATCH:]
+        if rest:
+            self._waiting[job] = rest
+        self._in_flight.add(job)
+        self.loop.offload(lambda: self._call(job, items), lambda result, error: self._finished(job, items, result, error))
+
+    def _finished(self, job: str, items: list[Any], result: Any, error: BaseException | None) -> None:
+        self._in_flight.discard(job)
+        try:
+            self._done(job, items, result, error)
+        finally:
+            self._start(job)
+
+
+def _unavailable(error: BaseException) -> LiflError:
+    """What a caller is told when the Redis call its request needed failed."""
+    if isinstance(error, LiflError):
+        return error
+    return Unavailable(f"the cluster state is unavailable: {type(error).__name__}: {error}", code="state_unavailable",
+                       retry_after=2.0)
 
 
 class Agent:
@@ -318,8 +376,7 @@ class Agent:
         self.config = config
         self.node = config.node
         self.state = state
-        self.lock = threading.RLock()
-        self._delivered = threading.Condition(self.lock)  # a task was given an input (Deliver)
+        self.loop = Loop(f"lifl agent {config.node}")
         self.store = ObjectStore(config.node, config.shm_capacity, config.pool_limit)
         self.metrics = Metrics()
         data_dir = config.data_dir or config.run_dir
@@ -331,52 +388,61 @@ class Agent:
             self.metrics.registry.register(collector)
         self.actuator: Actuator
         if config.functions == "pods":
-            self.actuator = ClusterPods(config.node, self.transport, self._serve_instance)
+            self.actuator = ClusterPods(config.node, self.transport)
         elif config.functions == "processes":
-            self.actuator = LocalProcesses(config.node, self.transport, config.handler, self._serve_instance)
+            self.actuator = LocalProcesses(config.node, self.transport, config.handler)
         else:
             raise ValueError(f"unknown --functions {config.functions!r}: one of {', '.join(ACTUATORS)}")
+        self.board = tasks.Board(config.max_instances, reuse=config.reuse, starts_instances=self.actuator.starts_instances)
+        self.uploads = uploads.Uploads()
+        self.checkpoints = installs.Checkpoints()
+        self.forwards = installs.Forwards()
         self.controller = Controller(state, config.node, config.control, reuse=config.reuse)
         self.jobs: dict[str, JobRun] = {}
-        self.instances: dict[int, Instance] = {}
-        self.uploads: dict[bytes, Upload] = {}
-        self.waiting: deque[int] = deque()  # tasks with inputs, waiting for an instance
-        self.pending: dict[int, list[KeyMessage]] = {}  # inputs of tasks not running yet
-        self.placed: dict[int, Instance] = {}  # running tasks
-        self.progress: dict[int, TaskProgress] = {}  # tasks without a result yet (to run them again)
-        self.outbox: deque[tuple[Tenant, KeyMessage]] = deque()  # (tenant, message) for full queues
-        self.outgoing: dict[int, OutgoingPartial] = {}
-        self.failed_checkpoints: dict[str, FailedCheckpoint] = {}  # by job
+        self.instances: dict[int, Peer] = {}  # control connections of live instances
+        self.instance_tenants: dict[int, Tenant] = {}
         self.steps: dict[tuple[str, int], StrategyStep] = {}  # a top's strategy step, by (job, new version), until installed
-        self.local_updates: dict[bytes, str] = {}  # client updates admitted here and not yet aggregated, by key
         self.store.on_free = self._update_done
-        self.retainer = Retainer(config.node, self.store, state, self.checkpointer.store, self.metrics, self.lock,
+        self.retainer = Retainer(config.node, self.store, state, self.checkpointer.store, self.metrics, self.loop.call,
                                  config.retain_budget or config.shm_capacity // 2)
         # the versions a query may read stay (read from Redis if this node has not seen the job yet)
         self.checkpointer.keep = lambda job: checkpoints_kept(self.retainer.policy(job), checkpoints.KEEP)
         self.queries: dict[int, QueryRun] = {}
-        self.query_waiting: deque[int] = deque()  # queries waiting for an instance
-        self.forwarder: Connection | None = None  # the gateway's connection taking ForwardPartial
+        self.forwarder: Peer | None = None  # the gateway's connection taking ForwardPartial
         self.recent: deque[dict[str, Any]] = deque(maxlen=512)  # finished tasks' statistics
         self.started_at = time.time()
         self._tenants: dict[str, Tenant] = {}
         self._next_id = 0
-        self._stopping = threading.Event()
-        self._wake = threading.Event()  # the duty loop: stop, or keys wait in the outbox
-        self._listener: socket.socket | None = None
-        self._functions_listener: socket.socket | None = None
-        self._duties: list[tuple[str, float, Callable[[], None]]] = [
-            ("expire_idle_instances", 0.2, self.expire_idle_instances),
-            ("round_duties", 0.2, self.round_duties),
-            ("retry_forwards", 0.1, self.retry_forwards),
-            ("retry_checkpoints", 0.2, self.retry_checkpoints),
-            ("publish_status", 1.0, self.publish_status),
-            ("trim_pool", 5.0, self.trim_pool),
-            ("drop_stale_replicas", 1.0, self.drop_stale_replicas),
-            ("control", config.control.period, self.control),
-            ("warm_instances", 0.5, self.warm_instances),
-            ("apply_retention", 1.0, self.apply_retention),
-        ]
+        self._outbox: deque[tuple[Tenant, KeyMessage]] = deque()  # keys for instances whose queue was full
+        self._outbox_timer: Any = None
+        self._parked_folds: dict[int, list[tuple[int, Folded, Reply, Any]]] = {}  # folds of keys not handed off yet
+        self._settling: set[str] = set()  # jobs whose settle is in flight
+        self._settle_again: set[str] = set()  # ...and asked for again meanwhile
+        self._settle_then: dict[str, list[Callable[[], None]]] = {}  # what waits for a job's settle
+        self._aggregated: dict[tuple[str, int], int] = {}  # updates folded, not yet counted in Redis
+        self._listeners: list[socket.socket] = []
+        self._holders: set[Hashable] = set()  # gateway connections that are open
+        self._stopping = False
+        self._loop_thread: threading.Thread | None = None
+        self._reserves = Batches(self.loop, self._reserve_call, self._reserved)
+        self._accepts = Batches(self.loop, self._accept_call, self._accepted)
+        self._gateway_handlers: dict[type[Message], Callable[[Hashable], Handler]] = {
+            Admit: lambda h: lambda m, f, r: self.admit(h, m, r),
+            AdmitModel: lambda h: lambda m, f, r: self.admit_model(h, m, r),
+            AdmitPartial: lambda h: lambda m, f, r: self.admit_partial(h, m, r),
+            AdmitReplica: lambda h: lambda m, f, r: self.admit_replica(h, m, r),
+            Abort: lambda h: lambda m, f, r: self.abort(h, m, r),
+            Submit: lambda h: lambda m, f, r: self.submit(h, m, r),
+            SubmitPartial: lambda h: lambda m, f, r: self.submit_partial(h, m, r),
+            InstallModel: lambda h: lambda m, f, r: self.install_model(h, m, r),
+            InstallReplica: lambda h: lambda m, f, r: self.install_replica(h, m, r),
+            OpenModel: lambda h: lambda m, f, r: self.open_model(h, m, r),
+            Release: lambda h: lambda m, f, r: self.release(h, m, r),
+            GetMetrics: lambda h: lambda m, f, r: r(Text(self.metrics_text())),
+            GetStatus: lambda h: lambda m, f, r: r(Document(self.status())),
+            GetRecent: lambda h: lambda m, f, r: r(Document({"tasks": list(self.recent)})),
+            Query: lambda h: lambda m, f, r: self.query(m, r),
+        }
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -390,50 +456,83 @@ class Agent:
         self.config.chan_dir.mkdir(exist_ok=True)
         os.chmod(self.config.run_dir, 0o755)
         os.chmod(self.config.chan_dir, 0o755)
+        self._loop_thread = self.loop.start()
         self._give_up_previous_rounds()
         self._restore_models()
-        self.publish_status()
+        self.state.publish_node(self.node, self.loop.call(self.status))
         path = self.config.socket_path
         path.unlink(missing_ok=True)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(path))
+        gateways = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        gateways.bind(str(path))
         if self.config.socket_group is not None:
             os.chown(path, -1, self.config.socket_group)
         os.chmod(path, 0o600 if self.config.socket_group is None else 0o660)
-        listener.listen(64)
-        self._listener = listener
+        gateways.listen(LISTEN_BACKLOG)
         functions = self.config.functions_socket_path
         functions.unlink(missing_ok=True)
-        self._functions_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._functions_listener.bind(str(functions))
+        attaching = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        attaching.bind(str(functions))
         os.chmod(functions, 0o666)  # pods run as their tenant's uid: peer credentials are the check
-        self._functions_listener.listen(64)
-        threading.Thread(target=self._accept_loop, args=(listener, self._serve_peer), name="agent-accept",
-                         daemon=True).start()
-        threading.Thread(target=self._accept_loop, args=(self._functions_listener, self._serve_function),
-                         name="agent-accept-functions", daemon=True).start()
-        threading.Thread(target=self._duty_loop, name="agent-duties", daemon=True).start()
-        threading.Thread(target=self._event_loop, name="agent-events", daemon=True).start()
+        attaching.listen(LISTEN_BACKLOG)
+        self._listeners = [gateways, attaching]
+
+        def listen() -> None:
+            for listener, serve in ((gateways, self._new_peer), (attaching, self._new_function)):
+                listener.setblocking(False)
+                self.loop.watch(listener, lambda listener=listener, serve=serve: self._accept(listener, serve))
+            c = self.config
+            for name, period, duty in (
+                ("expire_idle_instances", 0.2, self.expire_idle_instances),
+                ("round_duties", 0.2, self.round_duties),
+                ("retry_forwards", 0.1, self.retry_forwards),
+                ("retry_checkpoints", 0.2, self.retry_checkpoints),
+                ("publish_status", 1.0, self.publish_status),
+                ("trim_pool", 5.0, self.trim_pool),
+                ("drop_stale_replicas", 1.0, self.drop_stale_replicas),
+                ("control", c.control.period, self.control),
+                ("warm_instances", 0.5, self.warm_instances),
+                ("apply_retention", 1.0, self.apply_retention),
+                ("count_aggregated", 0.05, self._count_aggregated),
+            ):
+                self.loop.every(name, period, duty)
+
+        self.loop.call(listen)
+        threading.Thread(target=self._round_events, name="agent-events", daemon=True).start()
 
     def stop(self) -> None:
         """Clean shutdown: unlink every object first (mappings stay valid for whoever holds them,
         and a checkpoint being written has its own descriptor), then stop the instances."""
-        self._stopping.set()
-        self._wake.set()
-        for listening in (self._listener, self._functions_listener):
-            if listening is not None:
-                with contextlib.suppress(OSError):
-                    listening.shutdown(socket.SHUT_RDWR)  # wakes its accept(): closing alone leaves it accepting
-                listening.close()
+        self._stopping = True
+
+        def shut() -> None:
+            for listener in self._listeners:
+                self.loop.unwatch(listener)
+                listener.close()
+            for peer in list(self.instances.values()):
+                peer.close()
+
+        self.loop.call(shut)
         self.retainer.stop()
-        with self.lock:
+
+        def close_store() -> None:
             self.store.close()
             remove_node_objects(self.node)
+
+        self.loop.call(close_store)
+        self.loop.stop()
+        if self._loop_thread is not None:
+            self._loop_thread.join(30)
         self.actuator.stop_all()
         self.transport.close()
         self.checkpointer.stop()
+        self.loop.close()
         self.config.socket_path.unlink(missing_ok=True)
         self.config.functions_socket_path.unlink(missing_ok=True)
+
+    def stop_instance(self, iid: int) -> None:
+        """Let an instance go (from any thread): it takes no task from now on and its connection
+        closes (a pod attaches again, as a new instance)."""
+        self.loop.call(lambda: self._perform([self.board.stop(iid)]))
 
     def _give_up_previous_rounds(self) -> None:
         """A previous run of this node may have taken part in open rounds; everything it held
@@ -445,7 +544,7 @@ class Agent:
             if shard.counts.get(self.node, 0) or shard.inflight.get(self.node, 0) or shard.top == self.node:
                 self.state.node_lost(name, shard.round, self.node)
                 print(f"lifl agent: gave up round {shard.round} of {name!r}: this node restarted", file=sys.stderr)
-                self.settle(name)
+                self._settle_io(name, None)
 
     def _restore_models(self) -> None:
         """Bring back the model of every job that lived on this node, from its latest checkpoint.
@@ -463,409 +562,477 @@ class Agent:
                       f"it cannot resume on this node", file=sys.stderr)
                 continue
             blob = self.checkpointer.store.load(name, latest)
-            self.tenant(j.spec.tenant)
-            with self.lock:
-                run = self._run(j)
-                seg = self._blob_object(run, blob, ("model", name))
+            read = self._job_io(name)
+
+            def restore(j: Job = j, read: tuple[Job, Tenant, RetentionPolicy] = read, blob: bytes = blob,
+                        latest: int = latest) -> bytes:
+                run = self._known(read)
+                seg = self._blob_object(run, blob, ("model", j.spec.job))
                 run.model_key, run.model_version = seg.key, latest
+                return seg.key
+
+            key = self.loop.call(restore)
             if latest > j.version:
                 summary = self._summary(j, self.state.shard(name), None, "interrupted",
                                         reason=f"node {self.node} restarted with version {latest}, which Redis had lost")
-                self.state.next_round(name, j.round, latest, key=seg.key.hex(), node=self.node, summary=summary)
+                self.state.next_round(name, j.round, latest, key=key.hex(), node=self.node, summary=summary)
             self.state.set_checkpoint(name, latest)
             self.metrics.version.labels(name).set(latest)
             print(f"lifl agent: job {name!r} resumed at version {latest} from its checkpoint", file=sys.stderr)
 
-    def _blob_object(self, run: JobRun, blob: bytes, holder: Hashable, *, model: bool = True) -> Any:
+    def _blob_object(self, run: JobRun, blob: bytes, holder: Hashable, *, model: bool = True) -> Segment:
         layout = fmt.validate(blob, run.model_spec if model else None)
         seg = self.store.create(run.tenant, layout.total_size, holder, affinity="gateway")
         os.pwrite(seg.fd, blob, 0)
         self.store.seal(seg.key)
         return seg
 
-    def _accept_loop(self, listener: socket.socket, serve_connection: Callable[[Connection], None]) -> None:
-        while not self._stopping.is_set():
-            try:
-                sock, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve_connection, args=(Connection(sock),), daemon=True).start()
-
     def _take_id(self) -> int:
-        with self.lock:
-            self._next_id += 1
-            return self._next_id
+        self._next_id += 1
+        return self._next_id
 
     # -- connections ------------------------------------------------------------------------------
-    def _serve_peer(self, conn: Connection) -> None:
-        """A gateway's connection: it says hello first, as a requester or as the forwarder."""
-        try:
-            frame, fds = conn.recv()
-        except (EOFError, LiflError, OSError):
-            conn.close()
-            return
-        for fd in fds:
-            os.close(fd)
-        hello = frame.get("op") == Hello.op and frame.get("protocol") == PROTOCOL
-        conn.send({"id": frame.get("id"), "ok": hello, **(Welcome(self.node, PROTOCOL).encode() if hello else {
-            "error": {"type": "BadRequest", "code": "bad_hello", "message": f"expected hello with protocol {PROTOCOL}",
-                      "retry_after": None, "extra": {}}})})
-        if not hello:
-            conn.close()
-            return
-        if frame.get("role") == "forwarder":
-            with self.lock:
-                self.forwarder = conn
-            serve(conn, {Forwarded: self.forwarded}, lambda: self._forwarder_gone(conn), "forwarder")
-            return
-        holder = ("conn", self._take_id())
-        handlers: dict[type[Message], Any] = {
-            Admit: lambda m, f: self.admit(holder, m),
-            AdmitModel: lambda m, f: self.admit_model(holder, m),
-            AdmitPartial: lambda m, f: self.admit_partial(holder, m),
-            AdmitReplica: lambda m, f: self.admit_replica(holder, m),
-            Abort: lambda m, f: self.abort(holder, m),
-            Submit: lambda m, f: self.submit(holder, m),
-            SubmitPartial: lambda m, f: self.submit_partial(holder, m),
-            InstallModel: lambda m, f: self.install_model(holder, m),
-            InstallReplica: lambda m, f: self.install_replica(holder, m),
-            OpenModel: lambda m, f: self.open_model(holder, m),
-            Release: lambda m, f: self.release(holder, m),
-            GetMetrics: lambda m, f: (Text(self.metrics_text()), []),
-            GetStatus: lambda m, f: (Document(self.status()), []),
-            GetRecent: lambda m, f: (Document({"tasks": list(self.recent)}), []),
-            Query: lambda m, f: self.query(m),
-        }
-        serve(conn, handlers, lambda: self._gateway_gone(holder), "gateway")
+    def _accept(self, listener: socket.socket, serve: Callable[[socket.socket], None]) -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as e:  # out of descriptors: the connections that end make room
+                print(f"lifl agent: cannot accept a connection: {e}", file=sys.stderr)
+                return
+            serve(sock)
 
-    def _serve_function(self, conn: Connection) -> None:
+    def _new_peer(self, sock: socket.socket) -> None:
+        """A gateway's connection: it says hello first, as a requester or as the forwarder."""
+        holder = ("conn", self._take_id())
+        peer: Peer
+
+        def hello(m: Hello, fds: list[int], reply: Reply) -> None:
+            if m.protocol != PROTOCOL:
+                reply.error(BadRequest(f"expected hello with protocol {PROTOCOL}", code="bad_hello"))
+                peer.stream.finish()
+                return
+            reply(Welcome(self.node, PROTOCOL))
+            peer.first = ""
+            if m.role == "forwarder":
+                self.forwarder = peer
+                peer.handlers = {Forwarded: lambda m, f, r: self.forwarded(m)}
+                peer.who = "forwarder"
+                return
+            peer.handlers = {kind: make(holder) for kind, make in self._gateway_handlers.items()}
+            self._holders.add(holder)
+
+        def closed() -> None:
+            if self.forwarder is peer:
+                self.forwarder = None
+                self.forwards.forwarder_gone(time.monotonic())
+            else:
+                self._gateway_gone(holder)
+
+        peer = Peer(self.loop, sock, {Hello: hello}, "gateway", closed, first="bad_hello")
+
+    def _new_function(self, sock: socket.socket) -> None:
         """A function instance the node did not start (a pod) attaching: its first message is
         ``Attach``; if the kernel says it runs as the tenant's user, it becomes one of the
         tenant's warm instances here, and the connection its control connection."""
-        request_id = None
-        try:
-            frame, fds = conn.recv()
-            for fd in fds:
-                os.close(fd)
-            request_id = frame.pop("id", None)
-            m = decode(frame)
-            if not isinstance(m, Attach):
-                raise BadRequest(f"a function's first message must be attach, not {m.op}", code="bad_attach")
-            if m.protocol != PROTOCOL:
-                raise BadRequest(f"protocol {m.protocol} is not this node's ({PROTOCOL})", code="bad_protocol")
-            if not TENANT_NAME.fullmatch(m.tenant):
-                raise BadRequest(f"tenant {m.tenant!r} is not a tenant name", code="bad_tenant")
-            if self.config.isolate and m.tenant not in self._tenants and not self.state.known_tenant(m.tenant):
-                # any local process may connect: it must not make the cluster allocate tenant ids
-                raise Forbidden(f"tenant {m.tenant!r} is unknown: its first job (or its pods' admission) makes it",
-                                code="unknown_tenant")
-            tenant = self.tenant(m.tenant)
-            why = attach_refusal(tenant.uid, tenant.name, peer_identity(conn.sock), current())
-            if why is not None:
-                raise Forbidden(why, code="wrong_identity")
-        except (EOFError, OSError):
-            conn.close()
-            return
-        except LiflError as e:
-            print(f"lifl agent: refused a function instance: {e.message}", file=sys.stderr)
-            with contextlib.suppress(OSError):
-                conn.send(error_reply(request_id, e))
-            conn.close()
-            return
-        with self.lock:  # its Ready waits for the lock: the instance is known by then
-            if self._stopping.is_set():
-                conn.close()
-                return
+        peer: Peer
+
+        def attach(m: Attach, fds: list[int], reply: Reply) -> None:
+            peer.handlers = {}  # nothing more until it is attached (or refused)
             try:
-                iid = self.actuator.attach(tenant, request_id, conn)
-            except OSError:
-                conn.close()
+                if m.protocol != PROTOCOL:
+                    raise BadRequest(f"protocol {m.protocol} is not this node's ({PROTOCOL})", code="bad_protocol")
+                if not TENANT_NAME.fullmatch(m.tenant):
+                    raise BadRequest(f"tenant {m.tenant!r} is not a tenant name", code="bad_tenant")
+            except LiflError as e:
+                refused(reply, e)
                 return
-            self.instances[iid] = Instance(iid, tenant)
-            self.metrics.spawned.labels("attached").inc()
-            self._dispatch()
+            known = m.tenant in self._tenants
 
-    def _serve_instance(self, iid: int, conn: Connection) -> None:
-        handlers: dict[type[Message], Any] = {
-            Ready: lambda m, f: self.ready(iid),
-            Alloc: lambda m, f: self.alloc(iid, m),
-            Folded: lambda m, f: self.folded(iid, m),
-            Handoff: lambda m, f: self.handoff(iid, m),
-            InstallResult: lambda m, f: self.install(iid, m),
-            Done: lambda m, f: self.done(iid, m),
-            Failed: lambda m, f: self.failed(iid, m),
-            TakeQuery: lambda m, f: self.take_query(iid, m),
-            StrategyInputs: lambda m, f: self.strategy_inputs(iid, m),
+            def check() -> Tenant:
+                if self.config.isolate and not known and not self.state.known_tenant(m.tenant):
+                    # any local process may connect: it must not make the cluster allocate tenant ids
+                    raise Forbidden(f"tenant {m.tenant!r} is unknown: its first job (or its pods' admission) makes it",
+                                    code="unknown_tenant")
+                return self._tenant_io(m.tenant)
+
+            def checked(tenant: Tenant | None, error: BaseException | None) -> None:
+                if error is not None or tenant is None:
+                    refused(reply, error if isinstance(error, LiflError) else _unavailable(error or Internal("no tenant")))
+                    return
+                why = attach_refusal(tenant.uid, tenant.name, peer_identity(sock), current())
+                if why is not None:
+                    refused(reply, Forbidden(why, code="wrong_identity"))
+                    return
+                if self._stopping or peer.stream.closed:
+                    peer.close()
+                    return
+                iid = self.board.new_instance_id()
+                chan, spec = self.actuator.attach(tenant, iid)
+                reply(Attached(iid, self.node, spec), [chan.detach()])
+                self._adopt(iid, tenant, peer)
+                self.board.attached(iid, tenant.name, time.monotonic())
+                self.metrics.spawned.labels("attached").inc()
+                self._dispatch()
+
+            self.loop.offload(check, checked)
+
+        def refused(reply: Reply, e: LiflError) -> None:
+            print(f"lifl agent: refused a function instance: {e.message}", file=sys.stderr)
+            reply.error(e)
+            peer.stream.finish()
+
+        peer = Peer(self.loop, sock, {Attach: attach}, "function", lambda: None, first="bad_attach")
+
+    def _adopt(self, iid: int, tenant: Tenant, peer: Peer) -> None:
+        """``peer`` is now instance ``iid``'s control connection."""
+        self.instances[iid] = peer
+        self.instance_tenants[iid] = tenant
+        peer.who, peer.first = "function instance", ""
+        peer.handlers = {
+            Ready: lambda m, f, r: self.ready(iid, r),
+            Alloc: lambda m, f, r: self.alloc(iid, m, r),
+            Folded: lambda m, f, r: self.folded(iid, m, r),
+            Handoff: lambda m, f, r: self.handoff(iid, m, r),
+            InstallResult: lambda m, f, r: self.install(iid, m, r),
+            Done: lambda m, f, r: self.done(iid, m, r),
+            Failed: lambda m, f, r: self.failed(iid, m, r),
+            TakeQuery: lambda m, f, r: self.take_query(iid, m, r),
+            StrategyInputs: lambda m, f, r: self.strategy_inputs(iid, m, r),
         }
-        serve(conn, handlers, lambda: self._instance_gone(iid, "its process exited"), "function instance")
+        peer._on_close = lambda: self._instance_gone(iid, "its process exited")
 
-    # -- jobs -------------------------------------------------------------------------------------
-    def tenant(self, name: str) -> Tenant:
+    # -- jobs and tenants -------------------------------------------------------------------------
+    def _tenant_io(self, name: str) -> Tenant:
+        """The tenant (its id read from Redis the first time); call off the loop."""
         t = self._tenants.get(name)
-        if t is None:
-            tenant_id = self.state.tenant_id(name)
-            uid = tenant_id if self.config.isolate else None
-            t = Tenant(name, uid, uid, tenant_id)
-            with self.lock:
-                t = self._tenants.setdefault(name, t)
-        return t
+        if t is not None:
+            return t
+        tenant_id = self.state.tenant_id(name)
+        uid = tenant_id if self.config.isolate else None
+        return self._tenants.setdefault(name, Tenant(name, uid, uid, tenant_id))
 
-    def _run(self, j: Job) -> JobRun:
-        """This node's record of a job (call with the lock held; ``j`` was read from Redis)."""
+    def _run(self, j: Job, tenant: Tenant) -> JobRun:
+        """This node's record of a job (``j`` was read from Redis)."""
         run = self.jobs.get(j.spec.job)
         if run is None:
-            run = self.jobs[j.spec.job] = JobRun(j.spec, self._tenants[j.spec.tenant], j.model_spec)
+            run = self.jobs[j.spec.job] = JobRun(j.spec, tenant, j.model_spec)
         if run.model_spec is None:
             run.model_spec = j.model_spec
         return run
 
-    def _job(self, name: str) -> tuple[Job, JobRun]:
-        """The job as Redis has it, and this node's record of it (reads Redis: no lock held)."""
+    def _job_io(self, name: str) -> tuple[Job, Tenant, RetentionPolicy]:
+        """The job as Redis has it, its tenant and its retention policy; call off the loop."""
         j = self.state.job(name)
-        self.tenant(j.spec.tenant)
-        with self.lock:
-            return j, self._run(j)
+        return j, self._tenant_io(j.spec.tenant), self.state.retention(name)
+
+    def _known(self, read: tuple[Job, Tenant, RetentionPolicy]) -> JobRun:
+        """This node's record of a job read by ``_job_io`` (on the loop)."""
+        j, tenant, policy = read
+        self.retainer.policies.setdefault(j.spec.job, policy)
+        return self._run(j, tenant)
+
+    def _with_job(self, name: str, then: Callable[[Job, JobRun], None], reply: Reply) -> None:
+        """Read the job from Redis, then ``then(job, run)`` on the loop (errors answer ``reply``)."""
+
+        def got(result: tuple[Job, Tenant, RetentionPolicy] | None, error: BaseException | None) -> None:
+            if error is not None or result is None:
+                reply.error(_unavailable(error or Internal("no job")))
+                return
+            try:
+                then(result[0], self._known(result))
+            except LiflError as e:
+                reply.error(e)
+
+        self.loop.offload(lambda: self._job_io(name), got)
+
+    def _with_run(self, name: str, then: Callable[[JobRun], None], reply: Reply) -> None:
+        """This node's record of a job, read from Redis only the first time (its spec is fixed)."""
+        run = self.jobs.get(name)
+        if run is not None and run.model_spec is not None:
+            then(run)
+        else:
+            self._with_job(name, lambda j, run: then(run), reply)
+
+    def tenant_of(self, job: str) -> str:
+        return self.jobs[job].tenant.name
 
     # -- uploads ----------------------------------------------------------------------------------
-    def _cached_run(self, name: str) -> JobRun:
-        """This node's record of a job, read from Redis only the first time (its spec is fixed)."""
-        with self.lock:
-            run = self.jobs.get(name)
-        return run if run is not None and run.model_spec is not None else self._job(name)[1]
+    def admit(self, holder: Hashable, m: Admit, reply: Reply) -> None:
+        """Reserve a slot of the round (with every other admission of the job that arrives
+        meanwhile: one Redis call), then the memory to aggregate the update, then its object."""
+        self._with_run(m.job, lambda run: self._reserves.add(m.job, (holder, m, reply)), reply)
 
-    def admit(self, holder: Hashable, m: Admit) -> tuple[Message, list[int]]:
-        run = self._cached_run(m.job)
-        status, current, round_id = self.state.reserve(m.job, m.version, self.node, m.lease, m.client)
-        if status != RESERVE_OK:
-            raise refusal(status, m.job, current, round_id, run.spec.goal)
-        try:
-            with self.lock:
-                if run.inflight >= run.spec.inflight_budget:
-                    raise Overloaded(f"job {m.job!r} has {run.inflight} updates in flight on node {self.node}, its budget",
-                                     code="inflight_budget")
-                seg = self._admit_input(run, holder, RoundOf(m.job, round_id), UPDATE, m.size)
-                run.inflight += 1
-                self.local_updates[seg.key] = m.job
-                self.uploads[seg.key] = Upload(m.job, "update", holder, current, round_id, base=m.version)
-                self._publish_gauges(m.job, run)
-                return Admitted(seg.key, m.version, round_id), [os.dup(seg.fd)]
-        except LiflError as e:
-            if isinstance(e, Overloaded):
-                self.metrics.refused(m.job, e.code)
-            self.state.unreserve(m.job, round_id, self.node)
-            raise
+    def _reserve_call(self, job: str, items: list[tuple[Hashable, Admit, Reply]]) -> list[tuple[int, int, int]]:
+        return self.state.reserve_many(job, self.node, [(m.version, m.lease, m.client) for _, m, _ in items])
 
-    def _admit_input(self, run: JobRun, holder: Hashable, owner: RoundOf, kind: str, size: int) -> Segment:
-        """The object of a client update or a partial result, created once the memory to
-        aggregate it is reserved (``lifl.node.admission``); call with the lock held."""
-        return self.store.admit(run.tenant, size, holder, owner, kind, run.sizes)
-
-    def admit_model(self, holder: Hashable, m: AdmitModel) -> tuple[Message, list[int]]:
-        j, run = self._job(m.job)
-        if j.version != NO_MODEL:
-            raise Conflict(f"job {m.job!r} already has a model", code="model_exists")
-        if m.size > run.spec.max_update_bytes:
-            raise PayloadTooLarge(f"model of {m.size} bytes exceeds the job's limit of {run.spec.max_update_bytes} bytes")
-        with self.lock:
-            if run.model_upload:
-                raise Conflict(f"the model of job {m.job!r} is being uploaded already", code="model_upload_in_progress")
-            seg = self.store.create(run.tenant, m.size, holder, affinity="gateway")
-            run.model_upload = True
-            self.uploads[seg.key] = Upload(m.job, "model", holder)
-            return Admitted(seg.key), [os.dup(seg.fd)]
-
-    def admit_partial(self, holder: Hashable, m: AdmitPartial) -> tuple[Message, list[int]]:
-        run = self._cached_run(m.job)
-        if not self._hosts_top(m.job, m.round, m.epoch):
-            self.settle(m.job)  # the close may not have reached this node yet
-            if not self._hosts_top(m.job, m.round, m.epoch):
-                raise Conflict(f"node {self.node} does not host the top of round {m.round} (epoch {m.epoch}) of {m.job!r}",
-                               code="not_the_top")
-        with self.lock:
+    def _reserved(self, job: str, items: list[tuple[Hashable, Admit, Reply]], results: list[tuple[int, int, int]] | None,
+                  error: BaseException | None) -> None:
+        if error is not None or results is None:
+            for _, _, reply in items:
+                reply.error(_unavailable(error or Internal("no answer")))
+            return
+        run = self.jobs[job]
+        give_back: list[tuple[int, Reply, LiflError]] = []
+        for (holder, m, reply), (status, version, round_id) in zip(items, results):
+            if status != RESERVE_OK:
+                reply.error(refusal(status, job, version, round_id, run.spec.goal))
+                continue
             try:
-                seg = self._admit_input(run, holder, RoundOf(m.job, m.round), PARTIAL, m.size)
+                if holder not in self._holders:
+                    raise Unavailable("the gateway's connection closed", code="connection_lost", retry_after=1.0)
+                self.uploads.check_budget(job, run.spec.inflight_budget, self.node)
+                seg = self.store.admit(run.tenant, m.size, holder, RoundOf(job, round_id), UPDATE, run.sizes)
+            except LiflError as e:
+                if isinstance(e, Overloaded):
+                    self.metrics.refused(job, e.code)
+                give_back.append((round_id, reply, e))
+                continue
+            self.uploads.add(seg.key, uploads.Upload(job, UPDATE, holder, version, round_id, base=m.version))
+            reply(Admitted(seg.key, m.version, round_id), [os.dup(seg.fd)])
+        if give_back:  # refused after all: the slots go back before the refusals are answered
+
+            def answer(_: Any, error: BaseException | None) -> None:
+                for _, reply, e in give_back:
+                    reply.error(e)
+
+            self.loop.offload(lambda: self.state.unreserve_many(job, self.node, [r for r, _, _ in give_back]), answer)
+
+    def _io(self, call: Callable[[], Any], what: str = "") -> None:
+        """A Redis write whose answer nobody waits for (a failure is logged; duties repair it)."""
+
+        def done(_: Any, error: BaseException | None) -> None:
+            if error is not None:
+                print(f"lifl agent: {what or getattr(call, '__name__', 'a Redis call')} failed: {error}", file=sys.stderr)
+
+        self.loop.offload(call, done)
+
+    def admit_model(self, holder: Hashable, m: AdmitModel, reply: Reply) -> None:
+        def then(j: Job, run: JobRun) -> None:
+            if j.version != NO_MODEL:
+                raise Conflict(f"job {m.job!r} already has a model", code="model_exists")
+            if m.size > run.spec.max_update_bytes:
+                raise PayloadTooLarge(f"model of {m.size} bytes exceeds the job's limit of {run.spec.max_update_bytes} bytes")
+            self.uploads.begin_model(m.job)
+            seg = self.store.create(run.tenant, m.size, holder, affinity="gateway")
+            self.uploads.add(seg.key, uploads.Upload(m.job, uploads.MODEL, holder))
+            reply(Admitted(seg.key), [os.dup(seg.fd)])
+
+        self._with_job(m.job, then, reply)
+
+    def admit_partial(self, holder: Hashable, m: AdmitPartial, reply: Reply) -> None:
+        def admit(run: JobRun) -> None:
+            try:
+                seg = self.store.admit(run.tenant, m.size, holder, RoundOf(m.job, m.round), PARTIAL, run.sizes)
             except Overloaded as e:  # the sending node tries again later
                 self.metrics.refused(m.job, e.code)
                 raise
-            self.uploads[seg.key] = Upload(m.job, "partial", holder, round=m.round, epoch=m.epoch, from_node=m.from_node)
-            return Admitted(seg.key, round=m.round), [os.dup(seg.fd)]
+            self.uploads.add(seg.key, uploads.Upload(m.job, uploads.PARTIAL, holder, round=m.round, epoch=m.epoch,
+                                                     from_node=m.from_node))
+            reply(Admitted(seg.key, round=m.round), [os.dup(seg.fd)])
+
+        def check(run: JobRun) -> None:
+            if self._hosts_top(m.job, m.round, m.epoch):
+                admit(run)
+                return
+
+            def settled() -> None:  # the close may not have reached this node yet
+                if not self._hosts_top(m.job, m.round, m.epoch):
+                    reply.error(Conflict(f"node {self.node} does not host the top of round {m.round} (epoch {m.epoch}) "
+                                         f"of {m.job!r}", code="not_the_top"))
+                    return
+                try:
+                    admit(run)
+                except LiflError as e:
+                    reply.error(e)
+
+            self.settle(m.job, then=settled)
+
+        self._with_run(m.job, check, reply)
 
     def _hosts_top(self, job: str, round_id: int, epoch: int) -> bool:
-        with self.lock:
-            r = self.trees.round_of(job)
-            return r is not None and r.round == round_id and r.top is not None and r.epoch == epoch
+        r = self.trees.round_of(job)
+        return r is not None and r.round == round_id and r.top is not None and r.epoch == epoch
 
-    def admit_replica(self, holder: Hashable, m: AdmitReplica) -> tuple[Message, list[int]]:
-        run = self._cached_run(m.job)
-        with self.lock:
+    def admit_replica(self, holder: Hashable, m: AdmitReplica, reply: Reply) -> None:
+        def admit(run: JobRun) -> None:
             seg = self.store.create(run.tenant, m.size, holder, affinity="gateway")
-            self.uploads[seg.key] = Upload(m.job, "replica", holder, version=m.version)
-            return Admitted(seg.key, version=m.version), [os.dup(seg.fd)]
+            self.uploads.add(seg.key, uploads.Upload(m.job, uploads.REPLICA, holder, version=m.version))
+            reply(Admitted(seg.key, version=m.version), [os.dup(seg.fd)])
 
-    def _upload(self, holder: Hashable, key: bytes, kind: str) -> Upload:
-        upload = self.uploads.get(key)
-        if upload is None or upload.holder != holder:
-            raise NotFound(f"no upload {key.hex()} on this connection", code="no_such_upload")
-        if upload.kind != kind:
-            raise BadRequest(f"upload {key.hex()} is a {upload.kind}, not a {kind}")
-        return upload
+        self._with_run(m.job, admit, reply)
 
-    def abort(self, holder: Hashable, m: Abort) -> tuple[Message, list[int]]:
-        with self.lock:
-            upload = self.uploads.get(m.key)
-            if upload is None or upload.holder != holder:
-                raise NotFound(f"no upload {m.key.hex()} on this connection", code="no_such_upload")
-            self._drop_upload(m.key, upload)
-        if upload.kind == "update":
-            self.state.unreserve(upload.job, upload.round, self.node)
-            self.state.count(upload.job, upload.round, f"rejected.{m.reason}")
-        return None, []
+    def abort(self, holder: Hashable, m: Abort, reply: Reply) -> None:
+        self._apply_uploads(self.uploads.abort(holder, m.key, m.reason), lambda: reply())
 
-    def _drop_upload(self, key: bytes, upload: Upload) -> None:
-        del self.uploads[key]
-        self.store.release(key, upload.holder)  # an update's in-flight count goes with its object
-        if upload.kind in (UPDATE, PARTIAL):  # its round will not aggregate it: what it reserved goes back
-            self.store.withdraw(RoundOf(upload.job, upload.round), upload.kind)
-        if upload.kind == "model":
-            self.jobs[upload.job].model_upload = False
+    def _apply_uploads(self, effects: list[uploads.Effect], then: Callable[[], None] = lambda: None) -> None:
+        """Release what the uploads held; give their round slots back in Redis, then ``then()``."""
+        slots: dict[str, list[tuple[int, str]]] = {}
+        for e in effects:
+            if isinstance(e, uploads.ReleaseUpload):
+                self.store.release(e.key, e.upload.holder)  # an update's in-flight count goes with its object
+                if e.upload.kind in (UPDATE, PARTIAL):  # its round will not aggregate it: what it reserved goes back
+                    self.store.withdraw(RoundOf(e.upload.job, e.upload.round), e.upload.kind)
+            elif isinstance(e, uploads.GiveBackSlot):
+                slots.setdefault(e.job, []).append((e.round, e.reason))
+        if not slots:
+            then()
+            return
 
-    def _update_done(self, key: bytes) -> bool:
-        """A client update admitted here is no longer in flight (folded, installed, or let go);
-        False if ``key`` is not one (a partial sum, another node's result)."""
-        job = self.local_updates.pop(key, None)
-        if job is None:
-            return False
-        run = self.jobs[job]
-        run.inflight -= 1
-        self._publish_gauges(job, run)
-        return True
+        def give_back() -> None:
+            for job, given in slots.items():
+                self.state.give_back(job, self.node, given)
+
+        def given(_: Any, error: BaseException | None) -> None:
+            if error is not None:  # Redis away: the slots come back when the round ends
+                print(f"lifl agent: giving back round slots failed: {error}", file=sys.stderr)
+            then()
+
+        self.loop.offload(give_back, given)
 
     def _gateway_gone(self, holder: Hashable) -> None:
-        with self.lock:
-            dropped = [(k, u) for k, u in self.uploads.items() if u.holder == holder]
-            for key, upload in dropped:
-                self._drop_upload(key, upload)
-            self.store.release_holder(holder)
-        for _, upload in dropped:
-            if upload.kind == "update":
-                try:
-                    self.state.unreserve(upload.job, upload.round, self.node)
-                    self.state.count(upload.job, upload.round, "rejected.connection_lost")
-                except Exception:  # Redis away: the round's slot comes back when the round ends
-                    traceback.print_exc()
+        self._holders.discard(holder)
+        self._apply_uploads(self.uploads.dropped_by(holder))
+        self.store.release_holder(holder)
 
-    def submit(self, holder: Hashable, m: Submit) -> tuple[Message, list[int]]:
+    def _update_done(self, key: bytes) -> None:
+        """A client update admitted here is no longer in flight (folded, installed, or let go)."""
+        self.uploads.update_done(key)
+
+    def submit(self, holder: Hashable, m: Submit, reply: Reply) -> None:
         if m.samples < 1:
             raise BadRequest(f"samples must be positive, got {m.samples}")
-        with self.lock:
-            upload = self._upload(holder, m.key, "update")
-            run = self.jobs[upload.job]
-            self.store.seal(m.key)
-            del self.uploads[m.key]
-        status, _ = self.state.accept(upload.job, upload.round, self.node, m.client)
-        if status < 0:
-            with self.lock:
-                self.store.release(m.key, holder)
-            error = accept_refusal(status, upload.job, upload.round, self.state.version(upload.job), self.node)
-            self.state.count(upload.job, upload.round, f"rejected.{error.code}")
-            raise error
-        self.metrics.arrived(upload.job)
+        upload = self.uploads.take(holder, m.key, UPDATE)
+        self.store.seal(m.key)
+        self.store.move_ref(m.key, holder, _accepting_holder(upload.job))  # the connection may close meanwhile
+        retained = None
         if self.retainer.policy(upload.job).keeps_update(m.client or ""):
-            self._retain_update(upload, run, m)
-        with self.lock:
-            effects = self.trees.accepted(upload.job, upload.round, upload.version, run.spec.leaf_fan_in,
-                                          tree.Input(m.key, m.samples, 1, False))
-            io = self._apply(effects)
-            queued = run.inflight
-        self._run_io(io)
-        if status == ACCEPT_CLOSED_ROUND:
-            self.settle(upload.job)
-        return Submitted(upload.round, queued), []
+            retained = self._retained_meta(m, upload)
+        self._accepts.add(upload.job, (m, upload, retained, reply))
 
-    def _retain_update(self, upload: Upload, run: JobRun, m: Submit) -> None:
-        """Keep an accepted update for queries: index it cluster-wide first (a query may come
-        as soon as the round ends), then hold it here and write it behind."""
-        client = m.client or f"anonymous-{m.key.hex()[:12]}"
-        with self.lock:
-            size = self.store.get(m.key).size
-        self.state.record_retained(upload.job, upload.round, client, {
-            "client": client, "samples": m.samples, "version": upload.base, "node": self.node,
-            "blob": update_blob(upload.round, m.key), "size": size})
-        with self.lock:
-            self.retainer.keep_update(upload.job, run.tenant, m.key, upload.round, upload.base, client, m.samples)
+    def _accept_call(self, job: str, items: list[tuple[Submit, uploads.Upload, dict[str, Any] | None, Reply]]
+                     ) -> list[tuple[int, int]]:
+        """Count the updates in Redis (one call), and index the ones the job's policy retains: a
+        query may come as soon as the round ends."""
+        return self.state.accept_many(job, self.node, [(upload.round, m.client, meta) for m, upload, meta, _ in items])
 
-    def submit_partial(self, holder: Hashable, m: SubmitPartial) -> tuple[Message, list[int]]:
-        with self.lock:
-            upload = self._upload(holder, m.key, "partial")
-            self.store.seal(m.key)
-            del self.uploads[m.key]
-        delivered = self.state.delivered(upload.job, upload.round, upload.from_node, upload.epoch)
-        with self.lock:
+    def _retained_meta(self, m: Submit, upload: uploads.Upload) -> dict[str, Any]:
+        """Where a retained client update lives, as Redis indexes it."""
+        return {"client": m.client or f"anonymous-{m.key.hex()[:12]}", "samples": m.samples, "version": upload.base,
+                "node": self.node, "blob": update_blob(upload.round, m.key), "size": self.store.get(m.key).size}
+
+    def _accepted(self, job: str, items: list[tuple[Submit, uploads.Upload, dict[str, Any] | None, Reply]],
+                  results: list[tuple[int, int]] | None, error: BaseException | None) -> None:
+        holder = _accepting_holder(job)
+        if error is not None or results is None:
+            for m, _, _, reply in items:
+                self.store.release(m.key, holder)
+                reply.error(_unavailable(error or Internal("no answer")))
+            return
+        run = self.jobs[job]
+        closed = False
+        refused: list[tuple[int, str]] = []
+        effects: list[tree.Effect] = []
+        for (m, upload, retained, reply), (status, _) in zip(items, results):
+            if status < 0:
+                self.store.release(m.key, holder)
+                e = accept_refusal(status, job, upload.round, upload.version, self.node)
+                refused.append((upload.round, e.code))
+                reply.error(e)
+                continue
+            closed = closed or status == ACCEPT_CLOSED_ROUND
+            self.metrics.arrived(job)
+            if retained is not None:
+                self.retainer.keep_update(job, run.tenant, m.key, upload.round, upload.base, retained["client"], m.samples)
+            effects += self.trees.accepted(job, upload.round, upload.version, run.spec.leaf_fan_in,
+                                           tree.Input(m.key, m.samples, 1, False))
+            reply(Submitted(upload.round, self.uploads.counts.get(job, 0)))
+        if refused:
+            self._io(lambda: self.state.count_rejections(job, refused), "counting refusals")
+        self._apply(effects)
+        if closed:
+            self.settle(job)
+
+    def submit_partial(self, holder: Hashable, m: SubmitPartial, reply: Reply) -> None:
+        upload = self.uploads.take(holder, m.key, uploads.PARTIAL)
+        self.store.seal(m.key)
+        accepting = _accepting_holder(upload.job)
+        self.store.move_ref(m.key, holder, accepting)  # the connection may close while Redis answers
+
+        def delivered(status: int | None, error: BaseException | None) -> None:
+            if error is not None or status is None:
+                self.store.release(m.key, accepting)
+                reply.error(_unavailable(error or Internal("no answer")))
+                return
             try:
-                if delivered < 0:
+                if status < 0:
                     raise tree.NotTheTop(f"round {upload.round} (epoch {upload.epoch}) of {upload.job!r} has moved on")
                 effects = self.trees.partial(upload.job, upload.round, upload.from_node, upload.epoch,
                                              tree.Input(m.key, m.samples, m.updates, m.partial))
             except tree.NotTheTop as e:
-                self.store.release(m.key, holder)
+                self.store.release(m.key, accepting)
                 self.metrics.partials_received.labels("refused").inc()
-                raise Conflict(str(e), code="not_the_top") from None
-            self.metrics.partials_received.labels("duplicate" if delivered == 0 else "accepted").inc()
-            io = self._apply(effects)
-        self._run_io(io)
-        return None, []
+                reply.error(Conflict(str(e), code="not_the_top"))
+                return
+            self.metrics.partials_received.labels("duplicate" if status == 0 else "accepted").inc()
+            self._apply(effects)
+            reply()
 
-    def install_model(self, holder: Hashable, m: InstallModel) -> tuple[Message, list[int]]:
+        self.loop.offload(lambda: self.state.delivered(upload.job, upload.round, upload.from_node, upload.epoch), delivered)
+
+    def install_model(self, holder: Hashable, m: InstallModel, reply: Reply) -> None:
         """Make an uploaded blob version 0, once its checkpoint is durable."""
-        with self.lock:
-            upload = self._upload(holder, m.key, "model")
-            run = self.jobs[upload.job]
-            seg = self.store.seal(m.key)
-            spec = self._read_layout(seg.fd).spec()
-            del self.uploads[m.key]
-            strategy = run.spec.strategy_spec
-            if strategy.name != "fedavg" and any(t.dtype is fmt.BF16 for t in spec.tensors):
-                self.store.release(m.key, holder)
-                run.model_upload = False
-                raise Unprocessable(f"strategy {strategy.name!r} computes in float64 from float16/32/64 tensors; this "
-                                    "model has bfloat16 ones: send them as float32, or aggregate with fedavg",
-                                    code="unsupported_dtype")
-            self.store.move_ref(m.key, holder, ("pending", upload.job))
-            fd, size = os.dup(seg.fd), seg.size
-        try:
-            seconds = self.checkpointer.write(upload.job, 0, fd, size)
-        except OSError as e:
-            with self.lock:
-                run.model_upload = False
-                self.store.release(m.key, ("pending", upload.job))
-            self.metrics.checkpoint_failures.labels(upload.job).inc()
-            raise Unavailable(f"cannot checkpoint the model of {upload.job!r}: {e}", code="checkpoint_failed",
-                              retry_after=CHECKPOINT_RETRY[-1]) from None
-        opened = self.state.next_round(upload.job, -1, 0, key=m.key.hex(), node=self.node, spec=spec)
-        retain = self.retainer.policy(upload.job).active
-        with self.lock:
-            run.model_upload = False
-            if opened < 0:
-                self.store.release(m.key, ("pending", upload.job))
-                raise Conflict(f"job {upload.job!r} already has a model", code="model_exists")
-            self.store.move_ref(m.key, ("pending", upload.job), ("model", upload.job))
-            run.model_key, run.model_spec, run.model_version = m.key, spec, 0
-            if retain:
-                self.retainer.keep_model(upload.job, run.tenant, m.key, 0)
-        self.state.set_checkpoint(upload.job, 0)
-        self.metrics.checkpoint_seconds.observe(seconds)
-        self.metrics.version.labels(upload.job).set(0)
-        return Installed(0), []
+        upload = self.uploads.take(holder, m.key, uploads.MODEL)
+        run = self.jobs[upload.job]
+        seg = self.store.seal(m.key)
+        spec = self._read_layout(seg.fd).spec()
+        strategy = run.spec.strategy_spec
+        if strategy.runs_step and any(t.dtype is fmt.BF16 for t in spec.tensors):
+            self.store.release(m.key, holder)
+            raise Unprocessable(f"strategy {strategy.name!r} computes in float64 from float16/32/64 tensors; this "
+                                "model has bfloat16 ones: send them as float32, or aggregate with fedavg",
+                                code="unsupported_dtype")
+        pending = ("pending", upload.job)
+        self.store.move_ref(m.key, holder, pending)
+        fd, size = os.dup(seg.fd), seg.size
 
-    def install_replica(self, holder: Hashable, m: InstallReplica) -> tuple[Message, list[int]]:
-        with self.lock:
-            upload = self._upload(holder, m.key, "replica")
-            run = self.jobs[upload.job]
-            self.store.seal(m.key)
-            del self.uploads[m.key]
-            self._set_replica(upload.job, run, m.key, upload.version, holder)
+        def write() -> tuple[float, float]:
+            seconds = self.checkpointer.write(upload.job, 0, fd, size)
+            return seconds, self.state.next_round(upload.job, -1, 0, key=m.key.hex(), node=self.node, spec=spec)
+
+        def written(result: tuple[float, float] | None, error: BaseException | None) -> None:
+            if error is not None or result is None:
+                self.store.release(m.key, pending)
+                if isinstance(error, OSError):
+                    self.metrics.checkpoint_failures.labels(upload.job).inc()
+                    reply.error(Unavailable(f"cannot checkpoint the model of {upload.job!r}: {error}",
+                                            code="checkpoint_failed", retry_after=installs.CHECKPOINT_RETRY[-1]))
+                else:
+                    reply.error(_unavailable(error or Internal("no answer")))
+                return
+            seconds, opened = result
+            if opened < 0:
+                self.store.release(m.key, pending)
+                reply.error(Conflict(f"job {upload.job!r} already has a model", code="model_exists"))
+                return
+            self.store.move_ref(m.key, pending, ("model", upload.job))
+            run.model_key, run.model_spec, run.model_version = m.key, spec, 0
+            if self.retainer.policy(upload.job).active:
+                self.retainer.keep_model(upload.job, run.tenant, m.key, 0)
+            self.metrics.checkpoint_seconds.observe(seconds)
+            self.metrics.version.labels(upload.job).set(0)
+            self._io(lambda: self.state.set_checkpoint(upload.job, 0), "recording the checkpoint")
+            reply(Installed(0))
+
+        self.loop.offload(write, written)
+
+    def install_replica(self, holder: Hashable, m: InstallReplica, reply: Reply) -> None:
+        upload = self.uploads.take(holder, m.key, uploads.REPLICA)
+        self.store.seal(m.key)
+        self._set_replica(upload.job, self.jobs[upload.job], m.key, upload.version, holder)
         self.metrics.replicas.labels("gateway").inc()
-        return None, []
+        reply()
 
     def _set_replica(self, job: str, run: JobRun, key: bytes, version: int, holder: Hashable) -> None:
         if run.replica is not None:
@@ -880,32 +1047,48 @@ class Agent:
         return fmt.parse_header(os.pread(fd, n, fmt.PREFIX_BYTES), allow_partial=True)
 
     # -- models -----------------------------------------------------------------------------------
-    def open_model(self, holder: Hashable, m: OpenModel) -> tuple[Message, list[int]]:
+    def open_model(self, holder: Hashable, m: OpenModel, reply: Reply) -> None:
         """A read reference to the job's current model: the one installed here, a replica, or
         (when the node that has it is gone) one restored from the shared checkpoints; otherwise
         ``model_elsewhere`` tells the gateway which node to fetch it from."""
-        j, run = self._job(m.job)
-        if j.version == NO_MODEL:
-            raise Conflict(f"job {m.job!r} has no model yet", code="no_model")
-        with self.lock:
+
+        def then(j: Job, run: JobRun) -> None:
+            if j.version == NO_MODEL:
+                raise Conflict(f"job {m.job!r} has no model yet", code="no_model")
             opened = self._open_local(holder, run, j.version)
-        if opened:
-            return opened
-        if j.model_node != self.node and self.state.gateway(j.model_node) is not None:
-            raise NotFound(f"the model of job {m.job!r} is on node {j.model_node}", code="model_elsewhere",
-                           extra={"node": j.model_node, "version": j.version})
-        try:
-            blob = self.checkpointer.store.load(m.job, j.version)
-        except FileNotFoundError as e:  # a store of this node's own, not shared with the node that had it
-            raise Overloaded(f"the model of job {m.job!r} (version {j.version}) is on node {j.model_node}, which is "
-                             f"gone, and this node's checkpoint store does not have it: {e}", code="model_unreachable") from None
-        with self.lock:
-            seg = self._blob_object(run, blob, holder)
-            self._set_replica(m.job, run, seg.key, j.version, holder)
-            opened = self._open_local(holder, run, j.version)
-        self.metrics.replicas.labels("checkpoint").inc()
-        assert opened is not None
-        return opened
+            if opened:
+                reply(*opened)
+                return
+
+            def fetch() -> bytes:
+                if j.model_node != self.node and self.state.gateway(j.model_node) is not None:
+                    raise NotFound(f"the model of job {m.job!r} is on node {j.model_node}", code="model_elsewhere",
+                                   extra={"node": j.model_node, "version": j.version})
+                try:
+                    return self.checkpointer.store.load(m.job, j.version)
+                except FileNotFoundError as e:  # a store of this node's own, not shared with the node that had it
+                    raise Overloaded(f"the model of job {m.job!r} (version {j.version}) is on node {j.model_node}, which "
+                                     f"is gone, and this node's checkpoint store does not have it: {e}",
+                                     code="model_unreachable") from None
+
+            def fetched(blob: bytes | None, error: BaseException | None) -> None:
+                if error is not None or blob is None:
+                    reply.error(_unavailable(error or Internal("no model")))
+                    return
+                try:
+                    seg = self._blob_object(run, blob, holder)
+                except LiflError as e:
+                    reply.error(e)
+                    return
+                self._set_replica(m.job, run, seg.key, j.version, holder)
+                self.metrics.replicas.labels("checkpoint").inc()
+                again = self._open_local(holder, run, j.version)
+                assert again is not None
+                reply(*again)
+
+            self.loop.offload(fetch, fetched, SLOW_POOL)
+
+        self._with_job(m.job, then, reply)
 
     def _open_local(self, holder: Hashable, run: JobRun, version: int) -> tuple[Message, list[int]] | None:
         if run.model_key is not None and run.model_version == version:
@@ -918,13 +1101,12 @@ class Agent:
         fd = os.open(SHM_DIR / seg.name[1:], os.O_RDONLY)
         return ModelOpened(key, version, seg.size), [fd]
 
-    def release(self, holder: Hashable, m: Release) -> tuple[Message, list[int]]:
-        with self.lock:
-            self.store.release(m.key, holder)
-        return None, []
+    def release(self, holder: Hashable, m: Release, reply: Reply) -> None:
+        self.store.release(m.key, holder)
+        reply()
 
     # -- queries (lifl.flstore) --------------------------------------------------------------------
-    def query(self, m: Query) -> tuple[Message, list[int]]:
+    def query(self, m: Query, reply: Reply) -> None:
         """Run a non-training workload where the job's retained data is: resolve what it reads
         (from memory, or fetched back from the checkpoint store), run it on one of the tenant's
         function instances, and answer with its result and where its data came from."""
@@ -942,54 +1124,87 @@ class Agent:
         # decomposable workloads are computed where each node's updates are and combined by the
         # gateway; others read every update here (fetched back from the store if need be)
         split = scope != GATHER and workloads.decomposable(workload, params)
-        j, run = self._job(m.job)
-        if j.version == NO_MODEL:
-            raise Conflict(f"job {m.job!r} has no model yet", code="no_model")
-        policy = self.retainer.policies[m.job] = self.state.retention(m.job)
         qid = -self._take_id()
         holder = query_holder(m.job, qid)
         sources: list[str] = []
-        try:
+
+        def prepare() -> tuple[Job, JobRun, dict[str, Any], bool, float]:
+            read = self._job_io(m.job)
+            j = read[0]
+            if j.version == NO_MODEL:
+                raise Conflict(f"job {m.job!r} has no model yet", code="no_model")
+            run = self.loop.call(lambda: self._known(read))
+            policy = read[2]
+            self.loop.call(lambda: self.retainer.policies.__setitem__(m.job, policy))
             if workload == "inference":
                 doc = self._inference_inputs(j, run, policy, body, holder, sources)
             else:
                 doc = self._round_inputs(j, run, policy, workload, body, holder, sources, split, scope == NODE_SCOPE)
-            split = split and (scope == NODE_SCOPE or bool(doc.get("peers")))  # every update here: no need
-            doc.update(workload=workload, params=params, job=m.job, mode="partial" if split else "run")
-            fetched_s = time.perf_counter() - t0
-            stats = self._run_query(QueryRun(qid, m.job, run.tenant, doc.get("version", j.version), doc))
-        except LiflError as e:
+            split_here = split and (scope == NODE_SCOPE or bool(doc.get("peers")))  # every update here: no need
+            doc.update(workload=workload, params=params, job=m.job, mode="partial" if split_here else "run")
+            return j, run, doc, split_here, time.perf_counter() - t0
+
+        def failed(e: LiflError) -> None:
+            self.store.release_holder(holder)
             self.metrics.queries.labels(m.job, workload, "error").inc()
-            raise e
-        finally:
-            with self.lock:
+            reply.error(e)
+
+        def prepared(result: tuple[Job, JobRun, dict[str, Any], bool, float] | None, error: BaseException | None) -> None:
+            if error is not None or result is None:
+                failed(_unavailable(error or Internal("no inputs")))
+                return
+            j, run, doc, split_here, fetched_s = result
+            fetched = doc.pop("_fetched", 0)
+
+            def answered(stats: dict[str, Any] | None, error: LiflError | None) -> None:
                 self.store.release_holder(holder)
-        if "error" in stats:
-            self.metrics.queries.labels(m.job, workload, "error").inc()
-            raise _query_error(stats["error"])
-        result = stats.get("result", {})
-        if workload == "filter" and params.get("exclude"):
-            excluded = [s["client"] for s in result.get("suspects", [])]
-            self.state.exclude(m.job, excluded)
-            result["excluded"] = self.state.excluded(m.job)
-        total = time.perf_counter() - t0
-        self.metrics.queries.labels(m.job, workload, "ok").inc()
-        self.metrics.query_seconds.labels(workload).observe(total)
-        selected = {k: doc[k] for k in ("round", "rounds", "version") if k in doc}
-        if split:  # the gateway combines this with the other nodes' partials (``peers``)
-            selected.update(partial=result, peers=doc["peers"], params=params, rounds=doc["rounds_chosen"])
-        else:
-            selected["result"] = result
-        return Document({
-            "job": m.job, "workload": workload, **selected,
-            "data": {"objects": len(sources), "memory": sources.count("memory"), "store": sources.count("store"),
-                     "bytes_fetched": doc.pop("_fetched", 0)},
-            "node": self.node,
-            "seconds": {"total": round(total, 6), "fetch": round(fetched_s, 6), "compute": stats.get("compute_s")},
-        }), []
+                if error is not None or stats is None:
+                    failed(error or Internal("the query's function answered nothing"))
+                    return
+                if "error" in stats:
+                    failed(_query_error(stats["error"]))
+                    return
+                result = stats.get("result", {})
+                excluded = [s["client"] for s in result.get("suspects", [])] if workload == "filter" and params.get("exclude") else None
+
+                def exclude() -> list[str]:
+                    self.state.exclude(m.job, excluded or [])
+                    return self.state.excluded(m.job)
+
+                def finish(now_excluded: list[str] | None, error: BaseException | None) -> None:
+                    if error is not None:
+                        failed(_unavailable(error))
+                        return
+                    if now_excluded is not None:
+                        result["excluded"] = now_excluded
+                    total = time.perf_counter() - t0
+                    self.metrics.queries.labels(m.job, workload, "ok").inc()
+                    self.metrics.query_seconds.labels(workload).observe(total)
+                    selected = {k: doc[k] for k in ("round", "rounds", "version") if k in doc}
+                    if split_here:  # the gateway combines this with the other nodes' partials (``peers``)
+                        selected.update(partial=result, peers=doc["peers"], params=params, rounds=doc["rounds_chosen"])
+                    else:
+                        selected["result"] = result
+                    reply(Document({
+                        "job": m.job, "workload": workload, **selected,
+                        "data": {"objects": len(sources), "memory": sources.count("memory"), "store": sources.count("store"),
+                                 "bytes_fetched": fetched},
+                        "node": self.node,
+                        "seconds": {"total": round(total, 6), "fetch": round(fetched_s, 6), "compute": stats.get("compute_s")},
+                    }))
+
+                if excluded is None:
+                    finish(None, None)
+                else:
+                    self.loop.offload(exclude, finish)
+
+            self._run_query(QueryRun(qid, m.job, run.tenant, doc.get("version", j.version), doc, answered))
+
+        self.loop.offload(prepare, prepared, SLOW_POOL)
 
     def _inference_inputs(self, j: Job, run: JobRun, policy: RetentionPolicy, body: dict[str, Any], holder: Hashable,
                           sources: list[str]) -> dict[str, Any]:
+        """(off the loop)"""
         if not run.spec.architecture:
             raise BadRequest(f"job {j.spec.job!r} names no architecture (job field 'architecture'): it cannot run "
                              "inference", code="no_architecture")
@@ -997,7 +1212,7 @@ class Agent:
         if version > j.version or (version != j.version and not version_queryable(policy, version, j.version)):
             raise NotFound(f"version {version} of job {j.spec.job!r} is not retained (current version {j.version}; "
                            f"its retention policy keeps models {policy.version_window} versions back)", code="not_retained")
-        current = run.model_key if run.model_version == version else None
+        current = self.loop.call(lambda: run.model_key if run.model_version == version else None)
         keep = in_memory(policy, Held(MODEL, version), j.round - 1, j.version)
         key, source = self.retainer.acquire_model(j.spec.job, run.tenant, version, holder, keep, current)
         sources.append(source)
@@ -1005,9 +1220,9 @@ class Agent:
 
     def _round_inputs(self, j: Job, run: JobRun, policy: RetentionPolicy, workload: str, body: dict[str, Any],
                       holder: Hashable, sources: list[str], split: bool, node_only: bool) -> dict[str, Any]:
-        """What a query over rounds reads. ``split``: this node's updates only, the other nodes
-        holding some (``peers``) compute theirs; ``node_only``: the rounds are chosen already
-        (a peer's part of a split query)."""
+        """What a query over rounds reads (off the loop). ``split``: this node's updates only, the
+        other nodes holding some (``peers``) compute theirs; ``node_only``: the rounds are chosen
+        already (a peer's part of a split query)."""
         newest = j.round - 1  # the latest finished round
         retained = [r for r in self.state.retained_rounds(j.spec.job) if r <= newest and round_queryable(policy, r, newest)]
         if not retained:
@@ -1053,7 +1268,7 @@ class Agent:
                 if v is None or not version_queryable(policy, v, j.version):
                     entry[what] = None
                     continue
-                current = run.model_key if run.model_version == v else None
+                current = self.loop.call(lambda v=v: run.model_key if run.model_version == v else None)
                 keep = in_memory(policy, Held(MODEL, v), newest, j.version)
                 key, source = self.retainer.acquire_model(j.spec.job, run.tenant, v, holder, keep, current)
                 sources.append(source)
@@ -1072,208 +1287,129 @@ class Agent:
             out["round"], out["version"] = chosen[0], rounds[0]["version"]
         return out
 
-    def _run_query(self, q: QueryRun) -> dict[str, Any]:
-        doc = dict(q.doc)
-        doc.pop("_fetched", None)
-        q.doc = doc
-        with self.lock:
-            self.queries[q.id] = q
-            self.query_waiting.append(q.id)
-            self._dispatch()
-        try:
-            if not q.answered.wait(QUERY_TIMEOUT_S):
-                with self.lock:
-                    if q.id in self.query_waiting:
-                        self.query_waiting.remove(q.id)
-                    elif q.instance:
-                        self.actuator.stop(q.instance)  # it computes for nobody: its slot goes to others
-                raise Unavailable(f"the query found no instance or took over {QUERY_TIMEOUT_S:g} s",
-                                  code="query_timeout", retry_after=1.0)
-        finally:
-            with self.lock:
-                self.queries.pop(q.id, None)
-        if q.error is not None:
-            raise q.error
-        assert q.stats is not None
-        return q.stats
+    def _run_query(self, q: QueryRun) -> None:
+        """Run ``q`` on an instance of its tenant; its ``done`` hears the answer (or the timeout)."""
+        self.queries[q.id] = q
+
+        def timed_out() -> None:
+            if self.queries.pop(q.id, None) is None:
+                return
+            self._perform(self.board.drop_query(q.id))
+            q.done(None, Unavailable(f"the query found no instance or took over {QUERY_TIMEOUT_S:g} s",
+                                     code="query_timeout", retry_after=1.0))
+
+        q.timer = self.loop.later(QUERY_TIMEOUT_S, timed_out)
+        inference = q.doc["workload"] == "inference"
+        self._perform(self.board.query(q.id, q.tenant.name, inference, *self._board_context()))
 
     def _query_over(self, iid: int, qid: int, stats: dict[str, Any] | None, error: LiflError | None = None) -> None:
-        with self.lock:
-            q = self.queries.get(qid)
-            inst = self.instances.get(iid)
-            if inst is not None and inst.task == qid:
-                inst.task, inst.last_used = None, time.monotonic()
-                self._free(inst)
-        if q is not None and q.instance == iid:
-            q.finish(stats, error)
+        q = self.queries.pop(qid, None)
+        self.board.query_over(iid, qid, time.monotonic())
+        if q is not None:
+            q.timer.cancel()
+            q.done(stats, error)
+        self._dispatch()
 
-    def take_query(self, iid: int, m: TakeQuery) -> tuple[Message, list[int]]:
-        with self.lock:
-            q = self.queries.get(m.task)
-            if q is None or q.instance != iid:
-                raise NotFound(f"query {m.task} is not running on instance {iid}", code="no_such_task")
-            return Document(q.doc), []
+    def take_query(self, iid: int, m: TakeQuery, reply: Reply) -> None:
+        q = self.queries.get(m.task)
+        wait = self.board.queries.get(m.task)
+        if q is None or wait is None or wait.instance != iid:
+            raise NotFound(f"query {m.task} is not running on instance {iid}", code="no_such_task")
+        reply(Document(q.doc))
 
     # -- function instances -------------------------------------------------------------------------
     def _task_of(self, iid: int, task_id: int) -> tree.Task:
-        inst = self.placed.get(task_id)
-        task = self.trees.tasks.get(task_id)
-        if task is None or inst is None or inst.id != iid:
+        task = self.board.running_on(iid, task_id)
+        if task is None or task_id not in self.trees.tasks:
             raise NotFound(f"task {task_id} is not running on instance {iid}", code="no_such_task")
         return task
 
-    def ready(self, iid: int) -> tuple[Message | None, list[int]]:
-        with self.lock:
-            inst = self.instances.get(iid)
-            if inst is not None:
-                inst.ready = True
-        return None, []
+    def ready(self, iid: int, reply: Reply) -> None:
+        self.board.ready(iid)
+        reply()
 
-    def alloc(self, iid: int, m: Alloc) -> tuple[Message, list[int]]:
-        with self.lock:
-            task = self._task_of(iid, m.task)  # its round reserved this when it admitted the inputs
-            seg = self.store.create(self.instances[iid].tenant, m.size, _scratch_holder(m.task), affinity=iid,
-                                    owner=RoundOf(task.job, task.round), scratch=True)
-            return Allocated(seg.key), [os.dup(seg.fd)]
+    def alloc(self, iid: int, m: Alloc, reply: Reply) -> None:
+        task = self._task_of(iid, m.task)  # its round reserved this when it admitted the inputs
+        seg = self.store.create(self.instance_tenants[iid], m.size, _scratch_holder(m.task), affinity=iid,
+                                owner=RoundOf(task.job, task.round), scratch=True)
+        reply(Allocated(seg.key), [os.dup(seg.fd)])
 
-    def folded(self, iid: int, m: Folded) -> tuple[Message, list[int]]:
+    def folded(self, iid: int, m: Folded, reply: Reply) -> None:
         """Inputs (and the previous accumulator) are summed up in a new accumulator, ``m.state``:
         it is what the task runs again from if its instance dies; what it sums up may go."""
-        with self.lock:
-            task = self._task_of(iid, m.task)
-            progress = self.progress[task.id]
+        task = self._task_of(iid, m.task)
+        known = self.board.progress[task.id].known()
+        if not set(m.keys) <= known:
             # a leaf sends its result's key ahead of its hand-off (Invoke.parent_*): the parent may
             # fold it before the hand-off reaches us; it comes within moments
-            self._delivered.wait_for(lambda: set(m.keys) <= {msg.key for msg in progress.inputs()}, timeout=HANDOFF_WAIT_S)
-            previous = progress.state
-            known = {msg.key for msg in progress.inputs()}
-            if stray := [key.hex() for key in m.keys if key not in known]:  # checked before anything changes
-                raise BadRequest(f"task {task.id} folded {', '.join(stray)}, none of its inputs")
-            samples, updates_in = (previous.samples, previous.count) if previous is not None else (0, 0)
-            self.store.move_ref(m.state, _scratch_holder(task.id), _state_holder(task.id))
-            self.store.seal(m.state)
-            updates = sum(self._update_done(key) for key in m.keys)
-            for key in m.keys:
-                if (msg := progress.fold(key)) is not None:
-                    samples, updates_in = samples + msg.samples, updates_in + msg.count
-                    self.store.release(key, _input_holder(task.id))
-                else:  # the previous accumulator
-                    self.store.release(key, _state_holder(task.id))
-            progress.state = KeyMessage(dest=0, task=task.id, key=m.state, samples=samples, count=updates_in,
-                                        partial=True, sent_ns=now_ns())
+            def too_late() -> None:
+                parked = self._parked_folds.get(task.id, [])
+                for i, (_, pm, preply, _) in enumerate(parked):
+                    if pm is m:
+                        del parked[i]
+                        stray = [k.hex() for k in m.keys if k not in self.board.progress.get(task.id, tasks.Progress()).known()]
+                        preply.error(BadRequest(f"task {task.id} folded {', '.join(stray)}, none of its inputs"))
+                        return
+
+            self._parked_folds.setdefault(task.id, []).append((iid, m, reply, self.loop.later(HANDOFF_WAIT_S, too_late)))
+            return
+        self.store.move_ref(m.state, _scratch_holder(task.id), _state_holder(task.id))
+        self.store.seal(m.state)
+        inputs, previous = self.board.folded(task.id, m.keys, m.state, now_ns())
+        updates = 0
+        for msg in inputs:
+            updates += self.uploads.update_done(msg.key) is not None
+            self.store.release(msg.key, _input_holder(task.id))
+        if previous is not None:
+            self.store.release(previous.key, _state_holder(task.id))
         self.metrics.aggregated(task.job, updates, m.seconds)
         if updates:
-            self.state.count(task.job, task.round, "aggregated", updates)
-        return None, []
+            round_key = (task.job, task.round)
+            self._aggregated[round_key] = self._aggregated.get(round_key, 0) + updates
+        reply()
 
-    def handoff(self, iid: int, m: Handoff) -> tuple[Message, list[int]]:
+    def _unpark_folds(self, task_id: int) -> None:
+        """An input was delivered to ``task_id``: folds that waited for it go on."""
+        parked = self._parked_folds.pop(task_id, None)
+        for iid, m, reply, timer in parked or []:
+            timer.cancel()
+            try:
+                self.folded(iid, m, reply)
+            except LiflError as e:
+                reply.error(e)
+
+    def _count_aggregated(self) -> None:
+        """Tell Redis how many updates were aggregated (a periodic duty: one call for many folds)."""
+        if not self._aggregated:
+            return
+        counts, self._aggregated = self._aggregated, {}
+        self._io(lambda: self.state.count_aggregated(counts), "counting aggregated updates")
+
+    def handoff(self, iid: int, m: Handoff, reply: Reply) -> None:
         """A leaf's or middle's result: to its parent here (the instance sends the key itself when
         the parent runs), or to the top on another node."""
         route: list[tuple[int, int]] = []
         self._result(iid, m.task, tree.Input(m.key, m.samples, m.updates, m.partial), route)
-        return (Route(*route[0]) if route else Route()), []
+        reply(Route(*route[0]) if route else Route())
 
-    def install(self, iid: int, m: InstallResult) -> tuple[Message, list[int]]:
+    def install(self, iid: int, m: InstallResult, reply: Reply) -> None:
         """The top has the round's model: checkpoint it in the background, then install it."""
-        if m.state or m.report:
-            self._stage_step(iid, m)
-        task = self._result(iid, m.task, tree.Input(m.key, m.samples, m.updates, False))
-        return Installed(task.version + 1), []
+        task = self._task_of(iid, m.task)
+        if not (m.state or m.report):
+            self._result(iid, m.task, tree.Input(m.key, m.samples, m.updates, False))
+            reply(Installed(task.version + 1))
+            return
+        step = StrategyStep(m.state or None, m.report)
+        written: tuple[int, int] | None = None
+        if step.state is not None:
+            seg = self.store.seal(step.state)
+            self.store.hand_over(step.state, ("strategy", task.job, task.version + 1))
+            written = os.dup(seg.fd), seg.size
 
-    # -- strategies (lifl.strategy) -------------------------------------------------------------------
-    def strategy_inputs(self, iid: int, m: StrategyInputs) -> tuple[Message, list[int]]:
-        """What a top's strategy step reads besides the round's sum, held for the task: the model
-        the round started from, the strategy's state after it, and (a strategy that is not eager)
-        every client update of the round, each with the model it was trained from."""
-        with self.lock:
-            task = self._task_of(iid, m.task)
-        j, run = self._job(task.job)
-        strategy = run.spec.strategy_spec
-        holder = _scratch_holder(task.id)
-        doc: dict[str, Any] = {"seed": self.state.strategy_seed(task.job), "updates": []}
-        bases = {task.version: self._held_model(run, task.version, holder)}
-        doc["current"] = bases[task.version].hex()
-        doc["state"] = None if not strategy.stateful else self._held_state(run, task.version, holder)
-        if strategy.needs_updates:
-            for client, (key, base) in sorted(self._round_updates(run, task, m.updates, holder).items()):
-                if base not in bases:
-                    bases[base] = self._held_model(run, base, holder)
-                samples = self._retained_samples(task.job, task.round, client)
-                doc["updates"].append({"client": client, "key": key.hex(), "samples": samples,
-                                       "staleness": task.version - base, "base": bases[base].hex()})
-        return Document(doc), []
-
-    def _held_model(self, run: JobRun, version: int, holder: Hashable) -> bytes:
-        """Model ``version`` held by ``holder``: installed here, a replica, retained, or read back
-        from its checkpoint."""
-        with self.lock:
-            for key, v in ((run.model_key, run.model_version), run.replica or (None, NO_MODEL)):
-                if key is not None and v == version:
-                    self.store.add_ref(key, holder)
-                    return key
-        key, _ = self.retainer.acquire_model(run.spec.job, run.tenant, version, holder, keep=False)
-        return key
-
-    def _held_state(self, run: JobRun, version: int, holder: Hashable) -> str | None:
-        """The strategy's state after ``version``, held by ``holder``: kept here, or read back from
-        the checkpoint store (a restart, or the top moved to this node). None: no step made one
-        yet (the first step starts from zeros)."""
-        with self.lock:
-            if run.strategy_state is not None and run.strategy_state[1] == version:
-                self.store.add_ref(run.strategy_state[0], holder)
-                return run.strategy_state[0].hex()
-        try:
-            blob = self.checkpointer.store.load_blob(run.spec.job, strategy_state_blob(version))
-        except FileNotFoundError:
-            return None
-        with self.lock:
-            return str(self._blob_object(run, blob, holder, model=False).key.hex())
-
-    def _round_updates(self, run: JobRun, task: tree.Task, expected: int, holder: Hashable) -> dict[str, tuple[bytes, int]]:
-        """Every client update of the task's round, held by ``holder``: (object, base version) by
-        client. Those accepted here are retained in memory already; other nodes' are indexed in
-        Redis once their write-behind is durable, and read back from the checkpoint store."""
-        job = run.spec.job
-        deadline = time.monotonic() + STRATEGY_INPUTS_TIMEOUT_S
-        while True:
-            with self.lock:
-                local = {item.client: item for item in self.retainer.items.values()
-                         if (item.job, item.kind, item.index) == (job, UPDATE, task.round) and item.key is not None}
-            indexed = self.state.retained(job, task.round)
-            if len(set(local) | set(indexed)) >= expected:
-                break
-            if time.monotonic() > deadline:
-                raise Unavailable(f"round {task.round} of job {job!r} aggregated {expected} updates but only "
-                                  f"{len(set(local) | set(indexed))} are retained for its strategy after "
-                                  f"{STRATEGY_INPUTS_TIMEOUT_S:g} s", code="updates_missing", retry_after=1.0)
-            time.sleep(0.05)  # other nodes' write-behind: Redis offers nothing to wait on here
-        out: dict[str, tuple[bytes, int]] = {}
-        for client in sorted(set(local) | set(indexed)):
-            item = local.get(client)
-            meta = indexed.get(client) or {"size": item.size, "samples": item.samples, "version": item.version,
-                                            "blob": item.blob}
-            key, _ = self.retainer.acquire_update(job, run.tenant, task.round, client, meta, holder, keep=True)
-            out[client] = (key, int(meta["version"]))
-        return out
-
-    def _retained_samples(self, job: str, round_id: int, client: str) -> int:
-        with self.lock:
-            for item in self.retainer.items.values():
-                if (item.job, item.kind, item.index, item.client) == (job, UPDATE, round_id, client):
-                    return item.samples
-        return int(self.state.retained(job, round_id)[client]["samples"])
-
-    def _stage_step(self, iid: int, m: InstallResult) -> None:
-        """Keep the strategy's new state (durable before the model can be) and its report until
-        the round's model is installed."""
-        with self.lock:
-            task = self._task_of(iid, m.task)
-            step = StrategyStep(m.state or None, m.report)
-            if step.state is not None:
-                seg = self.store.seal(step.state)
-                self.store.hand_over(step.state, ("strategy", task.job, task.version + 1))
-                fd, size = os.dup(seg.fd), seg.size
-        if step.state is not None:  # written here, before the model's checkpoint: a durable version has its state
+        def write() -> None:  # before the model's checkpoint: a durable version has its state
+            if written is None:
+                return
+            fd, size = written
             try:
                 self.checkpointer.store.save_blob(task.job, strategy_state_blob(task.version + 1), fd, size)
             finally:
@@ -1281,15 +1417,27 @@ class Agent:
             # a restart resumes from a version the model checkpoints keep: older states are of no use
             if task.version - checkpoints.KEEP >= 0:
                 self.checkpointer.store.delete_blob(task.job, strategy_state_blob(task.version - checkpoints.KEEP))
-        with self.lock:
+
+        def staged(_: None, error: BaseException | None) -> None:
+            if error is not None:
+                reply.error(_unavailable(error))
+                return
             replaced = self.steps.pop((task.job, task.version + 1), None)
             if replaced is not None and replaced.state is not None:
                 self.store.release(replaced.state, ("strategy", task.job, task.version + 1))
             self.steps[(task.job, task.version + 1)] = step
+            try:
+                self._result(iid, m.task, tree.Input(m.key, m.samples, m.updates, False))
+            except LiflError as e:
+                reply.error(e)
+                return
+            reply(Installed(task.version + 1))
+
+        self.loop.offload(write, staged)
 
     def _install_step(self, run: JobRun, version: int, installed: bool) -> dict[str, Any]:
-        """The staged step of ``version`` (lock held): its state becomes the job's if the version
-        was installed, else goes; what the rounds history says of it."""
+        """The staged step of ``version``: its state becomes the job's if the version was
+        installed, else goes; what the rounds history says of it."""
         step = self.steps.pop((run.spec.job, version), None)
         holder = ("strategy", run.spec.job, version)
         if step is None or step.state is None:
@@ -1304,28 +1452,41 @@ class Agent:
 
     def _result(self, iid: int, task_id: int, output: tree.Input, route: list[tuple[int, int]] | None = None) -> tree.Task:
         """A task's result, sealed and kept by its round until the tree says where it goes."""
-        with self.lock:
-            task = self._task_of(iid, task_id)
-            if not self.store.get(output.key).sealed:
-                self.store.seal(output.key)
-            self.store.hand_over(output.key, ("round", task.job, task.round))
-            self._result_exists(task.id)
-            io = self._apply(self.trees.result(task.id, output), route)
-        self._run_io(io)
+        task = self._task_of(iid, task_id)
+        if not self.store.get(output.key).sealed:
+            self.store.seal(output.key)
+        self.store.hand_over(output.key, ("round", task.job, task.round))
+        self._result_exists(task.id)
+        self._apply(self.trees.result(task.id, output), route)
         return task
 
-    def done(self, iid: int, m: Done) -> tuple[Message, list[int]]:
+    def _result_exists(self, task_id: int) -> None:
+        """The task's result is sealed and kept by its round (or the task is called off): what it
+        would run again from is no longer needed."""
+        self.board.result_exists(task_id)
+        self.store.release_holder(_input_holder(task_id))
+        self.store.release_holder(_state_holder(task_id))
+
+    def _release_task_objects(self, task_id: int) -> None:
+        self.store.release_holder(_scratch_holder(task_id))
+        self._result_exists(task_id)
+        self.trees.finished(task_id)
+        for _, _, reply, timer in self._parked_folds.pop(task_id, []):
+            timer.cancel()
+            reply.error(NotFound(f"task {task_id} is over", code="no_such_task"))
+
+    def done(self, iid: int, m: Done, reply: Reply) -> None:
         """The instance finished a task (or acknowledged its cancellation) and is free again."""
+        reply()
         if m.task in self.queries:
             self._query_over(iid, m.task, m.stats)
-            return None, []
-        with self.lock:
-            inst, task = self._through(iid, m.task)
-            if task is not None and not m.stats.get("cancelled"):
+            return
+        task = self.board.through(iid, m.task, time.monotonic())
+        if task is not None:
+            self._release_task_objects(task.id)
+            if not m.stats.get("cancelled"):
                 self._record_task(task, iid, m.stats)
-            if inst is not None:
-                self._free(inst)
-        return None, []
+        self._free(iid)
 
     def _record_task(self, task: tree.Task, iid: int, stats: dict[str, Any]) -> None:
         role = stats.get("role", task.role)
@@ -1337,412 +1498,311 @@ class Agent:
                 self.metrics.handoff.observe(us / 1e6)
         self.recent.append({"task": task.id, "job": task.job, "round": task.round, "instance": iid, **stats})
 
-    def failed(self, iid: int, m: Failed) -> tuple[Message, list[int]]:
+    def failed(self, iid: int, m: Failed, reply: Reply) -> None:
+        reply()
         if m.task in self.queries:
             self._query_over(iid, m.task, None, Internal(f"the query failed on instance {iid}: {m.problem}"))
-            return None, []
-        with self.lock:
-            inst = self.instances.get(iid)
-            task = self.trees.tasks.get(m.task) if inst is not None and inst.task == m.task else None
-            if task is not None:
-                inst.task, inst.running, inst.last_used = None, None, time.monotonic()
-        if task is not None:
-            self._run_again(task, f"{task.role} failed on instance {iid}: {m.problem}")
-        with self.lock:
-            if inst is not None and inst.id in self.instances:
-                self._free(inst)
-        return None, []
-
-    def _through(self, iid: int, task_id: int) -> tuple[Instance | None, tree.Task | None]:
-        """The instance is through with the task (done, cancelled or failed): let the task's
-        objects go; the instance is free again."""
-        inst = self.instances.get(iid)
-        task = self.trees.tasks.get(task_id)
-        if inst is not None and inst.task == task_id:
-            task = task or inst.running  # the top's round ends as it installs, before its Done
-            self._finish(task_id)
-            inst.task, inst.running = None, None
-            inst.last_used = time.monotonic()
-        return inst, task
-
-    def _finish(self, task_id: int) -> None:
-        self.placed.pop(task_id, None)
-        self.pending.pop(task_id, None)
-        self._release_task_objects(task_id)
-        self.trees.finished(task_id)
-
-    def _release_task_objects(self, task_id: int) -> None:
-        self.store.release_holder(_scratch_holder(task_id))
-        self._result_exists(task_id)
-
-    def _result_exists(self, task_id: int) -> None:
-        """The task's result is sealed and kept by its round (or the task is called off): what it
-        would run again from is no longer needed."""
-        self.progress.pop(task_id, None)
-        self.store.release_holder(_input_holder(task_id))
-        self.store.release_holder(_state_holder(task_id))
+            return
+        self._perform(self.board.failed(iid, m.task, m.problem, *self._board_context()))
+        self._free(iid)
 
     def _instance_gone(self, iid: int, why: str) -> None:
-        with self.lock:
-            inst = self.instances.pop(iid, None)
-            q = self.queries.get(inst.task) if inst is not None and inst.task is not None else None
-            if q is not None:
-                inst.task = None  # type: ignore[union-attr]
-                q.finish(None, Unavailable(f"the query's function instance {iid} died ({why})", code="query_failed",
-                                           retry_after=1.0))
-            task = self.trees.tasks.get(inst.task) if inst and inst.task is not None else None
-            if inst is not None and inst.task is not None and task is None:
-                self._finish(inst.task)
-            self._refresh_instance_gauges()
-        if task is not None and not self._stopping.is_set():
-            self._run_again(task, f"aggregator instance {iid} died ({why})")
-        with self.lock:
-            self._dispatch()
+        peer = self.instances.pop(iid, None)
+        tenant = self.instance_tenants.pop(iid, None)
+        if peer is None or tenant is None:
+            return
+        self.actuator.retire(tenant, iid, self.loop)
+        if not self._stopping:
+            self._perform(self.board.gone(iid, why, *self._board_context()))
+        self._refresh_instance_gauges()
 
-    def _run_again(self, task: tree.Task, why: str) -> None:
-        """A task's run ended without Done: if its result exists there is nothing to redo;
-        otherwise it runs again from its inputs (its scratch objects go), and after
-        ``MAX_TASK_ATTEMPTS`` runs the round is abandoned (the inputs may be what fails)."""
-        with self.lock:
-            self.placed.pop(task.id, None)
-            self.store.release_holder(_scratch_holder(task.id))
-            progress = self.progress.get(task.id)
-            if progress is None:  # it handed off its result before it went
-                self.pending.pop(task.id, None)
-                self.trees.finished(task.id)
-                return
-            if progress.attempts < MAX_TASK_ATTEMPTS:
-                print(f"lifl agent: task {task.id} ({task.role} of {task.job} round {task.round}) runs again "
-                      f"from {'its accumulator of ' + str(progress.folded) + ' inputs and ' if progress.state else ''}"
-                      f"{len(progress.unfolded)} inputs: {why}", file=sys.stderr)
-                self.metrics.reruns.labels(task.role).inc()
-                self.pending[task.id] = progress.inputs()
-                if task.id not in self.waiting:
-                    self.waiting.append(task.id)
-                self._dispatch()
-                return
-            self._finish(task.id)
-        print(f"lifl agent: task {task.id} failed {progress.attempts} times", file=sys.stderr)
-        self._abandon(task.job, task.round, f"{task.role} failed {progress.attempts} times, last: {why}")
+    def _free(self, iid: int) -> None:
+        """An instance finished its task: reuse it for a waiting task, or keep it warm (or, without
+        reuse, let it go)."""
+        if not self.config.reuse and iid in self.instances:
+            self._perform([self.board.stop(iid)])
+        self._dispatch()
+        self._refresh_instance_gauges()
 
-    def _abandon(self, job: str, round_id: int, reason: str) -> None:
-        """The node's tree for a round failed: the round starts over on the same version."""
-        print(f"lifl agent: abandoning round {round_id} of {job}: {reason}", file=sys.stderr)
-        with self.lock:
-            r = self.trees.round_of(job)
-            io = self._apply(self.trees.end(job, reason)) if r is not None and r.round == round_id else []
-        self._run_io(io)
-        self._perform(job, cluster_rounds.AbandonRound(round_id, "abandoned", reason))
-        self.settle(job)
+    # -- strategies (lifl.strategy) -------------------------------------------------------------------
+    def strategy_inputs(self, iid: int, m: StrategyInputs, reply: Reply) -> None:
+        """What a top's strategy step reads besides the round's sum, held for the task: the model
+        the round started from, the strategy's state after it, and (a strategy that is not eager)
+        every client update of the round, with the model it was trained from."""
+        task = self._task_of(iid, m.task)
+        run = self.jobs[task.job]
+        holder = _scratch_holder(task.id)
+
+        def gather() -> dict[str, Any]:
+            strategy = run.spec.strategy_spec
+            doc: dict[str, Any] = {"seed": self.state.strategy_seed(task.job), "updates": []}
+            bases = {task.version: self._held_model(run, task.version, holder)}
+            doc["current"] = bases[task.version].hex()
+            doc["state"] = None if not strategy.stateful else self._held_state(run, task.version, holder)
+            if strategy.needs_updates:
+                for client, (key, base, samples) in sorted(self._round_updates(run, task, m.updates, holder).items()):
+                    if base not in bases:
+                        bases[base] = self._held_model(run, base, holder)
+                    doc["updates"].append({"client": client, "key": key.hex(), "samples": samples,
+                                           "staleness": task.version - base, "base": bases[base].hex()})
+            return doc
+
+        self.loop.offload(gather, lambda doc, error: reply(Document(doc)) if error is None else reply.error(_unavailable(error)),
+                          SLOW_POOL)
+
+    def _held_model(self, run: JobRun, version: int, holder: Hashable) -> bytes:
+        """Model ``version`` held by ``holder`` (off the loop): installed here, a replica, retained,
+        or read back from its checkpoint."""
+
+        def local() -> bytes | None:
+            for key, v in ((run.model_key, run.model_version), run.replica or (None, NO_MODEL)):
+                if key is not None and v == version:
+                    self.store.add_ref(key, holder)
+                    return key
+            return None
+
+        key = self.loop.call(local)
+        if key is None:
+            key, _ = self.retainer.acquire_model(run.spec.job, run.tenant, version, holder, keep=False)
+        return key
+
+    def _held_state(self, run: JobRun, version: int, holder: Hashable) -> str | None:
+        """The strategy's state after ``version``, held by ``holder`` (off the loop): kept here, or
+        read back from the checkpoint store (a restart, or the top moved to this node). None: no
+        step made one yet (the first step starts from zeros)."""
+
+        def local() -> str | None:
+            if run.strategy_state is not None and run.strategy_state[1] == version:
+                self.store.add_ref(run.strategy_state[0], holder)
+                return run.strategy_state[0].hex()
+            return None
+
+        kept = self.loop.call(local)
+        if kept is not None:
+            return kept
+        try:
+            blob = self.checkpointer.store.load_blob(run.spec.job, strategy_state_blob(version))
+        except FileNotFoundError:
+            return None
+        return str(self.loop.call(lambda: self._blob_object(run, blob, holder, model=False).key.hex()))
+
+    def _round_updates(self, run: JobRun, task: tree.Task, expected: int, holder: Hashable
+                       ) -> dict[str, tuple[bytes, int, int]]:
+        """Every client update of the task's round, held by ``holder`` (off the loop): (object, base
+        version, samples) by client. Those accepted here are retained in memory already; other
+        nodes' are indexed in Redis once their write-behind is durable, and read back from the
+        checkpoint store."""
+        job = run.spec.job
+        deadline = time.monotonic() + STRATEGY_INPUTS_TIMEOUT_S
+        while True:
+            local = self.loop.call(lambda: self.retainer.round_updates(job, task.round))
+            indexed = self.state.retained(job, task.round)
+            if len(set(local) | set(indexed)) >= expected:
+                break
+            if time.monotonic() > deadline:
+                raise Unavailable(f"round {task.round} of job {job!r} aggregated {expected} updates but only "
+                                  f"{len(set(local) | set(indexed))} are retained for its strategy after "
+                                  f"{STRATEGY_INPUTS_TIMEOUT_S:g} s", code="updates_missing", retry_after=1.0)
+            time.sleep(0.05)  # other nodes' write-behind: Redis offers nothing to wait on here
+        out: dict[str, tuple[bytes, int, int]] = {}
+        for client in sorted(set(local) | set(indexed)):
+            meta = indexed.get(client) or local[client]
+            key, _ = self.retainer.acquire_update(job, run.tenant, task.round, client, meta, holder, keep=True)
+            out[client] = (key, int(meta["version"]), int(meta["samples"]))
+        return out
 
     # -- effects ----------------------------------------------------------------------------------
-    def _apply(self, effects: Sequence[tree.Effect], route: list[tuple[int, int]] | None = None) -> list[IO]:
-        """Apply the tree's effects (with the lock held); returns what must happen without it.
-        With ``route``, one delivery to a running task is left to the caller to send."""
-        io: list[IO] = []
+    def _board_context(self) -> tuple[dict[int, tree.Task], Callable[[int], list[int]], Callable[[str], str], float]:
+        """What the board's placement decisions read: the tree's tasks and producers, each job's tenant, the time."""
+        return self.trees.tasks, self.trees.producers, self.tenant_of, time.monotonic()
+
+    def _dispatch(self) -> None:
+        self._perform(self.board.dispatch(*self._board_context()))
+
+    def _apply(self, effects: Sequence[tree.Effect], route: list[tuple[int, int]] | None = None) -> None:
+        """Apply the tree's effects. With ``route``, one delivery to a running task is left to the
+        caller's instance to send (it says where in its reply)."""
         for e in effects:
             if isinstance(e, tree.Deliver):
+                task = self.trees.tasks[e.task]
                 self.store.hand_over(e.input.key, _input_holder(e.task))
                 msg = KeyMessage(dest=0, task=e.task, key=e.input.key, samples=e.input.samples, count=e.input.updates,
                                  partial=e.input.partial, sent_ns=now_ns())
-                self.progress.setdefault(e.task, TaskProgress()).unfolded.append(msg)
-                self._delivered.notify_all()
-                inst = self.placed.get(e.task)
-                if inst is not None and route is not None and not route:
-                    route.append((inst.id, e.task))
-                elif inst is not None:
-                    self._send_key(inst, msg)
-                else:
-                    self.pending.setdefault(e.task, []).append(msg)
-                    if e.task not in self.waiting:
-                        self.waiting.append(e.task)
+                produced = self.board.deliver(task, msg, *self._board_context())
+                if route is not None and not route and produced and isinstance(produced[0], tasks.SendKeys):
+                    route.append((produced[0].instance, e.task))
+                    produced = produced[1:]
+                self._perform(produced)
+                if e.task in self._parked_folds:
+                    self._unpark_folds(e.task)
             elif isinstance(e, tree.Resize):
-                inst = self.placed.get(e.task)
-                if inst is not None:  # a task not started yet is invoked with its new fan-in
-                    count = self.progress[e.task].fan_in(e.fan_in)
-                    self._send_key(inst, KeyMessage(dest=inst.id, task=e.task, kind=KIND_CLOSE, count=count,
-                                                    sent_ns=now_ns()))
+                self._perform(self.board.resize(e.task, e.fan_in))
             elif isinstance(e, tree.Forward):
-                io.append(self._outgoing(e))
+                self._send_partial(self.forwards.new(e))
             elif isinstance(e, tree.Install):
-                io.append(self._install_io(e))
+                self._install(e)
             elif isinstance(e, tree.Cancel):
-                self._cancel(e.task, e.reason)
+                self._perform(self.board.cancel(e.task, e.reason))
             elif isinstance(e, tree.Drop):
                 self.store.discard(e.key)
             elif isinstance(e, tree.Release):
                 self.store.release_holder(("round", e.job, e.round))
                 self.store.release_round(RoundOf(e.job, e.round))  # what it reserved and did not use
-                for ref in [o.ref for o in self.outgoing.values() if (o.job, o.round) == (e.job, e.round)]:
-                    del self.outgoing[ref]
+                self.forwards.release_round(e.job, e.round)
             # tree.Start: a task runs once it has an input (Deliver queues it)
         self._dispatch()
-        return io
 
-    @staticmethod
-    def _run_io(io: list[IO]) -> None:
-        for action in io:
-            action()
+    def _perform(self, effects: Sequence[tasks.Effect]) -> None:
+        """Carry out the board's decisions."""
+        for e in effects:
+            if isinstance(e, tasks.SendKeys):
+                tenant = self.instance_tenants.get(e.instance)
+                if tenant is not None:
+                    for msg in e.messages:
+                        self._send_key(tenant, KeyMessage(**{**msg.__dict__, "dest": e.instance}))
+            elif isinstance(e, tasks.Invoke):
+                self._invoke(e)
+            elif isinstance(e, tasks.InvokeQuery):
+                q = self.queries[e.query]
+                self.metrics.starts.labels("warm" if self.board.workers[e.instance].ready else "cold").inc()
+                self._push(e.instance, Invoke(e.query, q.job, q.version, QUERY_ROLE, 0))
+            elif isinstance(e, tasks.Spawn):
+                self._spawn(e)
+            elif isinstance(e, tasks.Stop):
+                peer = self.instances.get(e.instance)
+                if peer is not None:
+                    peer.close()  # a runtime exits when its connection closes (a pod's attaches again, anew)
+            elif isinstance(e, tasks.CancelRun):
+                self._push(e.instance, CancelTask(e.task, e.reason))
+            elif isinstance(e, tasks.ReleaseObjects):
+                self._release_task_objects(e.task)
+            elif isinstance(e, tasks.ReleaseScratch):
+                self.store.release_holder(_scratch_holder(e.task))
+            elif isinstance(e, tasks.Rerun):
+                print(f"lifl agent: task {e.task.id} ({e.task.role} of {e.task.job} round {e.task.round}) runs again from "
+                      f"{'its accumulator of ' + str(e.folded) + ' inputs and ' if e.folded else ''}{e.unfolded} inputs: "
+                      f"{e.why}", file=sys.stderr)
+                self.metrics.reruns.labels(e.task.role).inc()
+            elif isinstance(e, tasks.Abandon):
+                print(f"lifl agent: task {e.task.id} failed: {e.reason}", file=sys.stderr)
+                self._abandon(e.task.job, e.task.round, e.reason)
+            elif isinstance(e, tasks.QueryFailed):
+                q = self.queries.pop(e.query, None)
+                if q is not None:
+                    q.timer.cancel()
+                    q.done(None, Unavailable(e.why, code="query_failed", retry_after=1.0))
 
-    def _send_key(self, inst: Instance, msg: KeyMessage) -> None:
-        msg = KeyMessage(**{**msg.__dict__, "dest": inst.id})
-        sender = self.transport.sender(inst.tenant)
-        if self.outbox or not sender.try_send(msg):
-            self.outbox.append((inst.tenant, msg))  # the instance's queue is full; the duty loop retries
-            self._wake.set()
-
-    def _cancel(self, task_id: int, reason: str) -> None:
-        """A running task keeps its objects until its instance acknowledges (it may still be
-        writing into them); one not started lets them go now."""
-        inst = self.placed.get(task_id)
-        if inst is not None:
-            try:
-                self.actuator.invoke(inst.id, CancelTask(task_id, reason))
-            except ConnectionError:
-                pass  # its instance is gone: reaping it releases the task
-            return
-        if task_id in self.waiting:
-            self.waiting.remove(task_id)
-        self.pending.pop(task_id, None)
-        self._release_task_objects(task_id)
-
-    def _install_io(self, e: tree.Install) -> IO:
-        self._update_done(e.input.key)  # a lone client update is itself the model
-        self.store.hand_over(e.input.key, ("pending", e.job, e.round))
-        return self._checkpoint_io(e)
-
-    def _checkpoint_io(self, e: tree.Install) -> IO:
-        seg = self.store.get(e.input.key)
-        fd, size = os.dup(seg.fd), seg.size
-
-        def write() -> None:
-            self.checkpointer.submit(e.job, e.version + 1, fd, size,
-                                     lambda seconds, error: self._installed(e, seconds, error))
-        return write
-
-    def _installed(self, e: tree.Install, seconds: float, error: Exception | None) -> None:
-        """The checkpoint of a round's model is durable: make it the next version. A version
-        clients can see always has a durable checkpoint, so a failed write is tried again."""
-        job, key, version = e.job, e.input.key, e.version + 1
-        if error is not None:
-            self._checkpoint_failed(e, error)
-            return
-        j, shard = self.state.job(job), self.state.shard(job)
-        now = self.state.now()
-        aggregated = now - seconds  # the checkpoint is written between aggregation and installation
-        summary = self._summary(j, shard, version, "complete" if e.input.updates >= j.spec.goal else "partial",
-                                updates=e.input.updates, samples=e.input.samples, checkpoint_s=round(seconds, 6),
-                                seconds=round(aggregated - shard.first_update, 6) if shard.first_update else None)
-        with self.lock:
-            step = self.steps.get((job, version))
-        if j.spec.strategy:
-            strategy = j.spec.strategy_spec
-            summary["strategy"] = {"name": strategy.name, **(step.report if step is not None else {})}
-            if strategy.name == "dp_fedavg":  # the budget spent once this version is out
-                summary["strategy"].update(privacy(strategy, version))
-        opened = self.state.next_round(job, e.round, version, key=key.hex(), node=self.node, summary=summary)
-        retain = self.retainer.policy(job).active
-        with self.lock:
-            run = self.jobs[job]
-            self._install_step(run, version, installed=opened >= 0)
-            if opened < 0:  # the round moved on meanwhile (abandoned): drop this model
-                self.store.release(key, ("pending", job, e.round))
-                return
-            self.store.move_ref(key, ("pending", job, e.round), ("model", job))
-            self.store.pin(key)  # from the round's working memory to the node's models
-            if run.model_key is not None:
-                self.store.release(run.model_key, ("model", job))
-            run.model_key, run.model_version = key, version
-            if retain:
-                self.retainer.keep_model(job, run.tenant, key, version)
-            self._count_round(job, summary)
-            self.metrics.checkpoint_seconds.observe(seconds)
-            self.metrics.version.labels(job).set(version)
-            self.failed_checkpoints.pop(job, None)
-        self.state.set_checkpoint(job, version)
-        self.settle(job)
-
-    def _checkpoint_failed(self, e: tree.Install, error: Exception) -> None:
-        """Keep the model unseen and write it again after a back-off; say why everywhere."""
-        version = e.version + 1
-        with self.lock:
-            before = self.failed_checkpoints.get(e.job)
-            attempts = before.attempts + 1 if before is not None and before.install is e else 1
-            delay = CHECKPOINT_RETRY[min(attempts, len(CHECKPOINT_RETRY)) - 1]
-            self.failed_checkpoints[e.job] = FailedCheckpoint(e, attempts, time.monotonic() + delay)
-        self.metrics.checkpoint_failures.labels(e.job).inc()
-        print(f"lifl agent: checkpoint of {e.job} version {version} failed ({attempts} times), "
-              f"trying again in {delay:g} s: {error}", file=sys.stderr)
-        self.state.set_checkpoint_error(e.job, version, public_reason(error))
-
-    def retry_checkpoints(self) -> None:
-        """Write again the checkpoints whose back-off is over (the round's model waits meanwhile);
-        a round that moved on without its model (abandoned past its deadline) lets it go."""
-        now = time.monotonic()
-        with self.lock:
-            due = [f for f in self.failed_checkpoints.values() if f.next_try <= now]
-        for failed in due:
-            e = failed.install
-            current = self.state.job(e.job).round == e.round
-            with self.lock:
-                if self.failed_checkpoints.get(e.job) is not failed:
-                    continue
-                if not current:
-                    del self.failed_checkpoints[e.job]
-                    self.store.release(e.input.key, ("pending", e.job, e.round))
-                    continue
-                failed.next_try = float("inf")  # in the writer's hands until it reports back
-                write = self._checkpoint_io(e)
-            write()
-
-    def _summary(self, j: Job, shard: Shard, new_version: int | None, outcome: str, **extra: Any) -> dict[str, Any]:
-        return {"round": j.round, "version": j.version, "new_version": new_version, "outcome": outcome,
-                "updates": 0, "samples": 0, "seconds": None, "opened": j.round_opened, "closed": round(time.time(), 3),
-                "nodes": shard.counts, "top": shard.top, "lost": shard.lost, **extra}
-
-    def _count_round(self, job: str, summary: dict[str, Any]) -> None:
-        self.metrics.rounds.labels(job, summary["outcome"]).inc()
-        if summary["outcome"] in ("complete", "partial") and summary["seconds"] is not None:
-            self.metrics.round_seconds.labels(job).observe(summary["seconds"])
-            self.metrics.round_updates.labels(job).observe(summary["updates"])
-
-    # -- scheduling tasks on instances ------------------------------------------------------------
-    def _dispatch(self) -> None:
-        """Give waiting tasks instances: a warm idle one of the tenant, else a new one while the
-        node has room (a cold start); the rest wait for an instance to free up. Producers go
-        first (leaves, then middles, then tops): a full node must not give its last instance to
-        a task that waits for one still waiting."""
-        for task_id in [t for t in self.waiting if t not in self.trees.tasks]:
-            self.waiting.remove(task_id)
-        for task_id in sorted(self.waiting, key=lambda t: ROLES.index(self.trees.tasks[t].role)):
-            task = self.trees.tasks[task_id]
-            tenant = self.jobs[task.job].tenant
-            inst = self._idle_instance(tenant) if self.config.reuse else None
-            if inst is not None:
-                self.metrics.starts.labels("warm").inc()
-            elif self.config.reuse and self._producer_running(task):
-                continue  # its input's producer is about to be idle: it takes over (§5.3), no cold start
-            elif len(self.instances) < self.config.max_instances and (inst := self._spawn(tenant, "cold_start")):
-                self.metrics.starts.labels("cold").inc()
-            else:
-                continue
-            self.waiting.remove(task_id)
-            self._start(inst, task)
-        self._dispatch_queries()
-
-    def _dispatch_queries(self) -> None:
-        """Queries run on the tenant's warm instances like aggregation tasks (which go first), and
-        scale out with concurrent queries while the node has room."""
-        for qid in list(self.query_waiting):
-            q = self.queries[qid]
-            inference = q.doc["workload"] == "inference"
-            inst = self._idle_instance(q.tenant, inference)
-            if inst is not None:
-                self.metrics.starts.labels("warm").inc()
-            elif (inst := self._spawn_for_query(q.tenant, inference)) is not None:
-                self.metrics.starts.labels("cold").inc()
-            else:
-                continue
-            self.query_waiting.remove(qid)
-            inst.task, inst.running, q.instance = qid, None, inst.id
-            self.actuator.invoke(inst.id, Invoke(qid, q.job, q.version, QUERY_ROLE, 0))
-
-    def _producer_running(self, task: tree.Task) -> bool:
-        """Whether an instance runs one of the task's producers. Only such an instance is sure to
-        come free for it: any other busy one may hold a task that waits for this one (the top
-        for its node's middle)."""
-        producers = set(self.trees.producers(task.id))
-        return any(i.task in producers for i in self.instances.values())
-
-    def _spawn_for_query(self, tenant: Tenant, inference: bool) -> Instance | None:
-        """A cold start for a query; one that needs torch may take the place of an idle instance
-        without it."""
-        if inference and len(self.instances) >= self.config.max_instances:
-            idle = self._idle_instance(tenant) or next((i for i in self.instances.values() if i.task is None), None)
-            if idle is None:
-                return None
-            self.actuator.stop(idle.id)
-            self.instances.pop(idle.id, None)
-        if len(self.instances) >= self.config.max_instances:
-            return None
-        return self._spawn(tenant, "query", INFERENCE_MODULES if inference else ())
-
-    def _idle_instance(self, tenant: Tenant, inference: bool = False) -> Instance | None:
-        views = [InstanceView(i.id, i.tenant.name, i.task is None, i.last_used) for i in self.instances.values()
-                 if i.inference or not inference]
-        chosen = pick_warm(views, tenant.name)
-        return self.instances[chosen] if chosen is not None else None
-
-    def _spawn(self, tenant: Tenant, reason: str, preload: tuple[str, ...] = ()) -> Instance | None:
-        """A cold start, if this node starts its instances (pods are started by the cluster)."""
-        iid = self.actuator.spawn(tenant, preload)
-        if iid is None:
-            return None
-        inst = self.instances[iid] = Instance(iid, tenant, inference=bool(preload))
-        self.metrics.spawned.labels(reason).inc()
-        return inst
-
-    def _start(self, inst: Instance, task: tree.Task) -> None:
-        inst.task, inst.running = task.id, task
-        self.placed[task.id] = inst
-        progress = self.progress.setdefault(task.id, TaskProgress())
-        progress.start()
+    def _invoke(self, e: tasks.Invoke) -> None:
+        task = e.task
         run = self.jobs[task.job]
         spec = options = None
-        if task.job not in inst.specs_sent:
+        if e.first_for_job:
             assert run.model_spec is not None
             spec = run.model_spec.to_json()
             options = {"strategy": run.spec.strategy, "fixed_point": run.spec.fixed_point}
-            inst.specs_sent.add(task.job)
-        parent = self._parent_placement(task)
-        self.actuator.invoke(inst.id, Invoke(task.id, task.job, task.version, task.role, progress.fan_in(task.fan_in),
-                                             self.config.lazy, spec, options, *parent))
-        for msg in self.pending.pop(task.id, []):
-            self._send_key(inst, msg)
+        self.metrics.starts.labels("warm" if self.board.workers[e.instance].ready else "cold").inc()
+        self._push(e.instance, Invoke(task.id, task.job, task.version, task.role, e.fan_in, self.config.lazy, spec,
+                                      options, *e.parent))
+        tenant = self.instance_tenants[e.instance]
+        for msg in e.inputs:
+            self._send_key(tenant, KeyMessage(**{**msg.__dict__, "dest": e.instance}))
         self._refresh_instance_gauges()
 
-    def _parent_placement(self, task: tree.Task) -> tuple[int, int]:
-        """A leaf's middle, if it runs already: (instance, task), else (0, 0). The leaf sends its
-        result's key there itself, first: the hand-off no longer waits for the agent's reply."""
-        r = self.trees.rounds.get(task.job)
-        if task.role != tree.LEAF or r is None or r.round != task.round:
-            return 0, 0
-        inst = self.placed.get(r.middle.id)
-        return (inst.id, r.middle.id) if inst is not None else (0, 0)
+    def _push(self, instance: int, message: Message) -> None:
+        peer = self.instances.get(instance)
+        if peer is not None:  # else it is gone: its task runs again with all its inputs
+            peer.push(message)
 
-    def _free(self, inst: Instance) -> None:
-        """An instance finished its task: reuse it for a waiting task, or keep it warm (or, without
-        reuse, let it go)."""
-        if not self.config.reuse:
-            self.actuator.stop(inst.id)
-        self._dispatch()
-        self._refresh_instance_gauges()
+    def _spawn(self, e: tasks.Spawn) -> None:
+        """A cold start: the instance's connection exists at once (messages wait in it), its
+        process starts on the pool."""
+        tenant = self._tenants[e.tenant]
+        sock, start = self.actuator.spawn(tenant, e.instance, INFERENCE_MODULES if e.preload else ())
+        peer = Peer(self.loop, sock, {}, "function instance", lambda: None)
+        self._adopt(e.instance, tenant, peer)
+        self.metrics.spawned.labels(e.reason).inc()
+
+        def started(_: None, error: BaseException | None) -> None:
+            if error is not None:
+                print(f"lifl agent: cannot start instance {e.instance}: {error}", file=sys.stderr)
+                peer.close()
+
+        self.loop.offload(start, started)
+
+    def _send_key(self, tenant: Tenant, msg: KeyMessage) -> None:
+        if self._outbox or not self.transport.sender(tenant).try_send(msg):
+            self._outbox.append((tenant, msg))  # the instance's queue is full: tried again shortly
+            if self._outbox_timer is None:
+                self._outbox_timer = self.loop.later(OUTBOX_RETRY, self._flush_outbox)
+
+    def _flush_outbox(self) -> None:
+        self._outbox_timer = None
+        while self._outbox:
+            tenant, msg = self._outbox[0]
+            # keys for an instance that died are dropped: its task runs again with all of them
+            if msg.dest in self.instances and not self.transport.sender(tenant).try_send(msg):
+                self._outbox_timer = self.loop.later(OUTBOX_RETRY, self._flush_outbox)
+                return
+            self._outbox.popleft()
+
+    def _abandon(self, job: str, round_id: int, reason: str) -> None:
+        """The node's tree for a round failed: the round starts over on the same version."""
+        print(f"lifl agent: abandoning round {round_id} of {job}: {reason}", file=sys.stderr)
+        r = self.trees.round_of(job)
+        if r is not None and r.round == round_id:
+            self._apply(self.trees.end(job, reason))
+
+        def abandon() -> None:
+            self._perform_duty(job, cluster_rounds.AbandonRound(round_id, "abandoned", reason))
+
+        self.loop.offload(abandon, lambda _, error: self.settle(job))
 
     # -- rounds across the cluster ----------------------------------------------------------------
-    def settle(self, job: str, live: set[str] | None = None) -> None:
-        """Carry out the round's cluster duties, then bring this node's tree in line with the
-        round's shard (reads and writes Redis: no lock held)."""
-        try:
-            for _ in range(SETTLE_PASSES):
-                j, shard = self.state.job(job), self.state.shard(job)
-                todo = cluster_rounds.duties(j, shard, self.state.now(), live if live is not None else self._assume_live(shard))
-                if not todo:
-                    break
-                for duty in todo:
-                    self._perform(job, duty, j, shard)
-            with self.lock:
-                io = self._apply(self.trees.sync(job, shard))
-        except NotFound:  # the job is gone
-            with self.lock:
-                io = self._apply(self.trees.end(job, "the job no longer exists"))
-        self._run_io(io)
+    def settle(self, job: str, live: set[str] | None = None, then: Callable[[], None] | None = None) -> None:
+        """Carry out the round's cluster duties (in Redis, off the loop), then bring this node's
+        tree in line with the round's shard; then ``then()``. A settle asked for while one of the
+        job runs goes once more after it."""
+        if job in self._settling:
+            self._settle_again.add(job)
+            if then is not None:
+                self._settle_then.setdefault(job, []).append(then)
+            return
+        self._settling.add(job)
+        if then is not None:
+            self._settle_then.setdefault(job, []).append(then)
 
-    @staticmethod
-    def _assume_live(shard: Shard) -> set[str]:
-        """Without a fresh list of live nodes, assume every node involved is alive."""
-        return set(shard.counts) | set(shard.inflight) | ({shard.top} if shard.top else set())
+        def settled(shard: Shard | None, error: BaseException | None) -> None:
+            self._settling.discard(job)
+            if isinstance(error, NotFound):
+                self._apply(self.trees.end(job, "the job no longer exists"))
+            elif error is not None:
+                print(f"lifl agent: settling {job!r} waits: {error}", file=sys.stderr)
+            elif shard is not None:
+                try:
+                    self._apply(self.trees.sync(job, shard))
+                except ValueError as e:  # Redis and this node disagree: the round cannot finish here
+                    print(f"lifl agent: {e}", file=sys.stderr)
+            for callback in self._settle_then.pop(job, []):
+                callback()
+            if job in self._settle_again:
+                self._settle_again.discard(job)
+                self.settle(job)
 
-    def _perform(self, job: str, duty: cluster_rounds.Duty, j: Job | None = None, shard: Shard | None = None) -> None:
+        self.loop.offload(lambda: self._settle_io(job, live), settled)
+
+    def _settle_io(self, job: str, live: set[str] | None) -> Shard:
+        """The round's duties, performed until there are none (off the loop); the shard as it is then."""
+        for _ in range(SETTLE_PASSES):
+            j, shard = self.state.job(job), self.state.shard(job)
+            todo = cluster_rounds.duties(j, shard, self.state.now(), live if live is not None else _assume_live(shard))
+            if not todo:
+                return shard
+            for duty in todo:
+                self._perform_duty(job, duty, j, shard)
+        return self.state.shard(job)
+
+    def _perform_duty(self, job: str, duty: cluster_rounds.Duty, j: Job | None = None, shard: Shard | None = None) -> None:
+        """(off the loop)"""
         if isinstance(duty, cluster_rounds.CloseAtDeadline):
             self.state.close_round(job, duty.round, duty.min_updates)
         elif isinstance(duty, cluster_rounds.PlaceTop):
@@ -1762,251 +1822,289 @@ class Agent:
     def round_duties(self) -> None:
         """Deadlines, dead nodes and the top's placement for the jobs this node takes part in
         (the controller sweeps every job)."""
-        with self.lock:
-            jobs = list(self.trees.rounds) + [j for j, r in self.jobs.items() if r.spec.round_deadline_s]
+        jobs = list(dict.fromkeys(list(self.trees.rounds) + [j for j, r in self.jobs.items() if r.spec.round_deadline_s]))
         if not jobs:
             return
-        live = set(self.state.nodes())
-        for job in dict.fromkeys(jobs):
-            self.settle(job, live)
 
-    def _event_loop(self) -> None:
+        def settle_all(live: list[str] | None, error: BaseException | None) -> None:
+            if error is not None or live is None:
+                raise _unavailable(error or Internal("no nodes"))
+            for job in jobs:
+                self.settle(job, set(live))
+
+        self.loop.offload(lambda: list(self.state.nodes()), settle_all)
+
+    def _round_events(self) -> None:
         """React at once when a round changes (the duties' timer covers missed messages)."""
-        while not self._stopping.is_set():
+        while not self._stopping:
             try:
                 for job in self.state.events():
-                    if self._stopping.is_set():
+                    if self._stopping:
                         return
-                    with self.lock:
-                        involved = job in self.trees.rounds or job in self.jobs
-                    if job is not None and involved:
-                        self.settle(job)
+                    if job is not None:
+                        self.loop.post(lambda job=job: self.settle(job) if job in self.trees.rounds or job in self.jobs else None)
             except Exception:  # Redis restarting: subscribe again
-                if not self._stopping.wait(0.5):
+                time.sleep(0.5)
+                if not self._stopping:
                     traceback.print_exc()
 
+    # -- installing a round's model ---------------------------------------------------------------
+    def _install(self, e: tree.Install) -> None:
+        """The top's result: checkpoint it, then (once durable) make it the next version."""
+        self.uploads.update_done(e.input.key)  # a lone client update is itself the model
+        self.store.hand_over(e.input.key, ("pending", e.job, e.round))
+        self._write_checkpoint(e)
+
+    def _write_checkpoint(self, e: tree.Install) -> None:
+        seg = self.store.get(e.input.key)
+        self.checkpointer.submit(e.job, e.version + 1, os.dup(seg.fd), seg.size,
+                                 lambda seconds, error: self.loop.post(lambda: self._checkpointed(e, seconds, error)))
+
+    def _checkpointed(self, e: tree.Install, seconds: float, error: Exception | None) -> None:
+        """The checkpoint of a round's model is written (or failed): make it the next version. A
+        version clients can see always has a durable checkpoint, so a failed write is tried again."""
+        job, version = e.job, e.version + 1
+        if error is not None:
+            failed = self.checkpoints.write_failed(e, time.monotonic())
+            self.metrics.checkpoint_failures.labels(job).inc()
+            delay = failed.next_try - time.monotonic()
+            print(f"lifl agent: checkpoint of {job} version {version} failed ({failed.attempts} times), "
+                  f"trying again in {delay:.3g} s: {error}", file=sys.stderr)
+            self._io(lambda: self.state.set_checkpoint_error(job, version, public_reason(error)), "recording a failure")
+            return
+        run = self.jobs[job]
+        step = self.steps.get((job, version))
+        report = step.report if step is not None else {}
+
+        def next_round() -> tuple[float, dict[str, Any]]:
+            j, shard = self.state.job(job), self.state.shard(job)
+            aggregated = self.state.now() - seconds  # the checkpoint is written between aggregation and installation
+            summary = self._summary(j, shard, version, "complete" if e.input.updates >= j.spec.goal else "partial",
+                                    updates=e.input.updates, samples=e.input.samples, checkpoint_s=round(seconds, 6),
+                                    seconds=round(aggregated - shard.first_update, 6) if shard.first_update else None)
+            if j.spec.strategy:
+                strategy = j.spec.strategy_spec
+                summary["strategy"] = {"name": strategy.name, **report}
+                if strategy.spends_privacy:  # the budget spent once this version is out
+                    summary["strategy"].update(privacy(strategy, version))
+            return self.state.next_round(job, e.round, version, key=e.input.key.hex(), node=self.node, summary=summary), summary
+
+        def opened(result: tuple[float, dict[str, Any]] | None, error: BaseException | None) -> None:
+            if error is not None or result is None:  # Redis away: written again (it is durable: cheap) later
+                print(f"lifl agent: installing {job} version {version} waits: {error}", file=sys.stderr)
+                failed = self.checkpoints.write_failed(e, time.monotonic())
+                failed.next_try = time.monotonic() + installs.CHECKPOINT_RETRY[0]
+                return
+            opened_at, summary = result
+            self._install_step(run, version, installed=opened_at >= 0)
+            pending = ("pending", job, e.round)
+            if opened_at < 0:  # the round moved on meanwhile (abandoned): drop this model
+                self.store.release(e.input.key, pending)
+                return
+            self.store.move_ref(e.input.key, pending, ("model", job))
+            self.store.pin(e.input.key)  # from the round's working memory to the node's models
+            if run.model_key is not None:
+                self.store.release(run.model_key, ("model", job))
+            run.model_key, run.model_version = e.input.key, version
+            if self.retainer.policy(job).active:
+                self.retainer.keep_model(job, run.tenant, e.input.key, version)
+            self._count_round(job, summary)
+            self.metrics.checkpoint_seconds.observe(seconds)
+            self.metrics.version.labels(job).set(version)
+            self.checkpoints.written(job)
+            self.loop.offload(lambda: self.state.set_checkpoint(job, version), lambda _, err: self.settle(job))
+
+        self.loop.offload(next_round, opened)
+
+    def retry_checkpoints(self) -> None:
+        """Write again the checkpoints whose back-off is over (the round's model waits meanwhile);
+        a round that moved on without its model (abandoned past its deadline) lets it go."""
+        for failed in self.checkpoints.due(time.monotonic()):
+            e = failed.install
+
+            def checked(round_id: int | None, error: BaseException | None, failed: installs.FailedCheckpoint = failed,
+                        e: tree.Install = e) -> None:
+                if error is not None or round_id is None:
+                    failed.next_try = time.monotonic() + installs.CHECKPOINT_RETRY[0]
+                    return
+                if round_id != e.round:
+                    if self.checkpoints.give_up(failed):
+                        self.store.release(e.input.key, ("pending", e.job, e.round))
+                    return
+                self._write_checkpoint(e)
+
+            self.loop.offload(lambda e=e: self.state.job(e.job).round, checked)
+
+    def _summary(self, j: Job, shard: Shard, new_version: int | None, outcome: str, **extra: Any) -> dict[str, Any]:
+        return {"round": j.round, "version": j.version, "new_version": new_version, "outcome": outcome,
+                "updates": 0, "samples": 0, "seconds": None, "opened": j.round_opened, "closed": round(time.time(), 3),
+                "nodes": shard.counts, "top": shard.top, "lost": shard.lost, **extra}
+
+    def _count_round(self, job: str, summary: dict[str, Any]) -> None:
+        self.metrics.rounds.labels(job, summary["outcome"]).inc()
+        if summary["outcome"] in ("complete", "partial") and summary["seconds"] is not None:
+            self.metrics.round_seconds.labels(job).observe(summary["seconds"])
+            self.metrics.round_updates.labels(job).observe(summary["updates"])
+
     # -- partial results to other nodes -----------------------------------------------------------
-    def _outgoing(self, e: tree.Forward) -> IO:
-        out = OutgoingPartial(self._take_id(), e.job, e.round, e.node, e.epoch, e.input)
-        for ref in [o.ref for o in self.outgoing.values() if (o.job, o.round) == (e.job, e.round)]:
-            del self.outgoing[ref]  # superseded: the top moved
-        self.outgoing[out.ref] = out
-        return lambda: self._send_partial(out)
-
-    def _send_partial(self, out: OutgoingPartial) -> None:
-        """Ask the gateway to stream the partial to the top's node (no lock held)."""
-        with self.lock:
-            forwarder = self.forwarder
-            try:
-                seg = self.store.get(out.input.key)
-            except NotFound:
-                return  # the round ended meanwhile
-            fd, size = os.dup(seg.fd), seg.size
-            out.state, out.attempts = "sending", out.attempts + 1
+    def _send_partial(self, out: installs.OutgoingPartial) -> None:
+        """Ask the gateway to stream the partial to the top's node."""
         try:
-            if forwarder is None:
-                raise ConnectionError("no gateway is connected to forward through")
-            forwarder.send(ForwardPartial(out.ref, out.job, out.round, out.epoch, out.node, out.input.samples,
-                                          out.input.updates, out.input.partial, size).encode(), [fd])
-        except (ConnectionError, OSError) as e:
-            self._forward_failed(out, str(e), retry=True)
-        finally:
-            os.close(fd)
+            seg = self.store.get(out.input.key)
+        except NotFound:
+            return  # the round ended meanwhile
+        self.forwards.sending(out)
+        if self.forwarder is None or self.forwarder.stream.closed:
+            self._forward_failed(out, "no gateway is connected to forward through", retry=True)
+            return
+        self.forwarder.push(ForwardPartial(out.ref, out.job, out.round, out.epoch, out.node, out.input.samples,
+                                           out.input.updates, out.input.partial, seg.size), [os.dup(seg.fd)])
 
-    def forwarded(self, m: Forwarded, fds: Sequence[int] = ()) -> tuple[Message | None, list[int]]:
-        with self.lock:
-            out = self.outgoing.get(m.ref)
-            if out is None:
-                return None, []
-            if m.delivered:
-                out.state = "done"
-                self.metrics.forwarded.labels("delivered").inc()
+    def forwarded(self, m: Forwarded) -> None:
+        out = self.forwards.answered(m.ref, m.delivered, time.monotonic())
+        if out is None:
+            return
+        if m.delivered:
+            self.metrics.forwarded.labels("delivered").inc()
+            with contextlib.suppress(NotFound):
                 self.metrics.forwarded_bytes.inc(self.store.get(out.input.key).size)
-                return None, []
+            return
         self._forward_failed(out, m.problem, m.retry)
-        return None, []
 
-    def _forward_failed(self, out: OutgoingPartial, error: str, retry: bool) -> None:
-        with self.lock:
-            out.state = "failed"
-            out.next_try = time.monotonic() + FORWARD_RETRY[min(out.attempts, len(FORWARD_RETRY)) - 1]
-            self.metrics.forwarded.labels("failed").inc()
+    def _forward_failed(self, out: installs.OutgoingPartial, error: str, retry: bool) -> None:
+        self.forwards.failed(out, time.monotonic())
+        self.metrics.forwarded.labels("failed").inc()
         print(f"lifl agent: forwarding round {out.round} of {out.job!r} to {out.node} failed: {error}", file=sys.stderr)
         if not retry:  # the receiver says the round moved on there: learn where it is now
             self.settle(out.job)
 
-    def _forwarder_gone(self, conn: Connection) -> None:
-        with self.lock:
-            if self.forwarder is conn:
-                self.forwarder = None
-            for out in self.outgoing.values():
-                if out.state == "sending":
-                    out.state, out.next_try = "failed", time.monotonic()
-
     def retry_forwards(self) -> None:
         """Send again what did not arrive, while it is still where the round's result should go."""
-        now = time.monotonic()
-        with self.lock:
-            for ref in [ref for ref, o in self.outgoing.items() if not self._still_wanted(o)]:
-                del self.outgoing[ref]  # the top moved (here, or to another epoch's node)
-            due = [o for o in self.outgoing.values() if o.state == "failed" and o.next_try <= now]
-        for out in due:
+        wanted = {(job, r.round): r.sent for job, r in self.trees.rounds.items() if r.top is None}
+        for out in self.forwards.due(time.monotonic(), wanted):
             self._send_partial(out)
 
-    def _still_wanted(self, out: OutgoingPartial) -> bool:
-        r = self.trees.round_of(out.job)
-        return r is not None and r.round == out.round and r.top is None and r.sent == (out.node, out.epoch)
-
     # -- periodic duties --------------------------------------------------------------------------
-    def _duty_loop(self) -> None:
-        """Run each periodic duty on its period; flush the outbox at once while it holds keys."""
-        last = {name: 0.0 for name, _, _ in self._duties}
-        stalled: set[str] = set()  # duties waiting for Redis to come back
-        while True:
-            now = time.monotonic()
-            wait = min(last[name] + every - now for name, every, _ in self._duties)
-            if self.outbox:
-                wait = min(wait, OUTBOX_RETRY)
-            self._wake.wait(max(wait, 0.0))
-            self._wake.clear()
-            if self._stopping.is_set():
-                return
-            now = time.monotonic()
-            if self.outbox:
-                self.flush_outbox()
-            for name, every, duty in self._duties:
-                if now - last[name] < every:
-                    continue
-                last[name] = now
-                try:
-                    duty()
-                except Unavailable as e:  # Redis restarting: said once per outage, the next tick retries
-                    if name not in stalled:
-                        print(f"lifl agent: {name} waits: {e.message}", file=sys.stderr)
-                    stalled.add(name)
-                    continue
-                except Exception:  # a peer gone, a bug: the next tick retries
-                    traceback.print_exc()
-                stalled.discard(name)
-
-    def flush_outbox(self) -> None:
-        with self.lock:
-            while self.outbox:
-                tenant, msg = self.outbox[0]
-                # keys for an instance that died are dropped: its task runs again with all of them
-                if msg.dest in self.instances and not self.transport.sender(tenant).try_send(msg):
-                    return
-                self.outbox.popleft()
-
     def expire_idle_instances(self) -> None:
         """Scale to zero: warm instances idle past ``keep_warm`` are let go (beyond what the planner
         wants kept warm). Pods are the cluster's to scale down: the operator follows the plan."""
-        if not self.actuator.starts_instances:
-            return
-        with self.lock:
-            views = [InstanceView(i.id, i.tenant.name, i.task is None, i.last_used) for i in self.instances.values()]
-            keep = self.controller.warm_for(self.node) if self.config.control.prewarm else {}
-            for iid in expired(views, time.monotonic(), self.config.keep_warm):
-                tenant = self.instances[iid].tenant.name
-                if keep.get(tenant, 0) > 0:
-                    keep[tenant] -= 1
-                    continue
-                self.actuator.stop(iid)
+        keep = self.controller.warm_for(self.node) if self.config.control.prewarm else {}
+        self._perform(self.board.expire(time.monotonic(), self.config.keep_warm, keep))
 
     def warm_instances(self) -> None:
         """Keep the instances the planner asked for ready ahead of the load (§5.2); pods are
         prewarmed by the operator, which scales them to the plan."""
         if not self.config.control.prewarm or not self.actuator.starts_instances:
             return
-        wanted = self.controller.read_warm(self.node)
-        for tenant_name, count in wanted.items():
-            tenant = self.tenant(tenant_name)
-            with self.lock:
-                have = sum(1 for i in self.instances.values() if i.tenant == tenant)
-                for _ in range(min(count - have, self.config.max_instances - len(self.instances))):
-                    self._spawn(tenant, "prewarm")
-                self._dispatch()
+
+        def read() -> dict[str, int]:
+            wanted = self.controller.read_warm(self.node)
+            for tenant in wanted:
+                self._tenant_io(tenant)
+            return wanted
+
+        def warm(wanted: dict[str, int] | None, error: BaseException | None) -> None:
+            if error is None and wanted:
+                self._perform(self.board.warm(wanted, *self._board_context()))
+
+        self.loop.offload(read, warm)
 
     def control(self) -> None:
         """The control plane's periodic re-plan, on the node that holds the controller lease."""
-        if self.controller.tick():
-            for job in self.state.job_names():
-                self.settle(job, set(self.state.nodes()))
+
+        def tick() -> list[str]:
+            return self.state.job_names() if self.controller.tick() else []
+
+        def replanned(jobs: list[str] | None, error: BaseException | None) -> None:
+            if error is not None:
+                print(f"lifl agent: control waits: {error}", file=sys.stderr)
+                return
+            if jobs:
+                self.loop.offload(lambda: set(self.state.nodes()),
+                                  lambda live, err: [self.settle(job, live) for job in jobs] if err is None else None)
+
+        self.loop.offload(tick, replanned)
 
     def apply_retention(self) -> None:
-        with self.lock:
-            jobs = set(self.jobs)
-        for job in jobs | self.retainer.jobs():
-            self.retainer.apply(job)
+        jobs = set(self.jobs) | self.retainer.jobs()
+
+        def apply() -> None:
+            for job in jobs:
+                self.retainer.apply(job)
+
+        self.loop.offload(apply, lambda _, error: None if error is None else print(
+            f"lifl agent: retention waits: {error}", file=sys.stderr), SLOW_POOL)
 
     def publish_status(self) -> None:
-        self.state.publish_node(self.node, self.status())
+        status = self.status()
+        self.loop.offload(lambda: self.state.publish_node(self.node, status),
+                          lambda _, error: None if error is None else print(
+                              f"lifl agent: cannot publish the node's status: {error}", file=sys.stderr))
 
     def trim_pool(self) -> None:
         self.store.trim_pool(idle_seconds=max(self.config.keep_warm, 30.0))
 
     def drop_stale_replicas(self) -> None:
         """A replica of an older version serves nobody: let it go."""
-        with self.lock:
-            held = {name: run.replica[1] for name, run in self.jobs.items() if run.replica is not None}
-        for name, version in held.items():
-            if self.state.version(name) == version:
-                continue
-            with self.lock:
+        held = {name: run.replica[1] for name, run in self.jobs.items() if run.replica is not None}
+        if not held:
+            return
+
+        def drop(versions: dict[str, int] | None, error: BaseException | None) -> None:
+            for name, version in (versions or {}).items():
                 run = self.jobs[name]
-                if run.replica is not None and run.replica[1] == version:
+                if version != held[name] and run.replica is not None and run.replica[1] == held[name]:
                     self.store.release(run.replica[0], ("replica", name))
                     run.replica = None
 
-    # -- status and metrics -------------------------------------------------------------------------
-    def _publish_gauges(self, job: str, run: JobRun) -> None:
-        self.metrics.queue.labels(job).set(run.inflight)
-        self.metrics.publish_memory(self.store.ledger, self.store.pooled_bytes, [job])
+        self.loop.offload(lambda: {name: self.state.version(name) for name in held}, drop)
 
+    # -- status and metrics -------------------------------------------------------------------------
     def _refresh_instance_gauges(self) -> None:
-        counts = dict.fromkeys((*ROLES, QUERY_ROLE, "idle"), 0)
-        for inst in self.instances.values():
-            task = self.trees.tasks.get(inst.task) if inst.task is not None else None
-            counts[task.role if task else QUERY_ROLE if inst.task in self.queries else "idle"] += 1
-        for role, n in counts.items():
+        for role, n in self.board.counts(self.trees.tasks).items():
             self.metrics.instances.labels(role).set(n)
 
     def status(self) -> dict[str, Any]:
-        with self.lock:
-            jobs: dict[str, dict[str, Any]] = {}
-            for name, run in self.jobs.items():
-                r = self.trees.round_of(name)
-                memory = self.store.ledger.usage(name)
-                jobs[name] = {**dict.fromkeys(ROLES, 0), "queued": run.inflight, "round": r.round if r else None,
-                              "tenant": run.tenant.name, "leaf_fan_in": run.spec.leaf_fan_in,
-                              "shm": {"working": memory.working, "reserved": memory.reserved}}
-            for inst in self.instances.values():  # instances at work, by the role of their current task
-                task = self.trees.tasks.get(inst.task) if inst.task is not None else None
-                if task is not None and task.job in jobs:
-                    jobs[task.job][task.role] += 1
-            return {
-                "node": self.node,
-                "time": time.time(),
-                "started": self.started_at,
-                "instances": {"total": len(self.instances), "idle": sum(i.task is None for i in self.instances.values()),
-                              "ready": sum(i.ready for i in self.instances.values()),
-                              "by_tenant": _count_by(i.tenant.name for i in self.instances.values())},
-                "jobs": jobs,
-                "counters": self.metrics.planner_counters(),
-                "retention": self.retainer.status(),
-                "shm": {
-                    "used": self.store.used_bytes, "pooled": self.store.pooled_bytes, "capacity": self.store.capacity,
-                    "pinned": self.store.ledger.pinned, "reserved": self.store.ledger.reserved,
-                    "objects": self.store.object_count(), "created": self.store.created, "recycled": self.store.recycled,
-                },
-            }
+        """What the node reports of itself (on the loop)."""
+        jobs: dict[str, dict[str, Any]] = {}
+        for name, run in self.jobs.items():
+            r = self.trees.round_of(name)
+            memory = self.store.ledger.usage(name)
+            jobs[name] = {**dict.fromkeys(tasks.ROLES, 0), "queued": self.uploads.counts.get(name, 0),
+                          "round": r.round if r else None, "tenant": run.tenant.name, "leaf_fan_in": run.spec.leaf_fan_in,
+                          "shm": {"working": memory.working, "reserved": memory.reserved}}
+        for w in self.board.workers.values():  # instances at work, by the role of their current task
+            task = self.trees.tasks.get(w.task) if w.task is not None else None
+            if task is not None and task.job in jobs:
+                jobs[task.job][task.role] += 1
+        workers = self.board.workers.values()
+        return {
+            "node": self.node,
+            "time": time.time(),
+            "started": self.started_at,
+            "instances": {"total": len(self.board.workers), "idle": sum(w.task is None for w in workers),
+                          "ready": sum(w.ready for w in workers), "by_tenant": _count_by(w.tenant for w in workers)},
+            "jobs": jobs,
+            "counters": self.metrics.planner_counters(),
+            "retention": self.retainer.status(),
+            "shm": {
+                "used": self.store.used_bytes, "pooled": self.store.pooled_bytes, "capacity": self.store.capacity,
+                "pinned": self.store.ledger.pinned, "reserved": self.store.ledger.reserved,
+                "objects": self.store.object_count(), "created": self.store.created, "recycled": self.store.recycled,
+            },
+        }
 
     def metrics_text(self) -> str:
-        with self.lock:
-            for name, run in self.jobs.items():
-                self._publish_gauges(name, run)
-            self._refresh_instance_gauges()
+        for name in self.jobs:
+            self.metrics.queue.labels(name).set(self.uploads.counts.get(name, 0))
+        self.metrics.publish_memory(self.store.ledger, self.store.pooled_bytes, self.jobs)
+        self._refresh_instance_gauges()
         return self.metrics.exposition()
+
+
+def _assume_live(shard: Shard) -> set[str]:
+    """Without a fresh list of live nodes, assume every node involved is alive."""
+    return set(shard.counts) | set(shard.inflight) | ({shard.top} if shard.top else set())
 
 
 def _selector(body: dict[str, Any], name: str, default: int) -> int:
@@ -2023,34 +2121,6 @@ def _query_error(error: Any) -> LiflError:
     message, code = str(error.get("message", "")), str(error.get("code", "bad_query"))
     kind = {c.__name__: c for c in (BadRequest, NotFound, Conflict)}.get(str(error.get("type")), Internal)
     return kind(message, code=code)
-
-
-def _input_holder(task_id: int) -> tuple[str, int]:
-    """Holds a task's inputs until it reports them folded."""
-    return ("input", task_id)
-
-
-@dataclass(frozen=True)
-class StrategyStep:
-    """What a top's strategy step made besides the model: its new state (an object) and report."""
-
-    state: bytes | None
-    report: dict[str, Any]
-
-
-def strategy_state_blob(version: int) -> str:
-    """The checkpoint store's name for the strategy's state after ``version``."""
-    return f"strategy-state-{version:012d}"
-
-
-def _scratch_holder(task_id: int) -> tuple[str, int]:
-    """Holds what a run of a task allocates (its accumulator) until it reports it folded into."""
-    return ("task", task_id)
-
-
-def _state_holder(task_id: int) -> tuple[str, int]:
-    """Holds a task's latest complete accumulator (a re-run starts from it)."""
-    return ("state", task_id)
 
 
 def _count_by(names: Any) -> dict[str, int]:

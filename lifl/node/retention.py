@@ -9,8 +9,10 @@ what a miss fetches back, from any node sharing the store); models need no copy:
 is checkpointed before it is installed. Where each retained update lives is indexed in Redis
 (``ClusterState.record_retained``) so that any node can find it.
 
-Locking: every method that touches the store runs under the agent's lock (it is passed in);
-reads and writes of Redis and the checkpoint store happen outside it.
+Threads: the store and what this keeps belong to the agent's event loop. Methods called off
+the loop (its write-behind thread, the duty that applies policies, queries' preparation) do
+their reads and writes of Redis and the checkpoint store where they are, and touch the store
+only through ``on_loop`` (``lifl.net.loop.Loop.call``: run there and wait).
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from lifl import checkpoints
 from lifl import format as fmt
@@ -34,6 +36,8 @@ from lifl.state import ClusterState
 from lifl.store import RETAIN, ObjectStore, Tenant
 
 Lookup = tuple[bytes, str]  # (object key, "memory" or "store")
+T = TypeVar("T")
+OnLoop = Callable[[Callable[[], T]], T]
 
 
 def keep_holder(job: str) -> tuple[str, str]:
@@ -88,13 +92,13 @@ def update_blob(round_id: int, key: bytes) -> str:
 
 class Retainer:
     def __init__(self, node: str, store: ObjectStore, state: ClusterState, ckpt: checkpoints.CheckpointStore,
-                 metrics: Metrics, lock: threading.RLock, budget: int) -> None:
+                 metrics: Metrics, on_loop: OnLoop[Any], budget: int) -> None:
         self.node = node
         self.store = store
         self.state = state
         self.ckpt = ckpt
         self.metrics = metrics
-        self.lock = lock
+        self.on_loop = on_loop
         self.budget = budget  # bytes each tenant may keep in memory for queries
         self.items: dict[tuple[str, str, int, str], Kept] = {}
         self.policies: dict[str, RetentionPolicy] = {}
@@ -119,7 +123,7 @@ class Retainer:
             policy = self.policies[job] = self.state.retention(job)
         return policy
 
-    # -- keeping (agent lock held) -------------------------------------------------------------------
+    # -- keeping (on the loop) ------------------------------------------------------------------------
     def keep_update(self, job: str, tenant: Tenant, key: bytes, round_id: int, version: int, client: str,
                     samples: int) -> None:
         """A client update was accepted: keep it past its round and write it behind."""
@@ -140,9 +144,7 @@ class Retainer:
             if self._stopping.is_set():
                 continue
             try:
-                with self.lock:
-                    assert item.key is not None
-                    fd = os.dup(self.store.get(item.key).fd)
+                fd = self.on_loop(lambda: os.dup(self.store.get(item.key).fd))
                 try:
                     self.ckpt.save_blob(item.job, item.blob, fd, item.size)
                 finally:
@@ -150,20 +152,16 @@ class Retainer:
                 self.state.record_retained(item.job, item.index, item.client, {
                     "client": item.client, "samples": item.samples, "version": item.version, "node": self.node,
                     "blob": item.blob, "size": item.size})
-                with self.lock:
-                    item.stored = True
+                self.on_loop(lambda: setattr(item, "stored", True))
             except Exception:  # the store or Redis is away: the update stays in memory only, unindexed
                 traceback.print_exc()
                 print(f"lifl agent: could not write retained update {item.blob} of {item.job!r} behind", file=sys.stderr)
             finally:
-                with self.lock:
-                    if item.key is not None:
-                        self.store.release(item.key, write_holder(item.job))
+                self.on_loop(lambda: self.store.release(item.key, write_holder(item.job)) if item.key is not None else None)
 
     # -- applying the policy (a periodic duty) ---------------------------------------------------------
     def jobs(self) -> set[str]:
-        with self.lock:
-            return {item.job for item in self.items.values()} | set(self.policies)
+        return {item.job for item in self.items.values()} | set(self.policies)
 
     def apply(self, job: str) -> None:
         """Bring what this node keeps of ``job`` in line with its current policy: forget rounds no
@@ -172,14 +170,16 @@ class Retainer:
         keeps there, fetch back what it keeps again (a widened policy), then hold each tenant to
         its budget."""
         try:
-            policy = self.policies[job] = self.state.retention(job)
+            policy = self.state.retention(job)
             j = self.state.job(job)
         except NotFound:
-            self.forget_job(job)
+            self.on_loop(lambda: self.forget_job(job))
             return
+        self.on_loop(lambda: self.policies.__setitem__(job, policy))
         newest_round, newest_version = j.round - 1, j.version
-        refetch: list[Kept] = []
-        with self.lock:
+
+        def level() -> list[Kept]:
+            refetch: list[Kept] = []
             for k, item in list(self.items.items()):
                 if item.job != job:
                     continue
@@ -193,6 +193,9 @@ class Retainer:
                 elif not self._present(item) and item.stored:
                     refetch.append(item)
             self._hold_budgets()
+            return refetch
+
+        refetch = self.on_loop(level)
         for round_id in self.state.retained_rounds(job):
             if not round_queryable(policy, round_id, newest_round):
                 self._forget_round(job, round_id)
@@ -200,12 +203,11 @@ class Retainer:
             self._refetch(item)
 
     def forget_job(self, job: str) -> None:
-        with self.lock:
-            for k, item in list(self.items.items()):
-                if item.job == job:
-                    del self.items[k]
-                    self._drop(item, "policy")
-            self.policies.pop(job, None)
+        for k, item in list(self.items.items()):
+            if item.job == job:
+                del self.items[k]
+                self._drop(item, "policy")
+        self.policies.pop(job, None)
 
     def _forget_round(self, job: str, round_id: int) -> None:
         """A round left the history: its updates' copies go from the store, then from the index."""
@@ -222,12 +224,15 @@ class Retainer:
             blob = self._load(item)
         except (OSError, NotFound):
             return
-        with self.lock:
+
+        def keep() -> None:
             if self.items.get((item.job, item.kind, item.index, item.client)) is not item or item.key is not None:
                 return
             item.key = self._object(item.tenant, blob, keep_holder(item.job))
             item.last_used = time.monotonic()
             self.store.retain(item.key)
+
+        self.on_loop(keep)
 
     def _drop(self, item: Kept, reason: str) -> None:
         """Out of memory (its copy in the store, if any, stays)."""
@@ -269,23 +274,34 @@ class Retainer:
         return set(self.store.holders(item.key)) == {keep_holder(item.job)}
 
     def reclaim(self) -> bool:
-        """Memory is short: drop the least recently used retained object whose copy is durable."""
-        with self.lock:
-            candidates = [i for i in list(self.items.values()) if self._present(i) and i.stored and self._only_kept(i)]
-            if not candidates:
-                return False
-            self._drop(min(candidates, key=lambda i: i.last_used), "pressure")
-            return True
+        """Memory is short: drop the least recently used retained object whose copy is durable
+        (on the loop: the store asks while it admits)."""
+        candidates = [i for i in list(self.items.values()) if self._present(i) and i.stored and self._only_kept(i)]
+        if not candidates:
+            return False
+        self._drop(min(candidates, key=lambda i: i.last_used), "pressure")
+        return True
+
+    def round_updates(self, job: str, round_id: int) -> dict[str, dict[str, Any]]:
+        """The updates of ``job``'s round ``round_id`` kept in memory here, by client, described
+        as the retention index describes them (on the loop)."""
+        return {item.client: {"size": item.size, "samples": item.samples, "version": item.version, "blob": item.blob}
+                for item in self.items.values()
+                if (item.job, item.kind, item.index) == (job, UPDATE, round_id) and item.key is not None}
 
     # -- queries ---------------------------------------------------------------------------------------
     def acquire_update(self, job: str, tenant: Tenant, round_id: int, client: str, meta: dict[str, Any],
                        holder: Hashable, keep: bool) -> Lookup:
         """An object of a retained update for a query (``holder`` lets go of it); ``keep``: the
-        policy keeps it in memory, so a copy fetched back stays."""
-        with self.lock:
+        policy keeps it in memory, so a copy fetched back stays. (Off the loop.)"""
+
+        def hit() -> tuple[Kept | None, Lookup | None]:
             item = self.items.get((job, UPDATE, round_id, client))
-            if item is not None and item.key is not None:
-                return self._hit(item, holder)
+            return item, self._hit(item, holder) if item is not None and item.key is not None else None
+
+        item, found = self.on_loop(hit)
+        if found is not None:
+            return found
         if item is None:
             item = Kept(job, tenant, UPDATE, round_id, int(meta["size"]), None, True, client, int(meta["samples"]),
                         int(meta["version"]), str(meta["blob"]))
@@ -294,15 +310,21 @@ class Retainer:
     def acquire_model(self, job: str, tenant: Tenant, version: int, holder: Hashable, keep: bool,
                       current: bytes | None = None) -> Lookup:
         """An object of model ``version`` for a query: retained, the current model (``current``),
-        or fetched back from its checkpoint."""
-        with self.lock:
+        or fetched back from its checkpoint. (Off the loop.)"""
+
+        def hit() -> tuple[Kept | None, Lookup | None]:
             item = self.items.get((job, MODEL, version, ""))
             if item is not None and item.key is not None:
-                return self._hit(item, holder)
+                return item, self._hit(item, holder)
             if current is not None:
                 self.store.add_ref(current, holder)
                 self._count(job, "memory", 0)
-                return current, "memory"
+                return item, (current, "memory")
+            return item, None
+
+        item, found = self.on_loop(hit)
+        if found is not None:
+            return found
         if item is None:
             item = Kept(job, tenant, MODEL, version, 0, None, True)
         return self._miss(item, holder, keep)
@@ -321,7 +343,8 @@ class Retainer:
         except OSError as e:
             raise Unavailable(f"{item.kind} {item.index} of job {item.job!r} is neither in memory nor readable from the "
                               f"checkpoint store here: {e}", code="retained_unreachable") from None
-        with self.lock:
+
+        def hold() -> Lookup:
             key = self._object(item.tenant, blob, holder)
             self._count(item.job, "store", len(blob))
             slot = (item.job, item.kind, item.index, item.client)
@@ -330,6 +353,8 @@ class Retainer:
                 item.key, item.size, item.last_used = key, len(blob), time.monotonic()
             self.store.retain(key)
             return key, "store"
+
+        return self.on_loop(hold)
 
     def _load(self, item: Kept) -> bytes:
         if item.kind == MODEL:
@@ -362,13 +387,12 @@ class Retainer:
         return out
 
     def status(self) -> dict[str, Any]:
-        with self.lock:
-            jobs = {i.job for i in self.items.values()} | set(self.stats)
-            out = {}
-            for job in jobs:
-                retained = self.retained_bytes(job)
-                for kind, n in retained.items():
-                    self.metrics.retained_bytes.labels(job, kind).set(n)
-                pending = sum(1 for i in self.items.values() if i.job == job and not i.stored)
-                out[job] = self.stats.get(job, RetentionStats()).to_json(retained, pending)
-            return out
+        jobs = {i.job for i in self.items.values()} | set(self.stats)
+        out = {}
+        for job in jobs:
+            retained = self.retained_bytes(job)
+            for kind, n in retained.items():
+                self.metrics.retained_bytes.labels(job, kind).set(n)
+            pending = sum(1 for i in self.items.values() if i.job == job and not i.stored)
+            out[job] = self.stats.get(job, RetentionStats()).to_json(retained, pending)
+        return out
