@@ -1,4 +1,4 @@
-"""The eBPF key channel (bpf/keychan.bpf.c through lifl/ebpf.py) on the real kernel: redirects
+"""The eBPF key channel (bpf/keychan.bpf.c through lifl/keys/ebpf.py) on the real kernel: redirects
 into the destination's receive queue, passes everything else to the sender's TCP peer without
 ever breaking the sender, keeps tenants apart, moves routes, and unloads without a trace."""
 
@@ -20,10 +20,12 @@ import numpy as np
 import pytest
 
 from conftest import wait_for
-from lifl import ebpf
+from lifl.keys import ebpf
 from lifl import format as fmt
 from lifl.bench.channel import WOKEN_MESSAGES, compare
-from lifl.channel import MESSAGE_BYTES, KeyEndpoint, KeyMessage, attach
+from lifl.keys.factory import attach
+from lifl.keys.record import MESSAGE_BYTES, KeyMessage
+from lifl.keys.transport import KeyEndpoint
 from lifl.client import Gateway
 from lifl.node.supervisor import Node, NodeConfig
 from lifl.store import Tenant
@@ -237,7 +239,7 @@ def test_unload_leaves_nothing_pinned_or_attached(built: Path, pin_dir: Path, co
 
 
 def test_a_crashed_runs_pins_are_cleaned_up(built: Path, pin_dir: Path) -> None:
-    crash = "import os, sys; from pathlib import Path; from lifl import ebpf; ebpf.load(Path(sys.argv[1])); os._exit(0)"
+    crash = "import os, sys; from pathlib import Path; from lifl.keys import ebpf; ebpf.load(Path(sys.argv[1])); os._exit(0)"
     subprocess.run([sys.executable, "-c", crash, str(pin_dir)], check=True, timeout=60)
     program = ebpf.program_id(pin_dir)
 

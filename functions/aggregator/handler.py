@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from lifl import format as fmt
-from lifl.channel import KIND_CLOSE, KIND_PREPARE, now_ns
+from lifl.keys.record import KIND_CLOSE, KIND_PREPARE, now_ns
 from lifl.control.planner import TOP
 from lifl.fedavg import Contribution, StreamingFedAvg, average_into
 from lifl.fixedpoint import FixedPoint, read_bound, write_bound

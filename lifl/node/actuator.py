@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from lifl.channel import KeyTransport
+from lifl.keys.transport import KeyTransport
 from lifl.protocol import Attached, Message
 from lifl.rpc import Connection, reply_frame
 from lifl.store import Tenant

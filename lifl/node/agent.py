@@ -49,7 +49,8 @@ from typing import Any
 
 from lifl import checkpoints
 from lifl import format as fmt
-from lifl.channel import CHANNELS, KIND_CLOSE, KeyMessage, now_ns, transport
+from lifl.keys.factory import CHANNELS, transport
+from lifl.keys.record import KIND_CLOSE, KeyMessage, now_ns
 from lifl.control import rounds as cluster_rounds
 from lifl.control.controller import Controller, ControlConfig
 from lifl.control.planner import ROLES, InstanceView, expired, pick_warm
@@ -130,7 +131,7 @@ class AgentConfig:
     lazy: bool = False  # aggregate only once every input arrived (a baseline; lifl is eager, §5.4)
     control: ControlConfig = field(default_factory=ControlConfig)
     socket_group: int | None = None  # may connect too (the gateway's, when it runs as the service user)
-    channel: str = "auto"  # the key transport (lifl.channel.CHANNELS)
+    channel: str = "auto"  # the key transport (lifl.keys.factory.CHANNELS)
     functions: str = "processes"  # who starts function instances (lifl.node.actuator.ACTUATORS)
     retain_budget: int = 0  # shared-memory bytes each tenant may keep for queries; 0: half the capacity
 

@@ -43,7 +43,7 @@ from lifl.node.privilege import (
     Identity, can_connect, current, make_private_tree, popen_as, prepare_data_dir, secure_checkpoints, service_identity,
 )
 from lifl.procs import die_with_parent, on_signals, stop_process
-from lifl.ebpf import remove_node_channel
+from lifl.keys.ebpf import remove_node_channel
 from lifl.store import SHM_DIR, remove_node_objects
 
 RESTART_BACKOFF = (0.2, 0.5, 1.0, 2.0, 5.0)
@@ -83,7 +83,7 @@ class NodeConfig:
     checkpoints: str = ""  # "" = a directory under data_dir; see lifl.checkpoints
     reuse: bool = True  # see lifl.node.agent.AgentConfig
     lazy: bool = False
-    channel: str = "auto"  # the key transport (lifl.channel.CHANNELS)
+    channel: str = "auto"  # the key transport (lifl.keys.factory.CHANNELS)
     functions: str = "processes"  # who starts function instances (lifl.node.actuator.ACTUATORS)
     retain_budget: int = 0  # shared-memory bytes a tenant may keep for queries (0: half the capacity)
     control: ControlConfig = field(default_factory=ControlConfig)
