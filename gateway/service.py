@@ -38,6 +38,7 @@ from lifl.errors import BadRequest, Conflict, Forbidden, LiflError, NotFound, Ov
 from lifl.gateway.ingest import BlobSink, LayoutCache
 from lifl.gateway.stream import sendfile_all
 from lifl.net.tls import peer_connection, peer_http_connection
+from lifl.fixedpoint import partial_spec
 from lifl.flstore.retention import RetentionPolicy
 from lifl.jobs import MAX_SAMPLES, JobSpec
 from lifl.protocol import (
@@ -601,7 +602,7 @@ class GatewayService:
         job = self.authorized_job(principal, Action.INTERNAL, job_name)
         if job.model_spec is None:
             raise Conflict(f"job {job_name!r} has no model yet", code="no_model")
-        spec = job.model_spec.partial(job.spec.fixed_point_spec) if meta.partial else job.model_spec
+        spec = partial_spec(job.model_spec, job.spec.fixed_point_spec) if meta.partial else job.model_spec
         limit = spec.data_bytes + fmt.MAX_HEADER_BYTES
         return Ingest(self, "partial", job_name, "internal", spec, limit, expected_size, partial=meta)
 

@@ -601,7 +601,8 @@ def to_blob(state: Mapping[str, Any], metadata: Mapping[str, str] | None = None)
 def from_blob(blob: bytes | bytearray | memoryview, *, as_torch: bool = False) -> dict[str, Any]:
     """The tensors of a blob, as numpy arrays (BF16 as uint16) or torch tensors, viewing the blob's
     bytes (a read-only blob is copied once so that torch may use it)."""
-    layout = fmt.validate(blob)
+    layout = fmt.parse_layout(blob)
+    fmt.check_finite(blob, layout)  # in numpy: the SDK installs without the C kernels
     if not as_torch:
         return fmt.views(blob, layout)
     import torch

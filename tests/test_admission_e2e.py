@@ -20,6 +20,7 @@ import pytest
 
 from conftest import OPERATOR_TOKEN, RunningNode, read_response, wait_for
 from lifl import format as fmt
+from lifl import kernels
 from lifl.node.admission import JobSizes, round_extra
 from lifl.node.supervisor import Node, NodeConfig
 from lifl.state import ClusterState
@@ -159,7 +160,7 @@ def check_round(node: RunningNode, job: str, version: int, updates: list[tuple[d
     wait_for(lambda: version_of(node, job) > version, what=f"{job} version {version + 1}")
     status, headers, body = node.request("GET", f"/v1/jobs/{job}/model")
     assert status == 200 and headers["X-Lifl-Version"] == str(version + 1)  # no further round: its clients wait for us
-    model = fmt.views(body, fmt.validate(body))["w"]
+    model = fmt.views(body, kernels.validate(body))["w"]
     np.testing.assert_allclose(model, fedavg(updates), rtol=1e-12, atol=1e-12)
 
 

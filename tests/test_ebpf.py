@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import wait_for
+from lifl import kernels
 from lifl.keys import ebpf
 from lifl import format as fmt
 from lifl.bench.channel import WOKEN_MESSAGES, compare
@@ -285,7 +286,7 @@ def test_a_round_through_each_channel_is_exact_and_ebpf_carries_its_keys(
         wait_for(lambda: gw.job("j")["version"] == 1, what="version 1")
         _, blob = gw.model("j")
         expected = sum(i * (i + 1) for i in range(6)) / sum(range(1, 7))
-        assert np.allclose(fmt.views(blob, fmt.validate(blob))["w"], expected, rtol=1e-6)
+        assert np.allclose(fmt.views(blob, kernels.validate(blob))["w"], expected, rtol=1e-6)
         text = gw.metrics()
         if channel == "ebpf":
             assert _metric(text, "lifl_channel_messages_total") >= 6  # the agent's keys and the leaves' results

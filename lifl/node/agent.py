@@ -49,6 +49,7 @@ from typing import Any
 
 from lifl import checkpoints
 from lifl import format as fmt
+from lifl import kernels
 from lifl.keys.factory import CHANNELS, transport
 from lifl.keys.record import KIND_CLOSE, KeyMessage, now_ns
 from lifl.control import rounds as cluster_rounds
@@ -478,7 +479,7 @@ class Agent:
             print(f"lifl agent: job {name!r} resumed at version {latest} from its checkpoint", file=sys.stderr)
 
     def _blob_object(self, run: JobRun, blob: bytes, holder: Hashable, *, model: bool = True) -> Any:
-        layout = fmt.validate(blob, run.model_spec if model else None)
+        layout = kernels.validate(blob, run.model_spec if model else None)
         seg = self.store.create(run.tenant, layout.total_size, holder, affinity="gateway")
         os.pwrite(seg.fd, blob, 0)
         self.store.seal(seg.key)
