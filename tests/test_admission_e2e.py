@@ -21,7 +21,7 @@ import pytest
 from conftest import OPERATOR_TOKEN, RunningNode, read_response, wait_for
 from lifl import format as fmt
 from lifl import kernels
-from lifl.node.admission import JobSizes, round_extra
+from lifl.ledger import JobSizes, round_extra
 from lifl.node.supervisor import Node, NodeConfig
 from lifl.state import ClusterState
 
@@ -41,7 +41,7 @@ def random_model(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 UPDATE_BYTES = len(fmt.encode(random_model(np.random.default_rng(0))))
 SIZES = JobSizes.of(fmt.parse_layout(fmt.encode(random_model(np.random.default_rng(0)))).spec(), LEAF_FAN_IN)
-# What the k-th update of a round reserves (lifl.node.admission), and the most a round must hold
+# What the k-th update of a round reserves (lifl.ledger), and the most a round must hold
 # at once: its accumulators and model, and the inputs of the leaf taking its last update.
 COSTS = [UPDATE_BYTES + round_extra(SIZES, k + 1, 0) - round_extra(SIZES, k, 0) for k in range(GOAL)]
 ROUND_FLOOR = max(round_extra(SIZES, k + 1, 0) + (k % LEAF_FAN_IN + 1) * UPDATE_BYTES for k in range(GOAL))

@@ -8,7 +8,7 @@ shell applies effects, talks to Redis (never under its lock), and runs named per
 - The gateway asks it for objects to receive blobs into (``Admit`` reserves a slot of the
   job's global round in Redis, converting the client's lease if it holds one, enforces the
   job's in-flight budget, and reserves the shared memory that aggregating the update needs,
-  within the job's fair share: ``lifl.node.admission``), then hands the sealed update over (``Submit``), which counts
+  within the job's fair share: ``lifl.ledger``), then hands the sealed update over (``Submit``), which counts
   it once for the whole round in Redis and feeds it to this node's tree.
 - Tasks run on instances of the job's tenant: idle warm ones first (reuse, §5.3: an idle leaf
   becomes the middle, the middle's instance the top), new ones otherwise (a cold start), or
@@ -50,8 +50,6 @@ from typing import Any
 from lifl import checkpoints
 from lifl import format as fmt
 from lifl import kernels
-from lifl.keys.factory import CHANNELS, transport
-from lifl.keys.record import KIND_CLOSE, KeyMessage, now_ns
 from lifl.control import rounds as cluster_rounds
 from lifl.control.controller import Controller, ControlConfig
 from lifl.control.planner import ROLES, InstanceView, expired, pick_warm
@@ -59,9 +57,11 @@ from lifl.errors import (
     BadRequest, Conflict, Forbidden, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge, Unavailable, Unprocessable,
 )
 from lifl.jobs import TENANT_NAME, JobSpec
+from lifl.keys.factory import CHANNELS, transport
+from lifl.keys.record import KIND_CLOSE, KeyMessage, now_ns
+from lifl.ledger import PARTIAL, UPDATE, JobSizes, RoundOf
 from lifl.node import tree
 from lifl.node.actuator import ACTUATORS, Actuator, ClusterPods, LocalProcesses
-from lifl.node.admission import PARTIAL, UPDATE, JobSizes, RoundOf
 from lifl.node.dispatch import serve
 from lifl.node.metrics import Metrics
 from lifl.node.privilege import attach_refusal, current, peer_identity
@@ -659,7 +659,7 @@ class Agent:
 
     def _admit_input(self, run: JobRun, holder: Hashable, owner: RoundOf, kind: str, size: int) -> Segment:
         """The object of a client update or a partial result, created once the memory to
-        aggregate it is reserved (``lifl.node.admission``); call with the lock held."""
+        aggregate it is reserved (``lifl.ledger``); call with the lock held."""
         return self.store.admit(run.tenant, size, holder, owner, kind, run.sizes)
 
     def admit_model(self, holder: Hashable, m: AdmitModel) -> tuple[Message, list[int]]:

@@ -35,6 +35,7 @@ has for jobs at all is told so (``shm_too_small``) instead of being asked to ret
 
 Refusals are ``Overloaded`` (HTTP 503 with Retry-After, gRPC RESOURCE_EXHAUSTED) with codes
 ``shm_too_small``, ``fair_share`` and ``shm_exhausted``. Pure: no I/O, the clock is an argument.
+The object store (``lifl.store``) keeps a node's ledger and creates objects through it.
 """
 
 from __future__ import annotations
