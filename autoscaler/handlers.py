@@ -36,10 +36,11 @@ import kopf
 
 from lifl.autoscaler import names, resources
 from lifl.autoscaler.kube import Kube
+from lifl.cluster_types import NO_MODEL
 from lifl.control.controller import ControlConfig, Controller
 from lifl.errors import LiflError
 from lifl.jobs import JobSpec
-from lifl.state import NO_MODEL, ClusterState
+from lifl.state import ClusterState
 
 PLAN_PERIOD_S = 2.0  # how often the planner re-plans (the agents publish their metrics as often)
 OPERATOR_NODE = "k8s-operator"  # the planner's name for itself

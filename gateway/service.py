@@ -32,8 +32,9 @@ from lifl.auth import (
     CLIENT, OPERATOR, TENANT, Action, Principal, TokenSpec, Tokens, acting_client, authorize, bearer, certificate_principal,
     job_tenant, may_issue,
 )
+from lifl.cluster_types import NO_MODEL, Job
 from lifl.control.controller import DEFAULT_CAPACITY
-from lifl.control.planner import BESTFIT, ROLES, NodeLoad, plan_round
+from lifl.control.planner import BESTFIT, NodeLoad, plan_round
 from lifl.errors import BadRequest, Conflict, Forbidden, LiflError, NotFound, Overloaded, Unauthenticated, Unavailable, Unprocessable
 from lifl.gateway.ingest import BlobSink, LayoutCache
 from lifl.gateway.stream import sendfile_all
@@ -42,12 +43,12 @@ from lifl.fixedpoint import partial_spec
 from lifl.flstore.retention import RetentionPolicy
 from lifl.jobs import MAX_SAMPLES, JobSpec
 from lifl.protocol import (
-    Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Forwarded, ForwardPartial, GetMetrics, Hello, InstallModel,
+    ROLES, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Forwarded, ForwardPartial, GetMetrics, Hello, InstallModel,
     InstallReplica, Message, ModelOpened, OpenModel, Query, Submit, SubmitPartial,
 )
 from lifl.protocol import Release as ReleaseRef
 from lifl.rpc import Client
-from lifl.state import NO_MODEL, ClusterState, Job
+from lifl.state import ClusterState
 from lifl.store import MappingCache
 
 MAX_CLIENT_ID = 256

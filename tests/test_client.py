@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from conftest import RunningNode, wait_for
-from lifl import format as fmt
 from lifl import kernels
 from lifl.client import Gateway, Participant, RetryPolicy, from_blob, to_blob
 from lifl.errors import Overloaded

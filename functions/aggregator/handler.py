@@ -17,11 +17,11 @@ from typing import Any
 
 from lifl import format as fmt
 from lifl.keys.record import KIND_CLOSE, KIND_PREPARE, now_ns
-from lifl.control.planner import TOP
 from lifl.fedavg import Contribution, StreamingFedAvg, average_into
 from lifl.fixedpoint import FixedPoint, partial_spec, read_bound, write_bound
 from lifl.errors import NotFound
 from lifl.kernels import TensorTable, Tensors
+from lifl.protocol import TOP
 from lifl.functions.aggregator import top
 from lifl.runtime import Context, Invocation
 

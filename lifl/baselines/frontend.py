@@ -21,7 +21,6 @@ import re
 import threading
 from typing import Any, Protocol
 
-from lifl import format as fmt
 from lifl import kernels
 from lifl.baselines import httpd
 from lifl.baselines.aggregate import Input

@@ -50,9 +50,10 @@ from typing import Any
 from lifl import checkpoints
 from lifl import format as fmt
 from lifl import kernels
+from lifl.cluster_types import NO_MODEL, Job, Shard
 from lifl.control import rounds as cluster_rounds
 from lifl.control.controller import Controller, ControlConfig
-from lifl.control.planner import ROLES, InstanceView, expired, pick_warm
+from lifl.control.planner import InstanceView, expired, pick_warm
 from lifl.errors import (
     BadRequest, Conflict, Forbidden, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge, Unavailable, Unprocessable,
 )
@@ -69,15 +70,13 @@ from lifl.node.retention import Retainer, query_holder, update_blob
 from lifl.flstore.retention import MODEL, Held, RetentionPolicy, checkpoints_kept, in_memory, round_queryable, version_queryable
 from lifl.procs import die_with_parent, on_signals
 from lifl.protocol import (
-    PROTOCOL, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Admitted, Alloc, Attach, Allocated, CancelTask, Document,
-    Done, Failed, Folded, Forwarded, ForwardPartial, GetMetrics, GetRecent, GetStatus, Handoff, Hello, InstallModel,
-    InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, OpenModel, QUERY_ROLE, Query, Ready, Release,
+    PROTOCOL, QUERY_ROLE, ROLES, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Admitted, Alloc, Attach, Allocated,
+    CancelTask, Document, Done, Failed, Folded, Forwarded, ForwardPartial, GetMetrics, GetRecent, GetStatus, Handoff, Hello,
+    InstallModel, InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, OpenModel, Query, Ready, Release,
     Route, StrategyInputs, Submit, SubmitPartial, Submitted, TakeQuery, Text, Welcome, decode,
 )
 from lifl.rpc import Connection, error_reply
-from lifl.state import (
-    ACCEPT_CLOSED_ROUND, NO_MODEL, RESERVE_OK, ClusterState, Job, Shard, accept_refusal, refusal,
-)
+from lifl.state import ACCEPT_CLOSED_ROUND, RESERVE_OK, ClusterState, accept_refusal, refusal
 from lifl.store import SHM_DIR, ObjectStore, Segment, Tenant, remove_node_objects
 from lifl.strategy import privacy, strategy_bytes
 
