@@ -507,7 +507,7 @@ class GatewayService:
         is the agent's to import, not the gateway's)."""
         strategy = job.spec.strategy_spec
         out: dict[str, Any] = strategy.to_json()
-        if strategy.name == "dp_fedavg":
+        if strategy.spends_privacy:
             recorded = (r.get("strategy", {}) for r in reversed(self.state.rounds(job.spec.job, PRIVACY_LOOKBACK)))
             spent = next((r["epsilon"] for r in recorded if "epsilon" in r), 0.0)
             out["privacy"] = {"epsilon": spent, "delta": strategy.param("delta")}

@@ -141,7 +141,7 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
                 average_into(out, total, fixed_point)
 
             key, state, report = result.token, b"", None
-            if inv.strategy.name != "fedavg":  # lifl.strategy: the sum is one of the step's inputs
+            if inv.strategy.runs_step:  # lifl.strategy: the sum is one of the step's inputs
                 key, state, report = top.run_step(inv, ctx, result, model_header, write_mean)
             elif result.partial:  # a single client update needs no averaging: it is the model
                 key, mm = ctx.accumulator(inv, model_header, spec.data_bytes)

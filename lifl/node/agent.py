@@ -825,7 +825,7 @@ class Agent:
             spec = self._read_layout(seg.fd).spec()
             del self.uploads[m.key]
             strategy = run.spec.strategy_spec
-            if strategy.name != "fedavg" and any(t.dtype is fmt.BF16 for t in spec.tensors):
+            if strategy.runs_step and any(t.dtype is fmt.BF16 for t in spec.tensors):
                 self.store.release(m.key, holder)
                 run.model_upload = False
                 raise Unprocessable(f"strategy {strategy.name!r} computes in float64 from float16/32/64 tensors; this "
@@ -1539,7 +1539,7 @@ class Agent:
         if j.spec.strategy:
             strategy = j.spec.strategy_spec
             summary["strategy"] = {"name": strategy.name, **(step.report if step is not None else {})}
-            if strategy.name == "dp_fedavg":  # the budget spent once this version is out
+            if strategy.spends_privacy:  # the budget spent once this version is out
                 summary["strategy"].update(privacy(strategy, version))
         opened = self.state.next_round(job, e.round, version, key=key.hex(), node=self.node, summary=summary)
         retain = self.retainer.policy(job).active

@@ -17,6 +17,8 @@ NAMES = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "tri
          "dp_fedavg", "fedbuff")
 EAGER = frozenset({"fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad"})  # need only the round's mean
 STATEFUL = frozenset({"fedavgm", "fedadam", "fedyogi", "fedadagrad"})  # a server optimiser's state across versions
+MEAN_ONLY = frozenset({"fedavg"})  # the next model is the round's mean itself: no step
+PRIVATE = frozenset({"dp_fedavg"})  # spend a privacy budget each round (lifl.strategy.privacy)
 
 MAX_STALENESS = 100  # fedbuff keeps max_staleness + 1 models: a bound on that memory
 MAX_POPULATION = 1 << 40
@@ -131,6 +133,17 @@ class StrategySpec:
     def stateful(self) -> bool:
         """Carries a server optimiser's state from version to version."""
         return self.name in STATEFUL
+
+    @property
+    def runs_step(self) -> bool:
+        """The top runs a step on the round's sum (``lifl.strategy.step``), in float64, instead of
+        installing the mean as the next model."""
+        return self.name not in MEAN_ONLY
+
+    @property
+    def spends_privacy(self) -> bool:
+        """Each round spends a differential-privacy budget (``lifl.strategy.privacy``)."""
+        return self.name in PRIVATE
 
     @property
     def max_staleness(self) -> int:
