@@ -42,7 +42,7 @@ from typing import Any
 
 from lifl.auth import Principal
 from lifl.errors import BadRequest, Internal, LiflError, Overloaded
-from lifl.gateway import lifl_pb2 as pb
+from lifl.net import lifl_pb2 as pb
 from lifl.gateway.service import GatewayService, Ingest, ModelView
 from lifl.gateway.stream import ConnectionLimits, Stream, ThreadedServer
 from lifl.net import h2

@@ -210,7 +210,7 @@ class RunningNode:
 
     def grpc_stub(self, token: str | None = OPERATOR_TOKEN):
         """A grpcio stub whose calls carry ``token`` (None: no token)."""
-        from lifl.gateway import lifl_pb2_grpc
+        from lifl.net import lifl_pb2_grpc
 
         channel = grpc.insecure_channel(self.grpc)
         if token is not None:

@@ -14,7 +14,7 @@ import pytest
 from conftest import OPERATOR_TOKEN, RunningNode, wait_for
 from lifl import format as fmt
 from lifl import kernels
-from lifl.gateway import lifl_pb2 as pb
+from lifl.net import lifl_pb2 as pb
 from lifl.net import h2
 
 MODEL = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.zeros(4, np.float32)}

@@ -10,7 +10,7 @@ import pytest
 from conftest import RunningNode, wait_for
 from lifl import format as fmt
 from lifl import kernels
-from lifl.gateway import lifl_pb2 as pb
+from lifl.net import lifl_pb2 as pb
 
 SHAPES = {"conv1.weight": (64, 3, 7, 7), "fc.weight": (10, 512), "fc.bias": (10,), "bn.running_mean": (64,)}
 

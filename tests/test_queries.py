@@ -11,7 +11,7 @@ import pytest
 
 from conftest import RunningNode, auth, wait_for
 from lifl import format as fmt
-from lifl.gateway import lifl_pb2 as pb
+from lifl.net import lifl_pb2 as pb
 
 SHAPES = {"conv.weight": (16, 3, 3, 3), "fc.weight": (10, 64), "fc.bias": (10,)}
 CLIENTS = 4

@@ -175,7 +175,7 @@ class Bench:
         self.grpc = Gateway(self.addresses.grpc, protocol="grpc", token=self.node.operator_token)
         import grpc
 
-        from lifl.gateway import lifl_pb2, lifl_pb2_grpc
+        from lifl.net import lifl_pb2, lifl_pb2_grpc
 
         self._pb = lifl_pb2
         self._channel = grpc.insecure_channel(self.addresses.grpc)
