@@ -67,7 +67,7 @@ from lifl.baselines.serverful import TopClient
 from lifl.baselines.system import SYSTEMS, BaselineConfig, BaselineSystem
 from lifl.bench.dataplane import MODELS, make_blob, synthetic_shapes
 from lifl.bench.fljob import JOB, JobSetup, run_job
-from lifl.workload import MODELS as MODELS_FL
+from lifl.models import MODELS as MODELS_FL
 from lifl.keys.record import KeyMessage, now_ns
 from lifl.client import Gateway, to_blob
 from lifl.node.supervisor import Node, NodeConfig
