@@ -19,7 +19,7 @@ from lifl.errors import Unavailable
 from lifl.net import lifl_pb2 as pb
 from lifl.gateway.grpc_server import SERVICE, GrpcLimits, GrpcServer
 from lifl.gateway.service import GatewayMetrics
-from lifl.gateway.stream import ConnectionLimits
+from lifl.net.limits import ConnectionLimits
 from lifl.client.grpcwire import UploadConnection
 from lifl.net import h2
 from lifl.net.grpc import GRPC_STATUS, chunk_messages, message_prefix

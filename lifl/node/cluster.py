@@ -34,8 +34,8 @@ from urllib.parse import urlsplit
 import redis
 
 from lifl.control.controller import ControlConfig
-from lifl.gateway.flags import limit_argv, tls_argv
-from lifl.gateway.stream import ConnectionLimits
+from lifl.net.flags import limit_argv, tls_argv
+from lifl.net.limits import ConnectionLimits
 from lifl.net.tls import ServerTls
 from lifl.node import netns, operator_token
 from lifl.node.agent import agent_argv

@@ -34,8 +34,8 @@ import redis
 
 from lifl import procstat
 from lifl.control.controller import ControlConfig
-from lifl.gateway.flags import limit_argv, plaintext_warning, tls_argv
-from lifl.gateway.stream import ConnectionLimits
+from lifl.net.flags import limit_argv, plaintext_warning, tls_argv
+from lifl.net.limits import ConnectionLimits
 from lifl.net.tls import ServerTls
 from lifl.node import operator_token
 from lifl.node.agent import agent_argv
@@ -89,7 +89,7 @@ class NodeConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
     gateway_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     open_metrics: bool = False  # GET /metrics without a token
-    tls: ServerTls | None = None  # None: plain TCP (see gateway.flags.plaintext_warning)
+    tls: ServerTls | None = None  # None: plain TCP (see lifl.net.flags.plaintext_warning)
     service_user: str | None = None  # who the gateway and embedded redis run as (see privilege.service_identity)
     operator_token: str | None = None  # None: $LIFL_OPERATOR_TOKEN, operator_token_file or DATA_DIR's (operator_token.resolve)
     operator_token_file: Path | None = None
