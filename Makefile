@@ -37,10 +37,10 @@ fuzz: install
 bench: install
 	$(PY) -m lifl bench dataplane
 
-# Regenerate the gRPC stubs after editing gateway/lifl.proto.
+# Regenerate the gRPC stubs after editing lifl/net/lifl.proto.
 proto: install
-	tmp=$$(mktemp -d) && $(PY) -m grpc_tools.protoc -Ilifl/gateway=gateway --python_out=$$tmp --grpc_python_out=$$tmp gateway/lifl.proto \
-	  && mv $$tmp/lifl/gateway/*.py gateway/ && rm -rf $$tmp
+	tmp=$$(mktemp -d) && $(PY) -m grpc_tools.protoc -Ilifl/net=lifl/net --python_out=$$tmp --grpc_python_out=$$tmp lifl/net/lifl.proto \
+	  && mv $$tmp/lifl/net/*.py lifl/net/ && rm -rf $$tmp
 
 clean:
 	rm -rf .venv build *.egg-info lifl/*.so .pytest_cache

@@ -33,8 +33,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from lifl.autoscaler import handlers, names, resources
+from lifl import function_labels
+from lifl.autoscaler import names, resources
+from lifl.autoscaler.kube import Kube
 from lifl.jobs import TENANT_NAME
+from lifl.state import ClusterState
 
 CERT_DAYS = 365  # the webhook's own certificate; a restart makes a new one
 log = logging.getLogger("lifl.autoscaler.admission")
@@ -113,19 +116,20 @@ def configure_webhook(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.admission.managed = names.WEBHOOK_CONFIGURATION
 
 
-def function_pod(body: kopf.Body, namespace: str | None, patch: kopf.Patch, **_: Any) -> None:
-    """Give a tenant's function pod what it needs, if its namespace was granted to the tenant."""
-    tenant = body.get("metadata", {}).get("labels", {}).get(names.TENANT_LABEL, "")
+def function_pod(body: kopf.Body, namespace: str | None, patch: kopf.Patch, kube: Kube | None,
+                 state: ClusterState | None) -> None:
+    """Give a tenant's function pod what it needs, if its namespace was granted to the tenant
+    (``kube``: the operator's API client, None while it starts; ``state``: its Redis, if any)."""
+    tenant = body.get("metadata", {}).get("labels", {}).get(function_labels.TENANT_LABEL, "")
     if not TENANT_NAME.fullmatch(tenant):
-        raise kopf.AdmissionError(f"label {names.TENANT_LABEL} must name a lifl tenant (1-31 lowercase letters, digits, "
+        raise kopf.AdmissionError(f"label {function_labels.TENANT_LABEL} must name a lifl tenant (1-31 lowercase letters, digits, "
                                   f"'-'), got {tenant!r}")
-    if handlers.KUBE is None:
+    if kube is None:
         raise kopf.AdmissionError("the operator is still starting")
-    if tenant not in resources.granted_tenants(handlers.KUBE.namespace_annotations(namespace or "default")):
+    if tenant not in resources.granted_tenants(kube.namespace_annotations(namespace or "default")):
         raise kopf.AdmissionError(f"namespace {namespace} is not granted to tenant {tenant!r}: a cluster admin annotates it "
                                   f"{names.TENANTS_ANNOTATION}={tenant} (a comma-separated list) to let it run the tenant's "
                                   f"functions")
-    state = handlers.PLANNER.state
     if state is None:
         raise kopf.AdmissionError(f"the operator has no Redis (LIFL_REDIS) to look tenant {tenant!r}'s uid up in")
     try:
@@ -134,10 +138,3 @@ def function_pod(body: kopf.Body, namespace: str | None, patch: kopf.Patch, **_:
         raise kopf.AdmissionError(f"a function pod of tenant {tenant!r}: {e}") from None
     if desired != body.get("spec"):
         patch["spec"] = desired  # lists come whole: kopf turns the difference into a JSON patch
-
-
-# kopf refuses to start with admission handlers and no server: the handler exists only where the
-# webhook runs (one operator of the cluster).
-if os.environ.get(names.WEBHOOK_LISTEN_ENV):
-    kopf.on.mutate("", "v1", "pods", operations={"CREATE"}, labels={names.TENANT_LABEL: kopf.PRESENT},
-                   id="function-pods")(function_pod)

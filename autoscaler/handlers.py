@@ -34,12 +34,14 @@ from typing import Any
 
 import kopf
 
-from lifl.autoscaler import names, resources
+from lifl import function_labels
+from lifl.autoscaler import admission, names, resources
 from lifl.autoscaler.kube import Kube
+from lifl.cluster_types import NO_MODEL
 from lifl.control.controller import ControlConfig, Controller
 from lifl.errors import LiflError
 from lifl.jobs import JobSpec
-from lifl.state import NO_MODEL, ClusterState
+from lifl.state import ClusterState
 
 PLAN_PERIOD_S = 2.0  # how often the planner re-plans (the agents publish their metrics as often)
 OPERATOR_NODE = "k8s-operator"  # the planner's name for itself
@@ -113,7 +115,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="lifl.dev")
     settings.posting.level = logging.WARNING
     KUBE = Kube()
-    OPENFAAS_NAMESPACE = os.environ.get(names.OPENFAAS_NAMESPACE_ENV) or names.OPENFAAS_DEFAULT_NAMESPACE
+    OPENFAAS_NAMESPACE = os.environ.get(names.OPENFAAS_NAMESPACE_ENV) or function_labels.OPENFAAS_DEFAULT_NAMESPACE
     url = os.environ.get("LIFL_REDIS")
     PLANNER = Planner(ClusterState(url) if url else None)
     if not url:
@@ -140,8 +142,8 @@ def reconcile_pa(pa: dict[str, Any], kube: Kube, planner: Planner) -> None:
     namespace, name = meta["namespace"], meta["name"]
     problem = ""
     try:
-        bounds: resources.ScaleBounds | None = resources.scale_bounds(pa)
-    except resources.InvalidAnnotation as e:
+        bounds: function_labels.ScaleBounds | None = resources.scale_bounds(pa)
+    except function_labels.InvalidAnnotation as e:
         bounds, problem = None, str(e)
 
     want = resources.make_sks(pa)
@@ -272,7 +274,7 @@ def job_status(name: str, spec: dict[str, Any], status: dict[str, Any], patch: k
 # -- OpenFaaS functions: faas-netes' Deployments of lifl tenants ------------------------------------------
 # A tenant's aggregators as an OpenFaaS CE function: faas-netes makes its Deployment from the stack
 # file (its pods get the rest at admission), and the control loop scales it within CE's 1 to 5.
-OPENFAAS_NAMESPACE = names.OPENFAAS_DEFAULT_NAMESPACE  # configure() reads LIFL_OPENFAAS_NAMESPACE
+OPENFAAS_NAMESPACE = function_labels.OPENFAAS_DEFAULT_NAMESPACE  # configure() reads LIFL_OPENFAAS_NAMESPACE
 _reported: dict[str, str] = {}  # function -> its standing problem, logged once
 
 
@@ -291,7 +293,7 @@ def is_lifl_function(body: Mapping[str, Any], **_: Any) -> bool:
     meta = body.get("metadata") or {}
     made_by_faas_netes = (meta.get("labels") or {}).get(names.FAAS_FUNCTION_LABEL) == meta.get("name")
     pod_labels = body.get("spec", {}).get("template", {}).get("metadata", {}).get("labels") or {}
-    return meta.get("namespace") == OPENFAAS_NAMESPACE and made_by_faas_netes and names.TENANT_LABEL in pod_labels
+    return meta.get("namespace") == OPENFAAS_NAMESPACE and made_by_faas_netes and function_labels.TENANT_LABEL in pod_labels
 
 
 def scale_function(deployment: Mapping[str, Any], kube: Kube, planner: Planner) -> None:
@@ -304,8 +306,8 @@ def scale_function(deployment: Mapping[str, Any], kube: Kube, planner: Planner) 
     labels = deployment.get("spec", {}).get("template", {}).get("metadata", {}).get("labels") or {}
     try:
         tenant = resources.openfaas_tenant(deployment)
-        bounds = resources.openfaas_scale_bounds(labels)
-    except (resources.InvalidFunction, resources.InvalidAnnotation) as e:
+        bounds = function_labels.openfaas_scale_bounds(labels)
+    except (resources.InvalidFunction, function_labels.InvalidAnnotation) as e:
         _report(function, f"{e}; left at its current scale")
         return
     if tenant is None:
@@ -315,7 +317,7 @@ def scale_function(deployment: Mapping[str, Any], kube: Kube, planner: Planner) 
     desired = bounds.clamp(demand)
     _report(function, None if demand <= bounds.max else
             f"the plan wants {demand} aggregators for tenant {tenant}, the function runs at most {bounds.max} "
-            f"(its {names.OPENFAAS_MAX_SCALE_LABEL}; OpenFaaS CE allows at most {names.OPENFAAS_CE_MAX_REPLICAS})")
+            f"(its {function_labels.OPENFAAS_MAX_SCALE_LABEL}; OpenFaaS CE allows at most {function_labels.OPENFAAS_CE_MAX_REPLICAS})")
     replicas = deployment.get("spec", {}).get("replicas") or 0
     if desired != replicas:
         log.info("scaling OpenFaaS function %s: %d -> %d pods", function, replicas, desired)
@@ -323,5 +325,10 @@ def scale_function(deployment: Mapping[str, Any], kube: Kube, planner: Planner) 
     place(kube, namespace, tenant, {names.FAAS_FUNCTION_LABEL: name}, desired, planned)
 
 
-# The admission webhook's handlers (they use this module's Kube and Planner): loaded with it.
-from lifl.autoscaler import admission  # noqa: E402,F401
+# kopf refuses to start with admission handlers and no server: the webhook's handler exists only
+# where the webhook runs (one operator of the cluster).
+if os.environ.get(names.WEBHOOK_LISTEN_ENV):
+    @kopf.on.mutate("", "v1", "pods", operations={"CREATE"}, labels={function_labels.TENANT_LABEL: kopf.PRESENT},
+                    id="function-pods")
+    def function_pod(body: kopf.Body, namespace: str | None, patch: kopf.Patch, **_: Any) -> None:
+        admission.function_pod(body, namespace, patch, KUBE, PLANNER.state)

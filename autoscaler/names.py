@@ -1,4 +1,5 @@
-"""Every name the operator reads or writes in Kubernetes, in one place."""
+"""Every name the operator reads or writes in Kubernetes, in one place; those a function's own
+deployment declares (its tenant, its OpenFaaS scale labels) are ``lifl.function_labels``'s."""
 
 from __future__ import annotations
 
@@ -10,9 +11,6 @@ MIN_SCALE_ANNOTATION = "autoscaling.knative.dev/min-scale"
 MAX_SCALE_ANNOTATION = "autoscaling.knative.dev/max-scale"
 INITIAL_SCALE_ANNOTATION = "autoscaling.knative.dev/initial-scale"
 
-# A Knative Service's label naming the lifl tenant whose aggregators it runs (Knative copies it
-# to the Revision and its PA); without it, the Service's name is the tenant.
-TENANT_LABEL = "lifl.dev/tenant"
 SERVICE_LABEL = "serving.knative.dev/service"
 
 # BestFit places a tenant's aggregators by moving this node label: a node carries
@@ -40,23 +38,15 @@ def placement_label(tenant: str) -> str:
 # labels the Deployment and its pods ``faas_function: <name>`` and copies the function's labels
 # (``lifl.dev/tenant`` among them) onto the pod template only (faas-netes pkg/handlers/deploy.go).
 FAAS_FUNCTION_LABEL = "faas_function"
-# CE serves one namespace, the provider's default; the operator touches function Deployments there
-# only (whoever can write Deployments elsewhere must not get a tenant's uid and the host's IPC).
+# CE serves one namespace, the provider's default (``lifl.function_labels.OPENFAAS_DEFAULT_NAMESPACE``, unless
+# this variable names another); the operator touches function Deployments there only (whoever can write Deployments elsewhere must not get a tenant's uid and the host's IPC).
 OPENFAAS_NAMESPACE_ENV = "LIFL_OPENFAAS_NAMESPACE"
-OPENFAAS_DEFAULT_NAMESPACE = "openfaas-fn"
-OPENFAAS_MIN_SCALE_LABEL = "com.openfaas.scale.min"
-OPENFAAS_MAX_SCALE_LABEL = "com.openfaas.scale.max"
-# CE runs at most this many replicas of a function, and never zero: its gateway clamps scale
-# requests to 1..5 and faas-netes scales a Deployment edited to 0 or more than 5 back into that range.
-OPENFAAS_CE_MAX_REPLICAS = 5
-OPENFAAS_CE_MIN_REPLICAS = 1
 
 # What a function pod needs of its node: the agent's sockets and the key channel's live in this
 # host directory (the node DaemonSet's run dir), mounted at the same path in the pod.
 RUN_DIR = "/run/lifl"
 RUN_VOLUME = "lifl-run"
 AGENT_SOCKET = RUN_DIR + "/functions.sock"
-TENANT_ENV = "LIFL_TENANT"  # the function shim attaches as this tenant
 # A namespace's annotation granting it tenants (comma-separated): only there do pods labelled
 # with a tenant get its identity and the node's IPC (a cluster admin's decision).
 TENANTS_ANNOTATION = "lifl.dev/tenants"

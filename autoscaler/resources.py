@@ -8,55 +8,25 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from lifl import function_labels
 from lifl.autoscaler import names
 from lifl.jobs import TENANT_NAME
 
 ACTIVE, INITIALIZED, SKS_READY, READY = "Active", "ScaleTargetInitialized", "SKSReady", "Ready"
 PA_CONDITIONS = (ACTIVE, INITIALIZED, SKS_READY)  # Ready is their conjunction (a living condition set)
-MAX_REPLICAS = 10_000  # the largest scale the operator sets, whatever the plan says
 
 Object = Mapping[str, Any]
 
 
-class InvalidAnnotation(ValueError):
-    """A PA's scale annotation (or an OpenFaaS function's scale label) is not a count: the PA (or
-    the function) is left at its current scale, and says why."""
-
-
-@dataclass(frozen=True)
-class ScaleBounds:
-    min: int = 0
-    max: int = 0  # 0: no bound
-    initial: int = 1
-
-    def clamp(self, n: int) -> int:
-        n = max(n, self.min)
-        return min(n, self.max or MAX_REPLICAS, MAX_REPLICAS)
-
-
-def _count(annotations: Mapping[str, str], key: str, default: int) -> int:
-    raw = annotations.get(key)
-    if raw is None:
-        return default
-    try:
-        value = int(str(raw).strip())
-    except ValueError:
-        raise InvalidAnnotation(f"{key} must be a whole number of pods, got {raw!r}") from None
-    if not 0 <= value <= MAX_REPLICAS:
-        raise InvalidAnnotation(f"{key} must be between 0 and {MAX_REPLICAS}, got {value}")
-    return value
-
-
-def scale_bounds(pa: Object) -> ScaleBounds:
+def scale_bounds(pa: Object) -> function_labels.ScaleBounds:
     annotations = pa.get("metadata", {}).get("annotations") or {}
-    bounds = ScaleBounds(_count(annotations, names.MIN_SCALE_ANNOTATION, 0),
-                         _count(annotations, names.MAX_SCALE_ANNOTATION, 0),
-                         _count(annotations, names.INITIAL_SCALE_ANNOTATION, 1))
+    bounds = function_labels.ScaleBounds(function_labels.replica_count(annotations, names.MIN_SCALE_ANNOTATION, 0),
+                         function_labels.replica_count(annotations, names.MAX_SCALE_ANNOTATION, 0),
+                         function_labels.replica_count(annotations, names.INITIAL_SCALE_ANNOTATION, 1))
     if bounds.max and bounds.min > bounds.max:
-        raise InvalidAnnotation(f"{names.MIN_SCALE_ANNOTATION} ({bounds.min}) exceeds {names.MAX_SCALE_ANNOTATION} ({bounds.max})")
+        raise function_labels.InvalidAnnotation(f"{names.MIN_SCALE_ANNOTATION} ({bounds.min}) exceeds {names.MAX_SCALE_ANNOTATION} ({bounds.max})")
     return bounds
 
 
@@ -66,7 +36,7 @@ def is_ours(pa: Object) -> bool:
 
 def tenant_of(pa: Object) -> str:
     labels = pa.get("metadata", {}).get("labels") or {}
-    return labels.get(names.TENANT_LABEL) or labels.get(names.SERVICE_LABEL) or pa["metadata"]["name"]
+    return labels.get(function_labels.TENANT_LABEL) or labels.get(names.SERVICE_LABEL) or pa["metadata"]["name"]
 
 
 def condition(status: Object, kind: str) -> Object | None:
@@ -78,7 +48,7 @@ def is_true(status: Object, kind: str) -> bool:
     return c is not None and c.get("status") == "True"
 
 
-def desired_scale(pa: Object, planned: int, bounds: ScaleBounds) -> int:
+def desired_scale(pa: Object, planned: int, bounds: function_labels.ScaleBounds) -> int:
     """The revision's pods: none once it is unreachable (an old revision); its initial scale
     until it first reached it (Knative's rule for marking a revision ready); then the plan's
     count within min/max-scale (Knative gives a custom class no scale-from-zero: the plan's
@@ -263,25 +233,11 @@ def openfaas_tenant(deployment: Object) -> str | None:
     """The lifl tenant whose aggregators a faas-netes Deployment runs: its pod template's
     ``lifl.dev/tenant`` (faas-netes copies a function's labels there only). None: no lifl function."""
     labels = deployment.get("spec", {}).get("template", {}).get("metadata", {}).get("labels") or {}
-    tenant = labels.get(names.TENANT_LABEL)
+    tenant = labels.get(function_labels.TENANT_LABEL)
     if tenant is not None and not TENANT_NAME.fullmatch(tenant):
-        raise InvalidFunction(f"label {names.TENANT_LABEL} must name a lifl tenant (1-31 lowercase letters, digits, '-'), "
+        raise InvalidFunction(f"label {function_labels.TENANT_LABEL} must name a lifl tenant (1-31 lowercase letters, digits, '-'), "
                               f"got {tenant!r}")
     return tenant
-
-
-def openfaas_scale_bounds(labels: Mapping[str, str]) -> ScaleBounds:
-    """A function's replicas as its ``com.openfaas.scale.min/max`` labels bound them, within what
-    OpenFaaS CE runs (1 to 5; the labels' defaults are CE's own, 1 and 5)."""
-    low = _count(labels, names.OPENFAAS_MIN_SCALE_LABEL, names.OPENFAAS_CE_MIN_REPLICAS)
-    high = _count(labels, names.OPENFAAS_MAX_SCALE_LABEL, names.OPENFAAS_CE_MAX_REPLICAS)
-    for key, value in ((names.OPENFAAS_MIN_SCALE_LABEL, low), (names.OPENFAAS_MAX_SCALE_LABEL, high)):
-        if not names.OPENFAAS_CE_MIN_REPLICAS <= value <= names.OPENFAAS_CE_MAX_REPLICAS:
-            raise InvalidAnnotation(f"{key} must be between {names.OPENFAAS_CE_MIN_REPLICAS} and {names.OPENFAAS_CE_MAX_REPLICAS} "
-                                    f"(OpenFaaS CE runs that many replicas of a function, never zero), got {value}")
-    if low > high:
-        raise InvalidAnnotation(f"{names.OPENFAAS_MIN_SCALE_LABEL} ({low}) exceeds {names.OPENFAAS_MAX_SCALE_LABEL} ({high})")
-    return ScaleBounds(low, high, low)
 
 
 # -- function pods: what every tenant's aggregator pod gets at admission ---------------------------------
@@ -348,6 +304,6 @@ def function_pod_spec(spec: Object, tenant: str, uid: int) -> dict[str, Any]:
         have_mount["readOnly"] = True
     function["securityContext"] = {**(function.get("securityContext") or {}), **identity,
                                    "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
-    env = [e for e in function.get("env") or [] if e.get("name") != names.TENANT_ENV]
-    function["env"] = [*env, {"name": names.TENANT_ENV, "value": tenant}]
+    env = [e for e in function.get("env") or [] if e.get("name") != function_labels.TENANT_ENV]
+    function["env"] = [*env, {"name": function_labels.TENANT_ENV, "value": tenant}]
     return out

@@ -11,7 +11,7 @@
  * The sender's tenant comes from `senders` (storage on the sending socket, written when the
  * socket was registered), so a message's tenant field is checked, never trusted.
  *
- * lifl/ebpf.py loads this object, pins the maps and fills them; it mirrors the limits below. */
+ * lifl/keys/ebpf.py loads this object, pins the maps and fills them; it mirrors the limits below. */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 

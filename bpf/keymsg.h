@@ -1,6 +1,6 @@
 /* One key message: what aggregators pass instead of model bytes (64 bytes, little-endian).
  *
- * The one definition of the record: lifl/channel.py packs and unpacks the same layout, and
+ * The one definition of the record: lifl/keys/record.py packs and unpacks the same layout, and
  * tests/test_channel.py pins its offsets to these, compiled. The destination comes first so an
  * SK_MSG verdict routes on the first 4 bytes; the tenant is the sender's, which the verdict
  * checks against the destination's before it redirects. */

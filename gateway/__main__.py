@@ -15,7 +15,7 @@ from lifl.control.planner import BESTFIT, POLICIES
 from lifl.gateway.grpc_server import GrpcServer
 from lifl.gateway.http import HttpServer
 from lifl.gateway.service import GatewayService
-from lifl.gateway.flags import add_limit_arguments, add_tls_arguments, limits_from, server_contexts, tls_from
+from lifl.net.flags import add_limit_arguments, add_tls_arguments, limits_from, server_contexts, tls_from
 from lifl.node.privilege import Identity, drop_to, parse_user
 from lifl.net.tls import configure_peers
 from lifl.procs import die_with_parent, on_signals

@@ -13,7 +13,7 @@ Threads: the reader runs unary calls and answers them. A reply that must wait fo
 credit waits in its call's outbox and is sent by the reader when the credit arrives; a model
 download is sent by a thread of its own, at most ``max_downloads_per_connection`` per
 connection and ``max_downloads`` in all. Every limit is in ``GrpcLimits``, the codec's
-``h2.Limits`` and, for connections and their idle timeout, gateway.stream.ConnectionLimits.
+``h2.Limits`` and, for connections and their idle timeout, lifl.net.limits.ConnectionLimits.
 
 Errors: an HTTP/2 connection error ends the connection with GOAWAY; anything else that goes
 wrong in one call (a lifl error, or any other exception) fails that call alone, with its gRPC
@@ -42,9 +42,10 @@ from typing import Any
 
 from lifl.auth import Principal
 from lifl.errors import BadRequest, Internal, LiflError, Overloaded
-from lifl.gateway import lifl_pb2 as pb
+from lifl.net import lifl_pb2 as pb
 from lifl.gateway.service import GatewayService, Ingest, ModelView
-from lifl.gateway.stream import ConnectionLimits, Stream, ThreadedServer
+from lifl.gateway.stream import Stream, ThreadedServer
+from lifl.net.limits import ConnectionLimits
 from lifl.net import h2
 from lifl.net.grpc import CONTENT_TYPE, BlobTarget, MessageReader, chunk_messages, message_prefix, status_trailers
 from lifl.net.io import MAX_FRAMES_PER_WRITE, sendmsg_all, take_views

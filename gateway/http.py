@@ -27,7 +27,8 @@ from typing import Any
 from lifl.auth import Principal
 from lifl.errors import BadRequest, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge, Unauthenticated
 from lifl.gateway.service import GatewayService, Ingest, ModelView, PartialMeta
-from lifl.gateway.stream import ConnectionLimits, Stream, ThreadedServer, sendfile_all
+from lifl.gateway.stream import Stream, ThreadedServer, sendfile_all
+from lifl.net.limits import ConnectionLimits
 
 MAX_HEAD = 64 << 10  # bytes of a request head: request line, fields, CRLFs and the empty line
 MAX_HEADER_FIELDS = 100  # fields in a head (and in a chunked body's trailer)

@@ -32,21 +32,23 @@ from lifl.auth import (
     CLIENT, OPERATOR, TENANT, Action, Principal, TokenSpec, Tokens, acting_client, authorize, bearer, certificate_principal,
     job_tenant, may_issue,
 )
+from lifl.cluster_types import NO_MODEL, Job
 from lifl.control.controller import DEFAULT_CAPACITY
-from lifl.control.planner import BESTFIT, ROLES, NodeLoad, plan_round
+from lifl.control.planner import BESTFIT, NodeLoad, plan_round
 from lifl.errors import BadRequest, Conflict, Forbidden, LiflError, NotFound, Overloaded, Unauthenticated, Unavailable, Unprocessable
 from lifl.gateway.ingest import BlobSink, LayoutCache
 from lifl.gateway.stream import sendfile_all
 from lifl.net.tls import peer_connection, peer_http_connection
+from lifl.fixedpoint import partial_spec
 from lifl.flstore.retention import RetentionPolicy
 from lifl.jobs import MAX_SAMPLES, JobSpec
 from lifl.protocol import (
-    Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Forwarded, ForwardPartial, GetMetrics, Hello, InstallModel,
+    ROLES, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Forwarded, ForwardPartial, GetMetrics, Hello, InstallModel,
     InstallReplica, Message, ModelOpened, OpenModel, Query, Submit, SubmitPartial,
 )
 from lifl.protocol import Release as ReleaseRef
 from lifl.rpc import Client
-from lifl.state import NO_MODEL, ClusterState, Job
+from lifl.state import ClusterState
 from lifl.store import MappingCache
 
 MAX_CLIENT_ID = 256
@@ -505,7 +507,7 @@ class GatewayService:
         is the agent's to import, not the gateway's)."""
         strategy = job.spec.strategy_spec
         out: dict[str, Any] = strategy.to_json()
-        if strategy.name == "dp_fedavg":
+        if strategy.spends_privacy:
             recorded = (r.get("strategy", {}) for r in reversed(self.state.rounds(job.spec.job, PRIVACY_LOOKBACK)))
             spent = next((r["epsilon"] for r in recorded if "epsilon" in r), 0.0)
             out["privacy"] = {"epsilon": spent, "delta": strategy.param("delta")}
@@ -601,7 +603,7 @@ class GatewayService:
         job = self.authorized_job(principal, Action.INTERNAL, job_name)
         if job.model_spec is None:
             raise Conflict(f"job {job_name!r} has no model yet", code="no_model")
-        spec = job.model_spec.partial(job.spec.fixed_point_spec) if meta.partial else job.model_spec
+        spec = partial_spec(job.model_spec, job.spec.fixed_point_spec) if meta.partial else job.model_spec
         limit = spec.data_bytes + fmt.MAX_HEADER_BYTES
         return Ingest(self, "partial", job_name, "internal", spec, limit, expected_size, partial=meta)
 

@@ -3,7 +3,7 @@ a read side on which small reads go through a buffer while bulk reads land direc
 caller's memory (a shared-memory object) with no intermediate copy, and sendfile out of it.
 
 A few connections must not deny service to the rest, so everything a peer can hold is
-bounded (``ConnectionLimits``; the gateway's command-line flags set them):
+bounded (``lifl.net.limits.ConnectionLimits``; the gateway's command-line flags set them):
 
 - time: a connection waiting for its next request is closed after ``idle_timeout``; a
   request head must be complete ``head_timeout`` after its first byte; a body must keep up
@@ -39,41 +39,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lifl.net.limits import ConnectionLimits
 from lifl.net.tls import TlsSocket
 
-IDLE_TIMEOUT = 120.0  # s a connection may wait for its next request (HTTP keep-alive)
-HEAD_TIMEOUT = 10.0  # s from a request's first byte to the end of its head
-MIN_BODY_RATE = 1024.0  # bytes/s a request body must keep up while we wait for it (see RateMeter)...
-BODY_GRACE = 10.0  # ...after this many seconds of waiting for free...
-BODY_WINDOW = 10.0  # ...falling behind by at most this many seconds' worth of bytes
-MAX_CONNECTIONS = 1024
-MAX_CONNECTIONS_PER_PEER = 256  # per source address; clients behind one NAT share it
-RESERVED_CONNECTIONS = 32  # beyond the limits, for requests a front end answers cheaply
 LISTEN_BACKLOG = 1024
 ACCEPT_BACKOFF = 0.05  # s to wait when the process is out of file descriptors
 
 _FILL = 1 << 16  # the most one recv adds to the read buffer, whatever the peer announced
 _TIMEOUT_SLACK = 0.9  # a socket timeout within 10 % above the budget is kept (saves a syscall per recv)
 TLS_SEND_CHUNK = 1 << 20  # bytes of a file handed to TLS at a time, where sendfile cannot be used
-
-
-@dataclass(frozen=True)
-class ConnectionLimits:
-    idle_timeout: float = IDLE_TIMEOUT
-    head_timeout: float = HEAD_TIMEOUT
-    min_body_rate: float = MIN_BODY_RATE  # 0: no minimum
-    body_grace: float = BODY_GRACE
-    body_window: float = BODY_WINDOW
-    max_connections: int = MAX_CONNECTIONS
-    max_per_peer: int = MAX_CONNECTIONS_PER_PEER
-    reserved: int = RESERVED_CONNECTIONS
-
-    def __post_init__(self) -> None:
-        for name in ("idle_timeout", "head_timeout", "body_grace", "body_window"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive")
-        if self.min_body_rate < 0 or self.max_connections < 1 or self.max_per_peer < 1 or self.reserved < 0:
-            raise ValueError("rates and connection counts must be positive (reserved: zero or more)")
 
 
 class RateMeter:

@@ -21,7 +21,7 @@ def parse_size(text: str) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from lifl.gateway.flags import limits_from, tls_from
+    from lifl.net.flags import limits_from, tls_from
     from lifl.node import cluster
     from lifl.node.agent import agent_options
 
@@ -136,7 +136,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lifl.gateway.flags import add_limit_arguments, add_tls_arguments
+    from lifl.net.flags import add_limit_arguments, add_tls_arguments
     from lifl.node.agent import add_agent_arguments
 
     p = argparse.ArgumentParser(prog="lifl", description="Elastic serverless aggregation for federated learning.")

@@ -32,7 +32,8 @@ from lifl import procstat
 from lifl.client import Gateway, from_blob, to_blob
 from lifl.node.supervisor import Node, NodeConfig
 from lifl.state import ClusterState
-from lifl.workload import MODELS, evaluate, load_digits_split, make_model, wait_ready, worker_shares
+from lifl.models import MODELS, make_model
+from lifl.workload import evaluate, load_digits_split, wait_ready, worker_shares
 
 JOB = "digits"
 TENANT = "demo"

@@ -53,7 +53,7 @@ class Contribution:
 class StreamingFedAvg:
     """``fan_in`` None: not known yet (``resize`` tells it once the round has closed).
     ``fixed_point``: sum float tensors in integers (the accumulators must be of
-    ``spec.partial(fixed_point)``; partial inputs must say their ``bound``)."""
+    ``partial_spec(spec, fixed_point)``; partial inputs must say their ``bound``)."""
 
     def __init__(self, fan_in: int | None, fixed_point: FixedPoint | None = None) -> None:
         if fan_in is not None and fan_in < 1:

@@ -17,7 +17,7 @@ global over all tensors (one max per update, found in the quantising pass at no 
 traffic), so it is conservative by at most the ratio of the largest tensor's range to the others'.
 
 Partial sums hold the bound in one extra I64 tensor, ``BOUND_TENSOR``, after the model's
-(``ModelSpec.partial(fixed_point)``), so it travels with the object through the hierarchy and
+(``partial_spec``), so it travels with the object through the hierarchy and
 survives a task's restart from its last accumulator.
 """
 
@@ -26,12 +26,10 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lifl.errors import BadRequest, Unprocessable
-
-if TYPE_CHECKING:  # lifl.format imports this module
-    from lifl.format import Layout
+from lifl.format import I32, I64, I128, Layout, ModelSpec, TensorSpec
 
 WIDTHS = (32, 64)
 DEFAULT_FRAC_BITS = 24
@@ -96,8 +94,21 @@ class FixedPoint:
                 code="fixed_point_overflow",
             )
 
+def partial_spec(spec: ModelSpec, fixed_point: FixedPoint | None) -> ModelSpec:
+    """The spec of the model's partial sums: float accumulators without fixed point
+    (``ModelSpec.partial``); with it, float tensors sum in integers of its width, and one more
+    tensor carries the sum's overflow bound."""
+    if fixed_point is None:
+        return spec.partial()
+    if BOUND_TENSOR in spec:
+        raise BadRequest(f"tensor name {BOUND_TENSOR!r} is reserved for fixed-point aggregation", code="bad_fixed_point")
+    integer = I64 if fixed_point.width == 64 else I32
+    return ModelSpec((*(TensorSpec(t.name, integer if t.dtype.kind == "f" else I128, t.shape) for t in spec.tensors),
+                      TensorSpec(BOUND_TENSOR, I64, (1,))))
+
+
 def _bound_offset(layout: Layout) -> int:
-    for entry in reversed(layout.entries):  # ModelSpec.partial puts it last
+    for entry in reversed(layout.entries):  # partial_spec puts it last
         if entry.spec.name == BOUND_TENSOR:
             return layout.data_start + entry.begin
     raise Unprocessable("a fixed-point partial sum has no overflow bound", code="fixed_point_bound_missing")

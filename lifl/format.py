@@ -5,7 +5,8 @@ little-endian tensor bytes. Readers map tensors in place (``views``); nothing is
 
 Validation is split so that a streaming receiver can reject early: ``header_length`` and
 ``parse_header`` need only the first 8 + N bytes; ``check_matches`` compares against the
-job's model; the tensor bytes are checked for finiteness as they arrive (``lifl.kernels``).
+job's model; the tensor bytes are checked for finiteness as they arrive (``lifl.kernels``, or
+``check_finite`` where the C kernels are not installed: the client SDK).
 
 Aggregators keep their running sums in *partial* objects: the same layout with accumulator
 dtypes (F64 for float tensors, or integers under fixed point, and I128 for integer ones),
@@ -25,7 +26,6 @@ from typing import Any
 import numpy as np
 
 from lifl.errors import BadRequest, PayloadTooLarge, Unprocessable
-from lifl.fixedpoint import BOUND_TENSOR, FixedPoint
 
 PREFIX_BYTES = 8
 MAX_HEADER_BYTES = 16 << 20
@@ -35,6 +35,8 @@ MAX_RANK = 32
 MAX_NAME_BYTES = 1024
 MAX_OFFSET = 1 << 62  # bound on dimensions, offsets and tensor sizes: no blob comes near, and sizes stay small integers
 DATA_ALIGN = 64  # headers are space-padded so tensor data starts on a cache line
+FINITE_BLOCK = 1 << 20  # elements check_finite looks at in one pass
+BF16_EXPONENT = 0x7F80  # a bfloat16 whose exponent bits are all set is NaN or infinite
 
 
 @dataclass(frozen=True)
@@ -111,16 +113,10 @@ class ModelSpec:
         order, and metadata, fit easily; a receiver refuses a longer one before reading it."""
         return min(MAX_HEADER_BYTES, HEADER_SPACING * len(spec_header(self)) + MAX_METADATA_BYTES)
 
-    def partial(self, fixed_point: FixedPoint | None = None) -> ModelSpec:
-        """The spec of this model's partial sums. Fixed point (lifl.fixedpoint): float tensors sum
-        in integers of its width, and one more tensor carries the sum's overflow bound."""
-        if fixed_point is None:
-            return ModelSpec(tuple(TensorSpec(t.name, accumulator_dtype(t.dtype), t.shape) for t in self.tensors))
-        if BOUND_TENSOR in self:
-            raise BadRequest(f"tensor name {BOUND_TENSOR!r} is reserved for fixed-point aggregation", code="bad_fixed_point")
-        integer = I64 if fixed_point.width == 64 else I32
-        return ModelSpec((*(TensorSpec(t.name, integer if t.dtype.kind == "f" else I128, t.shape) for t in self.tensors),
-                          TensorSpec(BOUND_TENSOR, I64, (1,))))
+    def partial(self) -> ModelSpec:
+        """The spec of this model's partial sums in float accumulators (under fixed point:
+        ``lifl.fixedpoint.partial_spec``)."""
+        return ModelSpec(tuple(TensorSpec(t.name, accumulator_dtype(t.dtype), t.shape) for t in self.tensors))
 
     def to_json(self) -> list[list[Any]]:
         return [[t.name, t.dtype.name, list(t.shape)] for t in self.tensors]
@@ -293,15 +289,30 @@ def parse_layout(blob: bytes | bytearray | memoryview, *, allow_partial: bool = 
     return layout
 
 
-def validate(blob: bytes | bytearray | memoryview, spec: ModelSpec | None = None, *, limit: int | None = None) -> Layout:
-    """Full validation of a complete blob: structure, model match and finite floats."""
-    from lifl.kernels import FiniteChecker  # the kernels import this module
+def non_finite(buffer: Any, layout: Layout, entry: Entry, index: int) -> Unprocessable:
+    """The refusal of a float tensor's element ``index`` that is NaN or infinite."""
+    dtype = entry.spec.dtype
+    offset = layout.data_start + entry.begin + index * dtype.itemsize
+    raw = np.frombuffer(buffer, dtype.storage, count=1, offset=offset)
+    value = (raw.astype(np.uint32) << 16).view(np.float32)[0] if dtype is BF16 else raw[0]
+    what = "NaN" if np.isnan(value) else ("+Inf" if value > 0 else "-Inf")
+    return Unprocessable(f"tensor {entry.spec.name!r} element {index} is {what}", code="non_finite")
 
-    layout = parse_layout(blob, limit=limit)
-    if spec is not None:
-        check_matches(layout, spec)
-    FiniteChecker(layout).check(blob, layout.total_size)
-    return layout
+
+def check_finite(buffer: Any, layout: Layout) -> None:
+    """Refuse the first NaN or infinity of a float tensor, in data order: what
+    ``lifl.kernels.FiniteChecker`` finds, in numpy, for readers without the C kernels (the
+    client SDK). Works through ``FINITE_BLOCK`` elements at a time to bound its scratch."""
+    for entry in layout.entries:
+        dtype = entry.spec.dtype
+        if dtype.kind != "f" or entry.spec.numel == 0:
+            continue
+        values = np.frombuffer(buffer, dtype.storage, entry.spec.numel, layout.data_start + entry.begin)
+        for start in range(0, len(values), FINITE_BLOCK):
+            block = values[start : start + FINITE_BLOCK]
+            bad = (block & BF16_EXPONENT) == BF16_EXPONENT if dtype is BF16 else ~np.isfinite(block)
+            if bad.any():
+                raise non_finite(buffer, layout, entry, start + int(np.argmax(bad)))
 
 
 def encode_header(entries: list[tuple[str, DType, tuple[int, ...]]], metadata: Mapping[str, str] | None = None) -> bytes:

@@ -10,6 +10,7 @@ from typing import Any
 from lifl.errors import BadRequest
 from lifl.fixedpoint import FixedPoint
 from lifl.flstore.retention import RetentionPolicy
+from lifl.models import MODELS
 from lifl.strategy import StrategySpec
 
 # Always fullmatch: "$" also matches before a final newline, and a name ending in one would become
@@ -34,7 +35,7 @@ class JobSpec:
     over_selection: float = 1.3  # clients training at once, as a multiple of the goal
     max_samples: int = 0  # the largest sample count one update may claim (its weight); 0: MAX_SAMPLES
     retention: dict[str, Any] = field(default_factory=dict, hash=False)  # the initial retention policy (lifl.flstore.retention)
-    architecture: str = ""  # the model's torch architecture (lifl.workload.MODELS), for inference queries
+    architecture: str = ""  # the model's torch architecture (lifl.models.MODELS), for inference queries
     strategy: dict[str, Any] = field(default_factory=dict, hash=False)  # lifl.strategy, every parameter filled in; {}: fedavg
     fixed_point: dict[str, Any] = field(default_factory=dict, hash=False)  # lifl.fixedpoint; {}: float aggregation
 
@@ -89,8 +90,6 @@ class JobSpec:
         if "retention" in body:
             values["retention"] = RetentionPolicy.from_request(body["retention"]).to_dict()
         if "architecture" in body:
-            from lifl.workload import MODELS  # its module imports numpy only
-
             if body["architecture"] not in MODELS:
                 raise BadRequest(f"job field 'architecture' must be one of {', '.join(MODELS)}", code="bad_job")
             values["architecture"] = body["architecture"]

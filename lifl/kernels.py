@@ -8,8 +8,9 @@ from typing import Any
 import numpy as np
 
 from lifl._kernels import ffi, lib
-from lifl.errors import Internal, Unprocessable
-from lifl.format import BF16, Layout, ModelSpec
+from lifl.errors import Internal
+from lifl import format as fmt
+from lifl.format import Layout, ModelSpec
 
 
 def _ptr(ctype: str, array: np.ndarray) -> Any:
@@ -45,21 +46,17 @@ class FiniteChecker:
             return
         cursor = lib.lifl_check_finite_range(ffi.from_buffer(buffer), *self._args, self.cursor, upto, self._bad_tensor, self._bad_elem)
         if cursor < 0:
-            entry = self._layout.entries[self._bad_tensor[0]]
-            index = int(self._bad_elem[0])
-            raise Unprocessable(
-                f"tensor {entry.spec.name!r} element {index} is {_describe(buffer, self._layout, entry, index)}",
-                code="non_finite",
-            )
+            raise fmt.non_finite(buffer, self._layout, self._layout.entries[self._bad_tensor[0]], int(self._bad_elem[0]))
         self.cursor = cursor
 
 
-def _describe(buffer: Any, layout: Layout, entry: Any, index: int) -> str:
-    dtype = entry.spec.dtype
-    offset = layout.data_start + entry.begin + index * dtype.itemsize
-    raw = np.frombuffer(buffer, dtype.storage, count=1, offset=offset)
-    value = (raw.astype(np.uint32) << 16).view(np.float32)[0] if dtype is BF16 else raw[0]
-    return "NaN" if np.isnan(value) else ("+Inf" if value > 0 else "-Inf")
+def validate(blob: bytes | bytearray | memoryview, spec: ModelSpec | None = None, *, limit: int | None = None) -> Layout:
+    """Full validation of a complete blob: structure, model match and finite floats."""
+    layout = fmt.parse_layout(blob, limit=limit)
+    if spec is not None:
+        fmt.check_matches(layout, spec)
+    FiniteChecker(layout).check(blob, layout.total_size)
+    return layout
 
 
 class TensorTable:

@@ -35,8 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from lifl.autoscaler import names
-from lifl.autoscaler.resources import InvalidAnnotation, ScaleBounds, openfaas_scale_bounds
+from lifl import function_labels
 from lifl.jobs import TENANT_NAME
 
 MAX_STACK_BYTES = 1 << 20  # a stack file, and each environment_file or template.yml it names
@@ -122,8 +121,8 @@ class Function:
     limits: dict[str, str] = field(default_factory=dict)
     requests: dict[str, str] = field(default_factory=dict)
     readonly_root_filesystem: bool = False
-    scale: ScaleBounds = ScaleBounds(names.OPENFAAS_CE_MIN_REPLICAS, names.OPENFAAS_CE_MAX_REPLICAS,
-                                     names.OPENFAAS_CE_MIN_REPLICAS)
+    scale: function_labels.ScaleBounds = function_labels.ScaleBounds(function_labels.OPENFAAS_CE_MIN_REPLICAS, function_labels.OPENFAAS_CE_MAX_REPLICAS,
+                                     function_labels.OPENFAAS_CE_MIN_REPLICAS)
 
 
 @dataclass(frozen=True)
@@ -284,7 +283,7 @@ def _check_function(name: str, raw: Any, stack_dir: Path) -> Function:
         raise StackError(f"{where}.image is required: the gateway deploys an image")
     if any(c.isspace() for c in values["image"]):
         raise StackError(f"{where}.image must be an image reference, got {values['image']!r}")
-    namespace = values["namespace"] or names.OPENFAAS_DEFAULT_NAMESPACE
+    namespace = values["namespace"] or function_labels.OPENFAAS_DEFAULT_NAMESPACE
     if len(namespace) > DNS_LABEL_MAX or not DNS_LABEL.fullmatch(namespace):
         raise StackError(f"{where}.namespace must be a Kubernetes namespace name (a DNS label), got {namespace!r}")
 
@@ -309,19 +308,19 @@ def _check_function(name: str, raw: Any, stack_dir: Path) -> Function:
     if labels.get(PRO_ONLY_ZERO_LABEL) == "true":
         raise StackError(f"{where}.labels.{PRO_ONLY_ZERO_LABEL}: OpenFaaS CE cannot scale to zero")
     try:
-        scale = openfaas_scale_bounds(labels)
-    except InvalidAnnotation as e:
+        scale = function_labels.openfaas_scale_bounds(labels)
+    except function_labels.InvalidAnnotation as e:
         raise StackError(f"{where}.labels: {e}") from None
 
-    tenant = labels.get(names.TENANT_LABEL)
+    tenant = labels.get(function_labels.TENANT_LABEL)
     if tenant is not None:
         if not TENANT_NAME.fullmatch(tenant):
-            raise StackError(f"{where}.labels.{names.TENANT_LABEL} must name a lifl tenant (1-31 lowercase letters, "
+            raise StackError(f"{where}.labels.{function_labels.TENANT_LABEL} must name a lifl tenant (1-31 lowercase letters, "
                              f"digits, '-'), got {tenant!r}")
-        if environment.get(names.TENANT_ENV) != tenant:
-            raise StackError(f"{where}.environment.{names.TENANT_ENV} must be {tenant!r}, the tenant its label names: the "
+        if environment.get(function_labels.TENANT_ENV) != tenant:
+            raise StackError(f"{where}.environment.{function_labels.TENANT_ENV} must be {tenant!r}, the tenant its label names: the "
                              "operator runs the pods as that tenant's user, and the agent takes only that tenant's "
-                             f"instances from them (got {environment.get(names.TENANT_ENV)!r})")
+                             f"instances from them (got {environment.get(function_labels.TENANT_ENV)!r})")
 
     fprocess = values["fprocess"] or _template_fprocess(values["lang"], stack_dir, where)
     return Function(name=name, image=values["image"], namespace=namespace, fprocess=fprocess, environment=environment,

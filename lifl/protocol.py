@@ -373,6 +373,8 @@ class Attach(Message):
     protocol: int = PROTOCOL
 
 
+LEAF, MIDDLE, TOP = "leaf", "middle", "top"  # the roles of a round's aggregation tasks (an Invoke's role)
+ROLES = (LEAF, MIDDLE, TOP)
 QUERY_ROLE = "query"  # an Invoke of this role runs a query (TakeQuery says which), not an aggregation task
 
 

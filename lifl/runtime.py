@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from lifl import format as fmt
-from lifl.channel import KIND_KEY, KIND_PREPARE, KeyEndpoint, KeyMessage, now_ns
-from lifl.channel import attach as attach_channel
+from lifl.keys.factory import attach as attach_channel
+from lifl.keys.record import KIND_KEY, KIND_PREPARE, KeyMessage, now_ns
+from lifl.keys.transport import KeyEndpoint
 from lifl.errors import LiflError
 from lifl.fixedpoint import FixedPoint
 from lifl.protocol import (

@@ -13,7 +13,7 @@ destroys them (``ObjectStore``); other processes map them (``MappingCache``).
   budget it is destroyed. A holder that dies (its process or connection) is released.
 - Nothing leaks: ``close`` unlinks everything, and ``remove_node_objects`` deletes what a
   killed agent left behind (the node supervisor calls it, and every start does).
-- Memory is accounted by ``lifl.node.admission.MemoryLedger``: an object belongs to a job's
+- Memory is accounted by ``lifl.ledger.MemoryLedger``: an object belongs to a job's
   round (working memory, drawn from what the round reserved when its inputs were admitted)
   or is pinned (models and replicas); nothing is created beyond capacity or into memory
   reserved for others.
@@ -37,7 +37,7 @@ from typing import Hashable
 import posix_ipc
 
 from lifl.errors import Internal, LiflError, NotFound, Overloaded
-from lifl.node.admission import JobSizes, MemoryLedger, RoundOf
+from lifl.ledger import JobSizes, MemoryLedger, RoundOf
 
 SHM_DIR = Path("/dev/shm")
 KEY_BYTES = 16

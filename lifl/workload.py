@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-MODELS = ("cnn", "resnet18", "resnet34", "resnet152")
+from lifl.models import MODELS, make_model
+
 LR, BATCH, EPOCHS = 0.01, 32, 1
 
 
@@ -58,30 +59,6 @@ def load_digits_split(n_clients: int, alpha: float, seed: int) -> Digits:
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
     parts = dirichlet_split(y_train, n_clients, alpha, np.random.default_rng(seed))
     return Digits([(x_train[p], y_train[p].astype(np.int64)) for p in parts], (x_test, y_test.astype(np.int64)))
-
-
-def make_model(name: str, seed: int = 0) -> Any:
-    import torch
-    from torch import nn
-
-    torch.manual_seed(seed)
-    if name == "cnn":
-        return nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(32 * 4 * 4, 10),
-        )
-    if name in MODELS:
-        import torchvision
-
-        class Gray3(nn.Module):
-            """ResNets take three channels: repeat the digits' one."""
-
-            def forward(self, x: Any) -> Any:
-                return x.expand(-1, 3, -1, -1)
-
-        return nn.Sequential(Gray3(), getattr(torchvision.models, name)(weights=None, num_classes=10))
-    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
 
 
 def train_local(model: Any, data: tuple[np.ndarray, np.ndarray], rng: np.random.Generator) -> int:

@@ -19,7 +19,7 @@ import pytest
 import redis
 from hypothesis import HealthCheck, settings
 
-from lifl.ebpf import remove_node_channel
+from lifl.keys.ebpf import remove_node_channel
 from lifl.node.agent import Agent, AgentConfig
 from lifl.state import ClusterState
 from k8s.bed import testbed  # noqa: F401,E402 (the k8s suites' module fixture, shared through this conftest)
@@ -210,7 +210,7 @@ class RunningNode:
 
     def grpc_stub(self, token: str | None = OPERATOR_TOKEN):
         """A grpcio stub whose calls carry ``token`` (None: no token)."""
-        from lifl.gateway import lifl_pb2_grpc
+        from lifl.net import lifl_pb2_grpc
 
         channel = grpc.insecure_channel(self.grpc)
         if token is not None:

@@ -15,7 +15,7 @@ SHIM_DIR = Path(__file__).resolve().parent.parent / "templates" / "lifl-aggregat
 sys.path.insert(0, str(SHIM_DIR))
 
 import index  # noqa: E402  (the shim, from its template)
-import lifl.ebpf  # noqa: E402,F401  (the eBPF key endpoint's, imported when it attaches)
+import lifl.keys.ebpf  # noqa: E402,F401  (the eBPF key endpoint's, imported when it attaches)
 
 index.load_handler(Path(os.environ["LIFL_FUNCTION_DIR"]))  # and the handler's imports
 uid, gid = int(sys.argv[1]), int(sys.argv[2])

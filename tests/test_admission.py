@@ -1,4 +1,4 @@
-"""Memory admission (lifl.node.admission): what each admission reserves, fair shares, limits."""
+"""Memory admission (lifl.ledger): what each admission reserves, fair shares, limits."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from lifl import format as fmt
 from lifl.errors import Overloaded
-from lifl.node.admission import (
+from lifl.ledger import (
     PARTIAL, RETRY_AFTER_SECONDS, UPDATE, WANTING_SECONDS, JobSizes, MemoryLedger, RoundOf, round_extra,
 )
 

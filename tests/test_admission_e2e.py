@@ -20,7 +20,8 @@ import pytest
 
 from conftest import OPERATOR_TOKEN, RunningNode, read_response, wait_for
 from lifl import format as fmt
-from lifl.node.admission import JobSizes, round_extra
+from lifl import kernels
+from lifl.ledger import JobSizes, round_extra
 from lifl.node.supervisor import Node, NodeConfig
 from lifl.state import ClusterState
 
@@ -40,7 +41,7 @@ def random_model(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 UPDATE_BYTES = len(fmt.encode(random_model(np.random.default_rng(0))))
 SIZES = JobSizes.of(fmt.parse_layout(fmt.encode(random_model(np.random.default_rng(0)))).spec(), LEAF_FAN_IN)
-# What the k-th update of a round reserves (lifl.node.admission), and the most a round must hold
+# What the k-th update of a round reserves (lifl.ledger), and the most a round must hold
 # at once: its accumulators and model, and the inputs of the leaf taking its last update.
 COSTS = [UPDATE_BYTES + round_extra(SIZES, k + 1, 0) - round_extra(SIZES, k, 0) for k in range(GOAL)]
 ROUND_FLOOR = max(round_extra(SIZES, k + 1, 0) + (k % LEAF_FAN_IN + 1) * UPDATE_BYTES for k in range(GOAL))
@@ -159,7 +160,7 @@ def check_round(node: RunningNode, job: str, version: int, updates: list[tuple[d
     wait_for(lambda: version_of(node, job) > version, what=f"{job} version {version + 1}")
     status, headers, body = node.request("GET", f"/v1/jobs/{job}/model")
     assert status == 200 and headers["X-Lifl-Version"] == str(version + 1)  # no further round: its clients wait for us
-    model = fmt.views(body, fmt.validate(body))["w"]
+    model = fmt.views(body, kernels.validate(body))["w"]
     np.testing.assert_allclose(model, fedavg(updates), rtol=1e-12, atol=1e-12)
 
 

@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
+from lifl import function_labels
 from lifl.autoscaler import names, resources
-from lifl.autoscaler.resources import ScaleBounds
+from lifl.function_labels import ScaleBounds
 
 NOW, LATER = "2026-11-24T00:00:00Z", "2026-11-24T00:01:00Z"
 
@@ -47,7 +48,7 @@ def test_scale_bounds(annotations: dict[str, str], bounds: ScaleBounds) -> None:
     ({names.MIN_SCALE_ANNOTATION: "5", names.MAX_SCALE_ANNOTATION: "4"}, "min-scale (5) exceeds autoscaling.knative.dev/max-scale (4)"),
 ])
 def test_bad_scale_annotations_are_named(annotations: dict[str, str], problem: str) -> None:
-    with pytest.raises(resources.InvalidAnnotation, match=problem.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(function_labels.InvalidAnnotation, match=problem.replace("(", r"\(").replace(")", r"\)")):
         resources.scale_bounds(pa(annotations))
 
 
@@ -60,7 +61,7 @@ def test_bad_scale_annotations_are_named(annotations: dict[str, str], problem: s
     (INITIALIZED, "Reachable", 7, ScaleBounds(0, 0, 1), 7),
     (INITIALIZED, "Reachable", 7, ScaleBounds(0, 5, 1), 5),  # within max-scale
     (INITIALIZED, "Reachable", 1, ScaleBounds(3, 5, 1), 3),  # and min-scale
-    (INITIALIZED, "Reachable", 50_000, ScaleBounds(0, 0, 1), resources.MAX_REPLICAS),
+    (INITIALIZED, "Reachable", 50_000, ScaleBounds(0, 0, 1), function_labels.MAX_REPLICAS),
     (INITIALIZED, "Unreachable", 7, ScaleBounds(3, 5, 1), 0),  # an old revision: nothing
     ({}, "Unreachable", 7, ScaleBounds(3, 5, 1), 0),
 ])
@@ -69,7 +70,7 @@ def test_desired_scale(status: dict[str, Any], reachability: str, planned: int, 
 
 
 @pytest.mark.parametrize("labels, tenant", [
-    ({names.TENANT_LABEL: "acme", names.SERVICE_LABEL: "aggregators"}, "acme"),
+    ({function_labels.TENANT_LABEL: "acme", names.SERVICE_LABEL: "aggregators"}, "acme"),
     ({names.SERVICE_LABEL: "globex"}, "globex"),
     ({}, "acme-00001"),
 ])

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from lifl.channel import (
-    FLAG_PARTIAL, KIND_CLOSE, KINDS, MESSAGE_BYTES, RECORD_FIELDS, KeyMessage, UnixTransport, _RECORD, attach, now_ns, transport,
-)
+from lifl.keys.factory import attach, transport
+from lifl.keys.record import FLAG_PARTIAL, KIND_CLOSE, KINDS, MESSAGE_BYTES, RECORD_FIELDS, KeyMessage, _RECORD, now_ns
+from lifl.keys.unix import UnixTransport
 from lifl.store import Tenant
 
 ACME = Tenant("acme", id=610001)

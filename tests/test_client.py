@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import RunningNode, wait_for
-from lifl import format as fmt
+from lifl import kernels
 from lifl.client import Gateway, Participant, RetryPolicy, from_blob, to_blob
 from lifl.errors import Overloaded
 
@@ -27,7 +27,7 @@ def test_torch_state_dict_round_trip_keeps_dtypes_including_bf16() -> None:
     state = dict(model.state_dict())
     state["half"] = torch.randn(5).to(torch.bfloat16)
     blob = to_blob(state)
-    layout = fmt.validate(blob)
+    layout = kernels.validate(blob)
     assert {e.spec.name: e.spec.dtype.name for e in layout.entries}["half"] == "BF16"
     assert {e.spec.name: e.spec.dtype.name for e in layout.entries}["1.num_batches_tracked"] == "I64"
     back = from_blob(blob, as_torch=True)
@@ -41,7 +41,7 @@ def test_torch_state_dict_round_trip_keeps_dtypes_including_bf16() -> None:
 def test_to_blob_reads_cpu_tensors_in_place() -> None:
     big = torch.ones(1 << 20)
     blob = to_blob({"big": big})
-    assert len(blob) - fmt.validate(blob).data_start == big.numel() * 4
+    assert len(blob) - kernels.validate(blob).data_start == big.numel() * 4
 
 
 @pytest.mark.slow

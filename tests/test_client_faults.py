@@ -27,7 +27,7 @@ import pytest
 from conftest import RunningNode, wait_for
 from lifl import errors
 from lifl.client import NO_RETRY, ConnectionLost, Gateway, Participant, RetryPolicy, to_blob
-from lifl.gateway import lifl_pb2 as pb
+from lifl.net import lifl_pb2 as pb
 
 MODEL = bytes(to_blob({"w": np.zeros(4, np.float32)}))
 UPDATE = bytes(to_blob({"w": np.ones(4, np.float32)}))

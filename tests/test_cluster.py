@@ -30,8 +30,8 @@ from lifl import cli
 from lifl import format as fmt
 from lifl.client import Gateway
 from lifl.control.controller import ControlConfig
-from lifl.gateway.flags import limit_argv
-from lifl.gateway.stream import ConnectionLimits
+from lifl.net.flags import limit_argv
+from lifl.net.limits import ConnectionLimits
 from lifl.node import netns
 from lifl.node.cluster import Cluster, ClusterAddresses, ClusterConfig, node_argv
 

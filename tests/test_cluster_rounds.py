@@ -7,11 +7,12 @@ import threading
 
 import pytest
 
+from lifl.cluster_types import Job, Shard
 from lifl.control.rounds import AbandonRound, CloseAtDeadline, DeclareLost, PlaceTop, duties
 from lifl.jobs import JobSpec
 from lifl.state import (
     ACCEPT_CLOSED_ROUND, ACCEPT_COUNTED, ACCEPT_FENCED, ACCEPT_ROUND_CLOSED, CLOSE_ABANDON, CLOSE_FINAL, RESERVE_FULL,
-    RESERVE_OK, ClusterState, Job, Shard,
+    RESERVE_OK, ClusterState,
 )
 
 SPEC = JobSpec("j", goal=4, round_deadline_s=10.0, min_updates=2)

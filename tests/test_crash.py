@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 from conftest import OPERATOR_TOKEN, auth, wait_for
-from lifl import ebpf
+from lifl.keys import ebpf
 from lifl import format as fmt
 from lifl import procstat
-from lifl.ebpf import PIN_ROOT
-from lifl.gateway import lifl_pb2, lifl_pb2_grpc
+from lifl.keys.ebpf import PIN_ROOT
+from lifl.net import lifl_pb2, lifl_pb2_grpc
 
 pytestmark = pytest.mark.slow
 MODEL = fmt.encode({"w": np.ones((256, 256), np.float32)})

@@ -1,4 +1,4 @@
-"""The eBPF key channel (bpf/keychan.bpf.c through lifl/ebpf.py) on the real kernel: redirects
+"""The eBPF key channel (bpf/keychan.bpf.c through lifl/keys/ebpf.py) on the real kernel: redirects
 into the destination's receive queue, passes everything else to the sender's TCP peer without
 ever breaking the sender, keeps tenants apart, moves routes, and unloads without a trace."""
 
@@ -20,10 +20,13 @@ import numpy as np
 import pytest
 
 from conftest import wait_for
-from lifl import ebpf
+from lifl import kernels
+from lifl.keys import ebpf
 from lifl import format as fmt
 from lifl.bench.channel import WOKEN_MESSAGES, compare
-from lifl.channel import MESSAGE_BYTES, KeyEndpoint, KeyMessage, attach
+from lifl.keys.factory import attach
+from lifl.keys.record import MESSAGE_BYTES, KeyMessage
+from lifl.keys.transport import KeyEndpoint
 from lifl.client import Gateway
 from lifl.node.supervisor import Node, NodeConfig
 from lifl.store import Tenant
@@ -237,7 +240,7 @@ def test_unload_leaves_nothing_pinned_or_attached(built: Path, pin_dir: Path, co
 
 
 def test_a_crashed_runs_pins_are_cleaned_up(built: Path, pin_dir: Path) -> None:
-    crash = "import os, sys; from pathlib import Path; from lifl import ebpf; ebpf.load(Path(sys.argv[1])); os._exit(0)"
+    crash = "import os, sys; from pathlib import Path; from lifl.keys import ebpf; ebpf.load(Path(sys.argv[1])); os._exit(0)"
     subprocess.run([sys.executable, "-c", crash, str(pin_dir)], check=True, timeout=60)
     program = ebpf.program_id(pin_dir)
 
@@ -283,7 +286,7 @@ def test_a_round_through_each_channel_is_exact_and_ebpf_carries_its_keys(
         wait_for(lambda: gw.job("j")["version"] == 1, what="version 1")
         _, blob = gw.model("j")
         expected = sum(i * (i + 1) for i in range(6)) / sum(range(1, 7))
-        assert np.allclose(fmt.views(blob, fmt.validate(blob))["w"], expected, rtol=1e-6)
+        assert np.allclose(fmt.views(blob, kernels.validate(blob))["w"], expected, rtol=1e-6)
         text = gw.metrics()
         if channel == "ebpf":
             assert _metric(text, "lifl_channel_messages_total") >= 6  # the agent's keys and the leaves' results

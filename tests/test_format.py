@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from lifl import format as fmt
 from lifl.errors import BadRequest, LiflError, PayloadTooLarge, Unprocessable
-from lifl.kernels import FiniteChecker
+from lifl.kernels import FiniteChecker, validate
 
 MODEL = {
     "conv.weight": np.arange(24, dtype=np.float32).reshape(2, 3, 4) / 7,
@@ -81,7 +82,7 @@ MALFORMED = [
 @pytest.mark.parametrize("blob,error,code", [c[1:] for c in MALFORMED], ids=[c[0] for c in MALFORMED])
 def test_malformed_blob_is_rejected_with_named_problem(blob: bytes, error: type[LiflError], code: str) -> None:
     with pytest.raises(error) as info:
-        fmt.validate(blob, SPEC, limit=1 << 20)
+        validate(blob, SPEC, limit=1 << 20)
     assert info.value.code == code
     assert info.value.message  # a sentence a user can act on
 
@@ -101,14 +102,21 @@ MISMATCHED = [
 @pytest.mark.parametrize("tensors,code", [c[1:] for c in MISMATCHED], ids=[c[0] for c in MISMATCHED])
 def test_blob_that_does_not_match_the_model_is_unprocessable(tensors: dict, code: str) -> None:
     with pytest.raises(Unprocessable) as info:
-        fmt.validate(fmt.encode(tensors), SPEC)
+        validate(fmt.encode(tensors), SPEC)
     assert info.value.code == code
 
 
+def _check_in_numpy(blob: bytearray) -> None:
+    fmt.check_finite(blob, fmt.parse_layout(blob))
+
+
+@pytest.mark.parametrize("check", [validate, _check_in_numpy], ids=["kernels", "numpy"])
 @pytest.mark.parametrize("dtype", ["F16", "BF16", "F32", "F64"])
 @pytest.mark.parametrize("bad,word", [(np.nan, "NaN"), (np.inf, "+Inf"), (-np.inf, "-Inf")])
-@pytest.mark.parametrize("position", [0, 2345, 2999])  # vectorised bulk and scalar tail
-def test_non_finite_values_are_found_in_every_float_dtype(dtype: str, bad: float, word: str, position: int) -> None:
+@pytest.mark.parametrize("position", [0, 2345, 2999])  # vectorised bulk and scalar tail; numpy: past its first block
+def test_non_finite_values_are_found_in_every_float_dtype(check: Callable[[bytearray], object], dtype: str, bad: float,
+                                                          word: str, position: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fmt, "FINITE_BLOCK", 1000)
     values = np.linspace(-1, 1, 3000).astype(np.float32)
     values[position] = bad
     if dtype == "BF16":
@@ -117,22 +125,27 @@ def test_non_finite_values_are_found_in_every_float_dtype(dtype: str, bad: float
     else:
         blob = fmt.encode({"w": values.astype({"F16": np.float16, "F32": np.float32, "F64": np.float64}[dtype])})
     with pytest.raises(Unprocessable) as info:
-        fmt.validate(blob)
+        check(blob)
     assert info.value.code == "non_finite"
-    assert f"element {position} is {word}" in info.value.message
+    assert info.value.message == f"tensor 'w' element {position} is {word}"
+
+
+def test_the_numpy_check_passes_finite_blobs_and_skips_integer_tensors() -> None:
+    blob = fmt.encode({**MODEL, "n": np.array([np.iinfo(np.int32).max], np.int32)})
+    fmt.check_finite(blob, fmt.parse_layout(blob))
 
 
 def test_size_limit_counts_the_whole_blob() -> None:
     blob = fmt.encode(MODEL)
-    assert fmt.validate(blob, SPEC, limit=len(blob)).total_size == len(blob)
+    assert validate(blob, SPEC, limit=len(blob)).total_size == len(blob)
     with pytest.raises(PayloadTooLarge):
-        fmt.validate(blob, SPEC, limit=len(blob) - 1)
+        validate(blob, SPEC, limit=len(blob) - 1)
 
 
 def test_round_trip_views_are_zero_copy_and_any_tensor_order_is_accepted() -> None:
     reordered = dict(reversed(list(MODEL.items())))
     blob = bytearray(fmt.encode(reordered, {"client": "c1"}))
-    layout = fmt.validate(blob, SPEC)
+    layout = validate(blob, SPEC)
     assert layout.metadata == {"client": "c1"}
     assert layout.data_start % fmt.DATA_ALIGN == 0
     views = fmt.views(blob, layout)

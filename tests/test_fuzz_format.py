@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from fuzzing import mutated
 from lifl import format as fmt
+from lifl import kernels
 from lifl.errors import LiflError
 from lifl.gateway.ingest import BlobSink, LayoutCache
 from lifl.store import MappingCache
@@ -132,7 +133,7 @@ def test_streaming_receiver_agrees_with_whole_blob_validation(blob: bytes, cuts:
         assert refused(e), repr(e)
         streamed = e
     try:
-        whole = fmt.validate(blob, spec, limit=LIMIT)
+        whole = kernels.validate(blob, spec, limit=LIMIT)
         if spec is None and not whole.entries:
             raise LiflError("a model needs a tensor")  # what the model path adds
     except Exception as e:

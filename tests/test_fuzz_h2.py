@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lifl.errors import LiflError
-from lifl.gateway import lifl_pb2 as pb
+from lifl.net import lifl_pb2 as pb
 from lifl.net import h2
 from lifl.net.grpc import MessageReader, chunk_messages
 from test_grpc_limits import MemorySink

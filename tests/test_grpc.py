@@ -13,7 +13,8 @@ import pytest
 
 from conftest import OPERATOR_TOKEN, RunningNode, wait_for
 from lifl import format as fmt
-from lifl.gateway import lifl_pb2 as pb
+from lifl import kernels
+from lifl.net import lifl_pb2 as pb
 from lifl.net import h2
 
 MODEL = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.zeros(4, np.float32)}
@@ -183,7 +184,7 @@ def test_large_model_streams_back_within_flow_control_and_concurrent_uploads_sha
     assert not errors
     wait_for(lambda: s.GetJob(pb.GetJobRequest(job="big")).version == 1, what="version 1")
     data = b"".join(c.data for c in s.GetModel(pb.GetModelRequest(job="big")))
-    got = fmt.views(data, fmt.validate(data))["w"]
+    got = fmt.views(data, kernels.validate(data))["w"]
     ref = sum(u["w"].astype(np.float64) for u in updates) / 6
     assert np.all(np.abs(got - ref) <= 1e-5 * (np.abs(ref) + 1e-3))
 

@@ -16,11 +16,11 @@ import pytest
 from conftest import wait_for
 from lifl.auth import OPERATOR, Principal
 from lifl.errors import Unavailable
-from lifl.gateway import lifl_pb2 as pb
+from lifl.net import lifl_pb2 as pb
 from lifl.gateway.grpc_server import SERVICE, GrpcLimits, GrpcServer
 from lifl.gateway.service import GatewayMetrics
-from lifl.gateway.stream import ConnectionLimits
-from lifl.grpcwire import UploadConnection
+from lifl.net.limits import ConnectionLimits
+from lifl.client.grpcwire import UploadConnection
 from lifl.net import h2
 from lifl.net.grpc import GRPC_STATUS, chunk_messages, message_prefix
 from lifl.store import MappingCache

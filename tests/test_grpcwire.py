@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from lifl.errors import BadRequest, Conflict, Overloaded, Unavailable
-from lifl.gateway import lifl_pb2 as pb
-from lifl.grpcwire import GRPC_STATUS, GrpcStatusError, UploadConnection, chunk_messages
+from lifl.net import lifl_pb2 as pb
+from lifl.client.grpcwire import GRPC_STATUS, GrpcStatusError, UploadConnection, chunk_messages
 from lifl.net.grpc import call_result, message_prefix, status_trailers
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from conftest import OPERATOR_TOKEN, RunningNode, wait_for
 from lifl import format as fmt
+from lifl import kernels
 from lifl.auth import OPERATOR, Principal
 
 MODEL = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.zeros(4, np.float32)}
@@ -167,7 +168,7 @@ def test_job_and_model_lifecycle_contract(node: RunningNode) -> None:
     assert node.json("PUT", "/v1/jobs/j/model", fmt.encode(MODEL))[1]["error"]["code"] == "model_exists"
     status, headers, body = node.request("GET", "/v1/jobs/j/model")
     assert (status, headers["X-Lifl-Version"]) == (200, "0")
-    np.testing.assert_array_equal(fmt.views(body, fmt.validate(body))["w"], MODEL["w"])
+    np.testing.assert_array_equal(fmt.views(body, kernels.validate(body))["w"], MODEL["w"])
     assert node.json("GET", "/v1/jobs")[1] == {"jobs": ["j"]}
     assert node.json("DELETE", "/v1/jobs/j")[0] == 405
     assert node.json("GET", "/v1/nothing")[1]["error"]["code"] == "not_found"

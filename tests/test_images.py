@@ -132,7 +132,7 @@ def test_node_image_has_lifl_redis_bpftool_and_the_bpf_object(first_build: str) 
     assert "bpftool v" in run_in(NODE, "bpftool", "version")
     assert run_in(NODE, "sh", "-c", "for c in kopf redis-cli; do command -v $c; done").splitlines() == [
         "/opt/lifl/venv/bin/kopf", "/usr/bin/redis-cli"]
-    located = run_in(NODE, "sh", "-c", 'test -s "$LIFL_BPF_OBJECT" && python3 -c "from lifl import ebpf; print(ebpf.OBJECT)"')
+    located = run_in(NODE, "sh", "-c", 'test -s "$LIFL_BPF_OBJECT" && python3 -c "from lifl.keys import ebpf; print(ebpf.OBJECT)"')
     assert located == "/opt/lifl/bpf/keychan.bpf.o"
     assert run_in(NODE, "id", "-u") == "0"  # the node agent needs root in its pod
 

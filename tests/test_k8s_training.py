@@ -24,6 +24,7 @@ import pytest
 from conftest import OPERATOR_TOKEN, wait_for
 from k8s.bed import REAL_NODE, ROOT, Background, get, inside, kubectl, maybe
 from lifl import demo
+from lifl import function_labels
 from lifl.autoscaler import names
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.root,
@@ -57,7 +58,7 @@ def ready(pod: dict[str, Any] | None) -> bool:
 
 
 def function_pods() -> list[dict[str, Any]]:
-    return get("pods", "-n", NAMESPACE, "-l", f"{names.TENANT_LABEL}={TENANT}")["items"]
+    return get("pods", "-n", NAMESPACE, "-l", f"{function_labels.TENANT_LABEL}={TENANT}")["items"]
 
 
 def function_status(pod: dict[str, Any]) -> dict[str, Any]:
@@ -172,7 +173,7 @@ def test_function_pods_get_the_nodes_memory_and_the_tenants_identity_and_attach(
 
     # a namespace not granted to the tenant gets no pod of it
     refused = inside("kubectl", "run", "intruder", "-n", "default", "--image=dev.local/lifl/aggregator:0.1.0",
-                     f"--labels={names.TENANT_LABEL}={TENANT}", "--restart=Never")
+                     f"--labels={function_labels.TENANT_LABEL}={TENANT}", "--restart=Never")
     assert refused.returncode != 0 and "not granted to tenant" in refused.stderr, refused.stderr
 
 

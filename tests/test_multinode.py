@@ -17,6 +17,7 @@ import pytest
 
 from conftest import wait_for
 from lifl import format as fmt
+from lifl import kernels
 from lifl.client import Gateway, Participant
 from lifl.node import netns
 from lifl.node.cluster import Cluster, ClusterAddresses, ClusterConfig
@@ -81,7 +82,7 @@ class Clients:
 
     def model_on(self, node: str) -> tuple[int, np.ndarray]:
         version, blob = self.gw[node].model(self.job)
-        return version, fmt.views(blob, fmt.validate(blob))["w"]
+        return version, fmt.views(blob, kernels.validate(blob))["w"]
 
 
 def metric(gw: Gateway, name: str) -> float:

@@ -9,7 +9,8 @@ import pytest
 
 from conftest import RunningNode, wait_for
 from lifl import format as fmt
-from lifl.gateway import lifl_pb2 as pb
+from lifl import kernels
+from lifl.net import lifl_pb2 as pb
 
 SHAPES = {"conv1.weight": (64, 3, 7, 7), "fc.weight": (10, 512), "fc.bias": (10,), "bn.running_mean": (64,)}
 
@@ -61,7 +62,7 @@ def test_twenty_updates_over_http_and_grpc_aggregate_into_version_one(node: Runn
     wait_for(lambda: node.json("GET", "/v1/jobs/resnet")[1]["version"] == 1, what="version 1")
     status, headers, body = node.request("GET", "/v1/jobs/resnet/model")
     assert status == 200 and headers["X-Lifl-Version"] == "1"
-    got = fmt.views(body, fmt.validate(body))
+    got = fmt.views(body, kernels.validate(body))
     total = sum(samples)
     for name in SHAPES:
         ref = sum(u[name].astype(np.float64) * c for u, c in zip(updates, samples)) / total

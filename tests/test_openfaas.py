@@ -36,8 +36,9 @@ from openapi_schema_validator import OAS30Validator
 from openapi_spec_validator import validate as validate_api_document
 
 from lifl import openfaas
+from lifl import function_labels
 from lifl.autoscaler import handlers, names, resources
-from lifl.autoscaler.resources import ScaleBounds
+from lifl.function_labels import ScaleBounds
 from lifl.cli import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,10 +79,10 @@ def test_stack_yml_is_what_lifl_needs() -> None:
     stack = openfaas.read_stack(STACK)
     (function,) = stack.functions
     assert function.name == FUNCTION and function.image == "dev.local/lifl/aggregator:0.1.0"
-    assert function.labels[names.TENANT_LABEL] == function.environment["LIFL_TENANT"] == "acme"
+    assert function.labels[function_labels.TENANT_LABEL] == function.environment["LIFL_TENANT"] == "acme"
     assert function.environment["LIFL_AGENT_SOCKET"] == names.AGENT_SOCKET
-    assert function.scale == ScaleBounds(1, names.OPENFAAS_CE_MAX_REPLICAS, 1)
-    assert function.namespace == names.OPENFAAS_DEFAULT_NAMESPACE and not function.constraints
+    assert function.scale == ScaleBounds(1, function_labels.OPENFAAS_CE_MAX_REPLICAS, 1)
+    assert function.namespace == function_labels.OPENFAAS_DEFAULT_NAMESPACE and not function.constraints
     template = openfaas.load_yaml((REPO / "templates/lifl-aggregator/template.yml").read_text(), "template.yml")
     assert function.fprocess == template["fprocess"]  # taken from the template, as faas-cli does
 
@@ -203,19 +204,19 @@ MALFORMED: list[tuple[str, str, str | None, str]] = [
      "configuration.templates must be a list of {name, source}"),
     ("not a mapping", "- a\n- b\n", "is not of type 'object'", "a stack file must be a mapping"),
     # what faas-cli's format allows and OpenFaaS CE or lifl do not
-    ("more than CE's 5 replicas", edit(set_in(*F, "labels", names.OPENFAAS_MAX_SCALE_LABEL, "7")), None,
+    ("more than CE's 5 replicas", edit(set_in(*F, "labels", function_labels.OPENFAAS_MAX_SCALE_LABEL, "7")), None,
      "com.openfaas.scale.max must be between 1 and 5 (OpenFaaS CE runs that many replicas of a function, never zero), got 7"),
-    ("a minimum of zero", edit(set_in(*F, "labels", names.OPENFAAS_MIN_SCALE_LABEL, "0")), None,
+    ("a minimum of zero", edit(set_in(*F, "labels", function_labels.OPENFAAS_MIN_SCALE_LABEL, "0")), None,
      "com.openfaas.scale.min must be between 1 and 5"),
     ("a minimum above the maximum", edit(lambda d: function_of(d)["labels"].update(
-        {names.OPENFAAS_MIN_SCALE_LABEL: "3", names.OPENFAAS_MAX_SCALE_LABEL: "2"})), None,
+        {function_labels.OPENFAAS_MIN_SCALE_LABEL: "3", function_labels.OPENFAAS_MAX_SCALE_LABEL: "2"})), None,
      "com.openfaas.scale.min (3) exceeds com.openfaas.scale.max (2)"),
-    ("a minimum that is no count", edit(set_in(*F, "labels", names.OPENFAAS_MIN_SCALE_LABEL, "two")), None,
+    ("a minimum that is no count", edit(set_in(*F, "labels", function_labels.OPENFAAS_MIN_SCALE_LABEL, "two")), None,
      "com.openfaas.scale.min must be a whole number of pods, got 'two'"),
     ("scale to zero", edit(set_in(*F, "labels", "com.openfaas.scale.zero", "true")), None, "OpenFaaS CE cannot scale to zero"),
     ("a Pro scaling label", edit(set_in(*F, "labels", "com.openfaas.scale.target", "50")), None,
      "com.openfaas.scale.target: only OpenFaaS Pro has it"),
-    ("a tenant that is no lifl tenant", edit(set_in(*F, "labels", names.TENANT_LABEL, "Acme")), None,
+    ("a tenant that is no lifl tenant", edit(set_in(*F, "labels", function_labels.TENANT_LABEL, "Acme")), None,
      "labels.lifl.dev/tenant must name a lifl tenant"),
     ("LIFL_TENANT is another tenant", edit(set_in(*F, "environment", "LIFL_TENANT", "globex")), None,
      f"functions.{FUNCTION}.environment.LIFL_TENANT must be 'acme', the tenant its label names"),
@@ -443,7 +444,7 @@ class StandIn:
             service = body["service"]
             if (body.get("namespace") or CE_DEFAULT_NAMESPACE) != CE_DEFAULT_NAMESPACE:
                 return 400, f"namespace must be: {CE_DEFAULT_NAMESPACE}".encode()
-            minimum = int((body.get("labels") or {}).get(names.OPENFAAS_MIN_SCALE_LABEL, "0") or 0)
+            minimum = int((body.get("labels") or {}).get(function_labels.OPENFAAS_MIN_SCALE_LABEL, "0") or 0)
             if method == "PUT":
                 if service not in self.functions:
                     return 404, f'unable update Deployment: {service}.{CE_DEFAULT_NAMESPACE}, error: deployments.apps "{service}" not found'.encode()
@@ -462,7 +463,7 @@ class StandIn:
             if name not in self.functions:
                 return 404, f"function {name} not found".encode()
             # the gateway's scaling handler clamps to CE's range before faas-netes sees it
-            self.replicas[name] = min(max(body["replicas"], 1), names.OPENFAAS_CE_MAX_REPLICAS)
+            self.replicas[name] = min(max(body["replicas"], 1), function_labels.OPENFAAS_CE_MAX_REPLICAS)
             return 202, b""
         if template == "/system/function/{functionName}":
             name = params["functionName"]
@@ -630,7 +631,7 @@ def test_an_update_is_done_on_200_or_202(gateway: StandIn, status: int) -> None:
 
 def test_scale_follows_the_stacks_minimum(gateway: StandIn, tmp_path: Path) -> None:
     path = tmp_path / "stack.yml"
-    path.write_text(edit(set_in(*F, "labels", names.OPENFAAS_MIN_SCALE_LABEL, "3")))
+    path.write_text(edit(set_in(*F, "labels", function_labels.OPENFAAS_MIN_SCALE_LABEL, "3")))
     (function,) = openfaas.read_stack(path).functions
     assert openfaas.deploy(client(gateway), function) == "created"
     assert gateway.requests[-1].body["replicas"] == 3 and gateway.replicas[FUNCTION] == 3
@@ -786,8 +787,8 @@ def faas_netes_deployment(name: str = FUNCTION, tenant: str | None = "acme", nam
                           extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
     """A function's Deployment as faas-netes makes it (pkg/handlers/deploy.go, with SetNonRootUser and
     readOnlyRootFilesystem), as the API server returns it."""
-    labels = {names.FAAS_FUNCTION_LABEL: name, names.OPENFAAS_MIN_SCALE_LABEL: "1", names.OPENFAAS_MAX_SCALE_LABEL: "5",
-              **({names.TENANT_LABEL: tenant} if tenant else {}), **(extra_labels or {})}
+    labels = {names.FAAS_FUNCTION_LABEL: name, function_labels.OPENFAAS_MIN_SCALE_LABEL: "1", function_labels.OPENFAAS_MAX_SCALE_LABEL: "5",
+              **({function_labels.TENANT_LABEL: tenant} if tenant else {}), **(extra_labels or {})}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {"name": name, "namespace": namespace, "labels": {names.FAAS_FUNCTION_LABEL: name},
@@ -825,28 +826,28 @@ def test_a_bad_tenant_label_is_named() -> None:
 
 @pytest.mark.parametrize("labels, bounds", [
     ({}, ScaleBounds(1, 5, 1)),  # CE's own defaults
-    ({names.OPENFAAS_MIN_SCALE_LABEL: "2", names.OPENFAAS_MAX_SCALE_LABEL: "4"}, ScaleBounds(2, 4, 2)),
-    ({names.OPENFAAS_MIN_SCALE_LABEL: "5", names.OPENFAAS_MAX_SCALE_LABEL: "5"}, ScaleBounds(5, 5, 5)),  # at CE's limit
+    ({function_labels.OPENFAAS_MIN_SCALE_LABEL: "2", function_labels.OPENFAAS_MAX_SCALE_LABEL: "4"}, ScaleBounds(2, 4, 2)),
+    ({function_labels.OPENFAAS_MIN_SCALE_LABEL: "5", function_labels.OPENFAAS_MAX_SCALE_LABEL: "5"}, ScaleBounds(5, 5, 5)),  # at CE's limit
 ])
 def test_openfaas_scale_bounds(labels: dict[str, str], bounds: ScaleBounds) -> None:
-    assert resources.openfaas_scale_bounds(labels) == bounds
+    assert function_labels.openfaas_scale_bounds(labels) == bounds
 
 
 @pytest.mark.parametrize("labels, problem", [
-    ({names.OPENFAAS_MAX_SCALE_LABEL: "6"}, "com.openfaas.scale.max must be between 1 and 5"),  # past CE's limit
-    ({names.OPENFAAS_MIN_SCALE_LABEL: "0"}, "com.openfaas.scale.min must be between 1 and 5"),
-    ({names.OPENFAAS_MIN_SCALE_LABEL: "a lot"}, "com.openfaas.scale.min must be a whole number of pods"),
-    ({names.OPENFAAS_MIN_SCALE_LABEL: "4", names.OPENFAAS_MAX_SCALE_LABEL: "3"}, r"com.openfaas.scale.min \(4\) exceeds"),
+    ({function_labels.OPENFAAS_MAX_SCALE_LABEL: "6"}, "com.openfaas.scale.max must be between 1 and 5"),  # past CE's limit
+    ({function_labels.OPENFAAS_MIN_SCALE_LABEL: "0"}, "com.openfaas.scale.min must be between 1 and 5"),
+    ({function_labels.OPENFAAS_MIN_SCALE_LABEL: "a lot"}, "com.openfaas.scale.min must be a whole number of pods"),
+    ({function_labels.OPENFAAS_MIN_SCALE_LABEL: "4", function_labels.OPENFAAS_MAX_SCALE_LABEL: "3"}, r"com.openfaas.scale.min \(4\) exceeds"),
 ])
 def test_bad_openfaas_scale_labels_are_named(labels: dict[str, str], problem: str) -> None:
-    with pytest.raises(resources.InvalidAnnotation, match=problem):
-        resources.openfaas_scale_bounds(labels)
+    with pytest.raises(function_labels.InvalidAnnotation, match=problem):
+        function_labels.openfaas_scale_bounds(labels)
 
 
 @pytest.mark.parametrize("demand, desired", [(0, 1), (1, 1), (3, 3), (5, 5), (6, 5), (40, 5)])
 def test_function_replicas_follow_the_plan_within_ce(demand: int, desired: int) -> None:
     """CE has no scale to zero (an idle tenant keeps a warm pod) and no more than 5 replicas."""
-    assert resources.openfaas_scale_bounds({}).clamp(demand) == desired
+    assert function_labels.openfaas_scale_bounds({}).clamp(demand) == desired
 
 
 @pytest.mark.parametrize("deployment, ours", [

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import RunningNode, auth, wait_for
 from lifl import format as fmt
-from lifl.gateway import lifl_pb2 as pb
+from lifl.net import lifl_pb2 as pb
 
 SHAPES = {"conv.weight": (16, 3, 3, 3), "fc.weight": (10, 64), "fc.bias": (10,)}
 CLIENTS = 4
@@ -250,7 +250,8 @@ def test_retained_updates_give_way_to_the_next_rounds_when_memory_is_short(start
 def test_inference_with_a_retained_version_matches_torch(node: RunningNode) -> None:
     torch = pytest.importorskip("torch")
     from lifl.client import to_blob
-    from lifl.workload import load_digits_split, make_model
+    from lifl.models import make_model
+    from lifl.workload import load_digits_split
 
     model = make_model("cnn", seed=3)
     status, reply = node.json("POST", "/v1/jobs", {"job": "inf", "goal": 1, "architecture": "cnn",

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import wait_for
 from lifl import format as fmt
+from lifl import kernels
 from lifl.client import Gateway
 from test_crash import Up
 
@@ -43,7 +44,7 @@ def test_restart_after_kill_resumes_from_the_last_version(shm_node: str, run_dir
         push_round(gw, 3, [5.0, 7.0])  # clients carry on from version 3
         wait_for(lambda: gw.job("j")["version"] == 4, what="version 4")
         version, blob = gw.model("j")
-        assert version == 4 and fmt.views(blob, fmt.validate(blob))["w"][0] == pytest.approx(6.0)
+        assert version == 4 and fmt.views(blob, kernels.validate(blob))["w"][0] == pytest.approx(6.0)
         history = gw.rounds("j")
         assert [(r["outcome"], r["version"], r["new_version"]) for r in history] == [
             ("complete", 0, 1), ("complete", 1, 2), ("complete", 2, 3), ("interrupted", 3, None), ("complete", 3, 4)]

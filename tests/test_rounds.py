@@ -11,6 +11,7 @@ import pytest
 
 from conftest import OPERATOR_TOKEN, RunningNode, read_response, wait_for
 from lifl import format as fmt
+from lifl import kernels
 from lifl.client import Gateway
 from lifl.errors import Conflict, NotFound
 
@@ -38,7 +39,7 @@ def job(node: RunningNode, name: str, goal: int, **options) -> Gateway:
 
 def model_value(gw: Gateway, name: str) -> tuple[int, float]:
     version, blob = gw.model(name)
-    return version, float(fmt.views(blob, fmt.validate(blob))["w"][0, 0])
+    return version, float(fmt.views(blob, kernels.validate(blob))["w"][0, 0])
 
 
 def closed_after_its_deadline(summary: dict) -> bool:

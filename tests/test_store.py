@@ -7,7 +7,7 @@ import os
 import pytest
 
 from lifl.errors import Internal, NotFound, Overloaded
-from lifl.node.admission import UPDATE, JobSizes, RoundOf
+from lifl.ledger import UPDATE, JobSizes, RoundOf
 from lifl.store import SHM_DIR, SEALED_MODE, WRITING_MODE, MappingCache, ObjectStore, Tenant, object_name, remove_node_objects
 
 T = Tenant("acme")

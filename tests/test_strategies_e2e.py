@@ -13,6 +13,7 @@ import pytest
 
 from conftest import RunningNode, wait_for
 from lifl import format as fmt
+from lifl import kernels
 from lifl.client import Gateway
 from lifl.errors import BadRequest, Conflict, Unprocessable
 from lifl.strategy import StepInputs, StrategySpec, Update, state_spec, step
@@ -29,7 +30,7 @@ def tensors(rng: np.random.Generator, scale: float = 1.0) -> dict[str, np.ndarra
 
 def model(gw: Gateway, job: str) -> tuple[int, dict[str, np.ndarray]]:
     version, blob = gw.model(job)
-    return version, {k: np.array(v) for k, v in fmt.views(blob, fmt.validate(blob)).items()}
+    return version, {k: np.array(v) for k, v in fmt.views(blob, kernels.validate(blob)).items()}
 
 
 class Reference:

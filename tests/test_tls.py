@@ -28,7 +28,8 @@ from conftest import OPERATOR_TOKEN, wait_for
 from lifl import errors
 from lifl import format as fmt
 from lifl.client import NO_RETRY, ClientTls, ConnectionLost, Gateway
-from lifl.gateway.stream import ConnectionLimits, ThreadedServer
+from lifl.gateway.stream import ThreadedServer
+from lifl.net.limits import ConnectionLimits
 from lifl.net.io import sendmsg_all
 from lifl.net.tls import ALPN_H2, ALPN_HTTP, ServerTls, TlsSocket
 
@@ -477,7 +478,7 @@ def _model_or_none(gw: Gateway, job: str) -> tuple[int, bytes] | None:
 def test_tls_flags_pass_from_lifl_up_to_the_gateway(pki: Pki) -> None:
     import argparse
 
-    from lifl.gateway.flags import add_tls_arguments, tls_argv, tls_from
+    from lifl.net.flags import add_tls_arguments, tls_argv, tls_from
 
     parser = argparse.ArgumentParser()
     add_tls_arguments(parser)
@@ -493,7 +494,7 @@ def test_tls_flags_pass_from_lifl_up_to_the_gateway(pki: Pki) -> None:
 
 
 def test_without_tls_one_line_says_traffic_is_unencrypted() -> None:
-    from lifl.gateway.flags import plaintext_warning
+    from lifl.net.flags import plaintext_warning
 
     assert "unencrypted (loopback only)" in plaintext_warning("127.0.0.1:8080", "[::1]:50051")
     exposed = plaintext_warning("0.0.0.0:8080", "127.0.0.1:50051")

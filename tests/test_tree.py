@@ -7,7 +7,7 @@ import pytest
 from lifl.node.tree import (
     OPEN, Cancel, Deliver, Drop, Forward, Input, Install, NotTheTop, Release, Resize, Start, Trees,
 )
-from lifl.state import Shard
+from lifl.cluster_types import Shard
 
 
 def key(n: int) -> bytes:

@@ -16,12 +16,12 @@ import time
 from typing import Any
 
 from lifl import format as fmt
-from lifl.channel import KIND_CLOSE, KIND_PREPARE, now_ns
-from lifl.control.planner import TOP
+from lifl.keys.record import KIND_CLOSE, KIND_PREPARE, now_ns
 from lifl.fedavg import Contribution, StreamingFedAvg, average_into
-from lifl.fixedpoint import FixedPoint, read_bound, write_bound
+from lifl.fixedpoint import FixedPoint, partial_spec, read_bound, write_bound
 from lifl.errors import NotFound
 from lifl.kernels import TensorTable, Tensors
+from lifl.protocol import TOP
 from lifl.functions.aggregator import top
 from lifl.runtime import Context, Invocation
 
@@ -43,7 +43,7 @@ def _spec_headers(spec: fmt.ModelSpec, fixed_point: FixedPoint | None) -> tuple[
     """(model header, partial-sum header) for a job's model."""
     hit = _headers.get((id(spec), fixed_point))
     if hit is None or hit[0] is not spec:
-        hit = _headers[(id(spec), fixed_point)] = (spec, fmt.spec_header(spec), fmt.spec_header(spec.partial(fixed_point)))
+        hit = _headers[(id(spec), fixed_point)] = (spec, fmt.spec_header(spec), fmt.spec_header(partial_spec(spec, fixed_point)))
     return hit[1], hit[2]
 
 
@@ -55,7 +55,7 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
     spec = inv.spec
     fixed_point = inv.fixed_point
     model_header, partial_header = _spec_headers(spec, fixed_point)
-    partial_bytes = spec.partial(fixed_point).data_bytes
+    partial_bytes = partial_spec(spec, fixed_point).data_bytes
     agg = StreamingFedAvg(inv.fan_in or None, fixed_point)
     delivery_us: list[float] = []  # sent -> the message in hand (the channel, and waking up)
     handoff_us: list[float] = []  # sent -> a readable view of the object (delivery, then mapping it)
@@ -141,7 +141,7 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
                 average_into(out, total, fixed_point)
 
             key, state, report = result.token, b"", None
-            if inv.strategy.name != "fedavg":  # lifl.strategy: the sum is one of the step's inputs
+            if inv.strategy.runs_step:  # lifl.strategy: the sum is one of the step's inputs
                 key, state, report = top.run_step(inv, ctx, result, model_header, write_mean)
             elif result.partial:  # a single client update needs no averaging: it is the model
                 key, mm = ctx.accumulator(inv, model_header, spec.data_bytes)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from lifl import format as fmt
-from lifl.channel import KIND_CLOSE, KIND_PREPARE, KeyMessage
+from lifl.keys.record import KIND_CLOSE, KIND_PREPARE, KeyMessage
 from lifl.errors import NotFound
 from lifl.runtime import Context, Invocation
 

@@ -21,7 +21,7 @@ import re
 import threading
 from typing import Any, Protocol
 
-from lifl import format as fmt
+from lifl import kernels
 from lifl.baselines import httpd
 from lifl.baselines.aggregate import Input
 from lifl.baselines.broker import UPDATES, Broker
@@ -86,7 +86,7 @@ class Frontend:
     def push(self, job: str, headers: Any, body: bytearray) -> dict[str, Any]:
         samples = _integer(headers, "X-Lifl-Samples", 1, MAX_SAMPLES)
         base = _integer(headers, "X-Lifl-Base-Version", 0, 1 << 62)
-        fmt.validate(body, self.jobs.spec(job), limit=MAX_UPDATE_BYTES)
+        kernels.validate(body, self.jobs.spec(job), limit=MAX_UPDATE_BYTES)
         _, version = self.jobs.take_slot(job, base)
         self.sink.put(job, version, Input(body, samples, 1, False))
         return {"version": version}

@@ -21,6 +21,7 @@ from typing import Any
 import redis
 
 from lifl import format as fmt
+from lifl import kernels
 from lifl.errors import BadRequest, Conflict, NotFound
 from lifl.state import RESERVE_FULL, RESERVE_NO_JOB, RESERVE_NO_MODEL, RESERVE_STALE, refusal
 
@@ -115,7 +116,7 @@ class Jobs:
     def set_model(self, job: str, blob: bytes | bytearray | memoryview) -> int:
         """The initial model (version 0)."""
         status = self.status(job)
-        layout = fmt.validate(blob)
+        layout = kernels.validate(blob)
         if status.version >= 0 or not self.redis.hsetnx(job_key(job), "spec", json.dumps(layout.spec().to_json())):
             raise Conflict(f"job {job!r} already has a model", code="model_exists")
         self.redis.set(model_key(job), bytes(blob))

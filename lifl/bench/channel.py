@@ -1,7 +1,7 @@
 """One-way latency of a 64-byte key message between two processes, per transport.
 
 - ``ebpf``: TCP sockets in the eBPF key channel's sockhash; the SK_MSG verdict redirects each
-  message into the receiver's queue (lifl/ebpf.py; needs root and the built object);
+  message into the receiver's queue (lifl/keys/ebpf.py; needs root and the built object);
 - ``tcp``: the same bytes over a plain loopback TCP connection (TCP_NODELAY);
 - ``unix``: AF_UNIX datagram sockets bound to paths, each message addressed, as ``UnixTransport`` sends.
 
@@ -38,8 +38,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from lifl import ebpf
-from lifl.channel import KIND_ACK, MESSAGE_BYTES, KeyMessage, now_ns
+from lifl.keys import ebpf
+from lifl.keys.record import KIND_ACK, MESSAGE_BYTES, KeyMessage, now_ns
 
 TRANSPORTS = ("ebpf", "tcp", "unix")
 SENDER_ID, RECEIVER_ID, BENCH_TENANT = 1, 2, 1

@@ -67,8 +67,8 @@ from lifl.baselines.serverful import TopClient
 from lifl.baselines.system import SYSTEMS, BaselineConfig, BaselineSystem
 from lifl.bench.dataplane import MODELS, make_blob, synthetic_shapes
 from lifl.bench.fljob import JOB, JobSetup, run_job
-from lifl.workload import MODELS as MODELS_FL
-from lifl.channel import KeyMessage, now_ns
+from lifl.models import MODELS as MODELS_FL
+from lifl.keys.record import KeyMessage, now_ns
 from lifl.client import Gateway, to_blob
 from lifl.node.supervisor import Node, NodeConfig
 from lifl.state import ClusterState

@@ -62,7 +62,7 @@ import posix_ipc
 from lifl import format as fmt
 from lifl.bench.channel import PLACEMENTS, WOKEN_IDLE_S, channel_latency
 from lifl.client import Gateway
-from lifl.fixedpoint import FixedPoint
+from lifl.fixedpoint import FixedPoint, partial_spec
 from lifl.kernels import Tensors, finalize, fold
 from lifl.net.tls import ALPN_HTTP, ClientTls, ServerTls
 from lifl.node.supervisor import Node, NodeConfig
@@ -175,7 +175,7 @@ class Bench:
         self.grpc = Gateway(self.addresses.grpc, protocol="grpc", token=self.node.operator_token)
         import grpc
 
-        from lifl.gateway import lifl_pb2, lifl_pb2_grpc
+        from lifl.net import lifl_pb2, lifl_pb2_grpc
 
         self._pb = lifl_pb2
         self._channel = grpc.insecure_channel(self.addresses.grpc)
@@ -467,7 +467,7 @@ def fixed_point_figures(first: bytes, second: bytes, reps: int, weights: tuple[i
     as_f64 = fmt.ModelSpec(tuple(fmt.TensorSpec(t.name, fmt.F64 if t.dtype.kind == "f" else t.dtype, t.shape) for t in spec.tensors))
 
     def run(fp: FixedPoint | None) -> tuple[float, np.ndarray]:
-        partial = spec.partial(fp)
+        partial = partial_spec(spec, fp)
         header = fmt.spec_header(partial)
         acc_buf = ShmBuffer(len(header) + partial.data_bytes)
         acc_buf.array[: len(header)] = np.frombuffer(header, np.uint8)

@@ -24,7 +24,8 @@ from typing import Any
 
 
 from lifl.errors import Conflict
-from lifl.workload import MODELS, evaluate, load_digits_split, make_model, client_turn, slot_clients, train_local, wait_ready, worker_shares
+from lifl.models import MODELS, make_model
+from lifl.workload import evaluate, load_digits_split, client_turn, slot_clients, train_local, wait_ready, worker_shares
 
 JOB = "digits"
 SAMPLE_INTERVAL_S = 0.5

@@ -60,7 +60,7 @@ from lifl import format as fmt
 from lifl import procstat
 from lifl.procs import stop_process
 from lifl.errors import BadRequest, NotFound
-from lifl.workload import MODELS
+from lifl.models import MODELS
 
 SYSTEMS = ("lifl", "objstore", "cache")
 BASELINES = SYSTEMS[1:]
@@ -119,7 +119,7 @@ def make_round(model: str, clients: int, seed: int = SEED) -> RoundBlobs:
     direction plus its own noise (seeded); the last outliers are scaled up or sign-flipped.
     Integer tensors (BatchNorm's counters) stay as they are."""
     from lifl.client import to_blob
-    from lifl.workload import make_model
+    from lifl.models import make_model
 
     state = {name: t.detach().numpy() for name, t in make_model(model, seed).state_dict().items()}
     shared, *own_seeds = np.random.SeedSequence(seed).spawn(clients + 1)  # independent streams

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from lifl import format as fmt
-from lifl.gateway import lifl_pb2 as pb
+from lifl.net import lifl_pb2 as pb
 from lifl.net import h2
 from lifl.net.grpc import chunk_messages
 from lifl.net.io import take_views

@@ -22,7 +22,7 @@ import sys
 
 import hpack
 
-from lifl.gateway import lifl_pb2 as pb
+from lifl.net import lifl_pb2 as pb
 from lifl.net import h2
 from lifl.net.grpc import message_prefix
 

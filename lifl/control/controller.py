@@ -16,8 +16,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+from lifl.cluster_types import NO_MODEL
 from lifl.control.planner import BESTFIT, DEFAULT_ALPHA, POLICIES, Counters, Estimate, estimate, plan_warm
-from lifl.state import NO_MODEL, ClusterState
+from lifl.state import ClusterState
 
 DEFAULT_CAPACITY = 20.0  # MC_i of a node `lifl calibrate` has not measured (the paper's testbed value)
 

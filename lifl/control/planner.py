@@ -19,9 +19,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from itertools import groupby
 
-LEAF, MIDDLE, TOP = "leaf", "middle", "top"
-ROLES = (LEAF, MIDDLE, TOP)
-
 DEFAULT_ALPHA = 0.7
 """The paper's EWMA coefficient (§5.2): weight of the previous queue estimate."""
 

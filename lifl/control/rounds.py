@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Set
 from dataclasses import dataclass
 
+from lifl.cluster_types import NO_MODEL, Job, Shard
 from lifl.control.planner import choose_top
-from lifl.state import NO_MODEL, Job, Shard
 
 
 @dataclass(frozen=True)

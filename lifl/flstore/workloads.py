@@ -32,7 +32,7 @@ import numpy as np
 
 from lifl.errors import BadRequest
 from lifl.params import REQUIRED, Checks, Param, optional, show
-from lifl.workload import MODELS, make_model
+from lifl.models import MODELS, make_model
 
 T = TypeVar("T")
 

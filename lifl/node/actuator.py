@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from lifl.channel import KeyTransport
+from lifl.keys.transport import KeyTransport
 from lifl.store import Tenant
 
 STOP_GRACE = 3.0  # seconds an instance has to exit once its control connection is closed

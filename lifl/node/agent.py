@@ -11,7 +11,7 @@ touches it. The pure parts, each tested with tables:
   starts and scale to zero (LIFL §5.3: warm instances take any role);
 - ``lifl.node.uploads``: blobs being received and updates in flight;
 - ``lifl.node.installs``: checkpoints written again after a failure, partial results sent again;
-- ``lifl.node.admission``: the memory that aggregating what was admitted needs;
+- ``lifl.ledger``: the memory that aggregating what was admitted needs;
 - ``lifl.control.rounds`` and ``lifl.control.planner``: cluster-wide round duties, the plan.
 
 The hot path works in batches: what arrives while a Redis call for a job is in flight goes in
@@ -53,7 +53,8 @@ from typing import Any
 
 from lifl import checkpoints
 from lifl import format as fmt
-from lifl.channel import CHANNELS, KeyMessage, now_ns, transport
+from lifl import kernels
+from lifl.cluster_types import NO_MODEL, Job, Shard
 from lifl.control import rounds as cluster_rounds
 from lifl.control.controller import Controller, ControlConfig
 from lifl.errors import (
@@ -61,10 +62,12 @@ from lifl.errors import (
 )
 from lifl.flstore.retention import MODEL, Held, RetentionPolicy, checkpoints_kept, in_memory, round_queryable, version_queryable
 from lifl.jobs import TENANT_NAME, JobSpec
+from lifl.keys.factory import CHANNELS, transport
+from lifl.keys.record import KeyMessage, now_ns
+from lifl.ledger import PARTIAL, UPDATE, JobSizes, RoundOf
 from lifl.net.loop import SLOW_POOL, Loop
 from lifl.node import installs, tasks, tree, uploads
 from lifl.node.actuator import ACTUATORS, Actuator, ClusterPods, LocalProcesses
-from lifl.node.admission import PARTIAL, UPDATE, JobSizes, RoundOf
 from lifl.node.metrics import Metrics
 from lifl.node.privilege import attach_refusal, current, peer_identity
 from lifl.node.retention import Retainer, query_holder, update_blob
@@ -76,7 +79,7 @@ from lifl.protocol import (
     Query, Ready, Release, Route, StrategyInputs, Submit, SubmitPartial, Submitted, TakeQuery, Text, Welcome, decode,
 )
 from lifl.rpc import MessageStream, error_reply, reply_frame
-from lifl.state import ACCEPT_CLOSED_ROUND, NO_MODEL, RESERVE_OK, ClusterState, Job, Shard, accept_refusal, refusal
+from lifl.state import ACCEPT_CLOSED_ROUND, RESERVE_OK, ClusterState, accept_refusal, refusal
 from lifl.store import SHM_DIR, ObjectStore, Segment, Tenant, remove_node_objects
 from lifl.strategy import privacy, strategy_bytes
 
@@ -130,7 +133,7 @@ class AgentConfig:
     lazy: bool = False  # aggregate only once every input arrived (a baseline; lifl is eager, §5.4)
     control: ControlConfig = field(default_factory=ControlConfig)
     socket_group: int | None = None  # may connect too (the gateway's, when it runs as the service user)
-    channel: str = "auto"  # the key transport (lifl.channel.CHANNELS)
+    channel: str = "auto"  # the key transport (lifl.keys.factory.CHANNELS)
     functions: str = "processes"  # who starts function instances (lifl.node.actuator.ACTUATORS)
     retain_budget: int = 0  # shared-memory bytes each tenant may keep for queries; 0: half the capacity
 
@@ -581,7 +584,7 @@ class Agent:
             print(f"lifl agent: job {name!r} resumed at version {latest} from its checkpoint", file=sys.stderr)
 
     def _blob_object(self, run: JobRun, blob: bytes, holder: Hashable, *, model: bool = True) -> Segment:
-        layout = fmt.validate(blob, run.model_spec if model else None)
+        layout = kernels.validate(blob, run.model_spec if model else None)
         seg = self.store.create(run.tenant, layout.total_size, holder, affinity="gateway")
         os.pwrite(seg.fd, blob, 0)
         self.store.seal(seg.key)

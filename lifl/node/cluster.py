@@ -34,15 +34,15 @@ from urllib.parse import urlsplit
 import redis
 
 from lifl.control.controller import ControlConfig
-from lifl.gateway.flags import limit_argv, tls_argv
-from lifl.gateway.stream import ConnectionLimits
+from lifl.net.flags import limit_argv, tls_argv
+from lifl.net.limits import ConnectionLimits
 from lifl.net.tls import ServerTls
 from lifl.node import netns, operator_token
 from lifl.node.agent import agent_argv
 from lifl.node.privilege import current, popen_as, prepare_data_dir, secure_checkpoints, service_identity
 from lifl.node.supervisor import NodeConfig, default_data_dir, default_run_dir, default_shm_capacity, embedded_redis_argv
 from lifl.procs import die_with_parent, on_signals
-from lifl.ebpf import remove_node_channel
+from lifl.keys.ebpf import remove_node_channel
 from lifl.store import remove_node_objects
 
 MAX_NODES = 200

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from lifl.node.admission import MemoryLedger
+from lifl.ledger import MemoryLedger
 
 
 @dataclass

@@ -34,8 +34,8 @@ import redis
 
 from lifl import procstat
 from lifl.control.controller import ControlConfig
-from lifl.gateway.flags import limit_argv, plaintext_warning, tls_argv
-from lifl.gateway.stream import ConnectionLimits
+from lifl.net.flags import limit_argv, plaintext_warning, tls_argv
+from lifl.net.limits import ConnectionLimits
 from lifl.net.tls import ServerTls
 from lifl.node import operator_token
 from lifl.node.agent import agent_argv
@@ -43,7 +43,7 @@ from lifl.node.privilege import (
     Identity, can_connect, current, make_private_tree, popen_as, prepare_data_dir, secure_checkpoints, service_identity,
 )
 from lifl.procs import die_with_parent, on_signals, stop_process
-from lifl.ebpf import remove_node_channel
+from lifl.keys.ebpf import remove_node_channel
 from lifl.store import SHM_DIR, remove_node_objects
 
 RESTART_BACKOFF = (0.2, 0.5, 1.0, 2.0, 5.0)
@@ -83,13 +83,13 @@ class NodeConfig:
     checkpoints: str = ""  # "" = a directory under data_dir; see lifl.checkpoints
     reuse: bool = True  # see lifl.node.agent.AgentConfig
     lazy: bool = False
-    channel: str = "auto"  # the key transport (lifl.channel.CHANNELS)
+    channel: str = "auto"  # the key transport (lifl.keys.factory.CHANNELS)
     functions: str = "processes"  # who starts function instances (lifl.node.actuator.ACTUATORS)
     retain_budget: int = 0  # shared-memory bytes a tenant may keep for queries (0: half the capacity)
     control: ControlConfig = field(default_factory=ControlConfig)
     gateway_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     open_metrics: bool = False  # GET /metrics without a token
-    tls: ServerTls | None = None  # None: plain TCP (see gateway.flags.plaintext_warning)
+    tls: ServerTls | None = None  # None: plain TCP (see lifl.net.flags.plaintext_warning)
     service_user: str | None = None  # who the gateway and embedded redis run as (see privilege.service_identity)
     operator_token: str | None = None  # None: $LIFL_OPERATOR_TOKEN, operator_token_file or DATA_DIR's (operator_token.resolve)
     operator_token_file: Path | None = None

@@ -28,12 +28,12 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from lifl.channel import KIND_CLOSE, KeyMessage
-from lifl.control.planner import ROLES, InstanceView, expired, pick_warm
+from lifl.control.planner import InstanceView, expired, pick_warm
+from lifl.keys.record import KIND_CLOSE, KeyMessage
 from lifl.node.tree import OPEN, Task
+from lifl.protocol import LEAF, MIDDLE, QUERY_ROLE, ROLES
 
 MAX_TASK_ATTEMPTS = 3  # runs of one task (the first and two re-runs) before its round is abandoned
-QUERY = "query"  # the role of a query's run (lifl.protocol.QUERY_ROLE)
 
 
 @dataclass(eq=False)
@@ -398,11 +398,11 @@ class Board:
 
     def _parent(self, task: Task, tasks: dict[int, Task]) -> tuple[int, int]:
         """A leaf's middle, if it runs already: the leaf sends its result's key there itself."""
-        if task.role != "leaf":
+        if task.role != LEAF:
             return 0, 0
         for other, instance in self.placed.items():
             t = self.running.get(other)
-            if t is not None and t.role == "middle" and (t.job, t.round) == (task.job, task.round):
+            if t is not None and t.role == MIDDLE and (t.job, t.round) == (task.job, task.round):
                 return instance, other
         return 0, 0
 
@@ -471,8 +471,8 @@ class Board:
 
     def counts(self, tasks: dict[int, Task]) -> dict[str, int]:
         """Instances by what they do: a role, a query, or idle."""
-        out = dict.fromkeys((*ROLES, QUERY, "idle"), 0)
+        out = dict.fromkeys((*ROLES, QUERY_ROLE, "idle"), 0)
         for w in self.workers.values():
             task = tasks.get(w.task) if w.task is not None else None
-            out[task.role if task else QUERY if w.task in self.queries else "idle"] += 1
+            out[task.role if task else QUERY_ROLE if w.task in self.queries else "idle"] += 1
         return out

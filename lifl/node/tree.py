@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lifl.control.planner import LEAF, MIDDLE, TOP
-from lifl.state import Shard
+from lifl.cluster_types import Shard
+from lifl.protocol import LEAF, MIDDLE, TOP
 
 OPEN = 0  # a fan-in not known yet (it becomes known when the round closes)
 

@@ -23,7 +23,7 @@ def state_model_spec(strategy: StrategySpec, spec: fmt.ModelSpec) -> fmt.ModelSp
 
 def strategy_bytes(strategy: StrategySpec, spec: fmt.ModelSpec) -> int:
     """Shared memory a step allocates besides the model: the mean and the state (fedavg: none)."""
-    if strategy.name == "fedavg":
+    if not strategy.runs_step:
         return 0
     objects = [mean_spec(spec), state_model_spec(strategy, spec)]
     return sum(len(fmt.spec_header(o)) + o.data_bytes for o in objects if o is not None)

@@ -33,7 +33,7 @@ def _accountant() -> type:
 
 def privacy(spec: StrategySpec, rounds: int) -> dict[str, float]:
     """{"epsilon": ..., "delta": ...} spent after ``rounds`` rounds of a dp_fedavg spec."""
-    if spec.name != "dp_fedavg":
+    if not spec.spends_privacy:
         raise ValueError(f"strategy {spec.name} spends no privacy budget")
     if rounds < 0:
         raise ValueError(f"rounds must be at least 0, got {rounds}")

@@ -42,7 +42,7 @@ BIG = {"w": (512, 512)}  # 1 MiB updates for the shared-memory round
 GOAL = 4  # updates per round of the small job; its pushers alternate HTTP and gRPC
 BIG_GOAL = 8
 # A round of BIG_GOAL 1 MiB updates needs at most 15 MiB at once (its inputs, float64 accumulators
-# and next model: lifl.node.admission), all of its updates arriving at once 21 MiB.
+# and next model: lifl.ledger), all of its updates arriving at once 21 MiB.
 SHM_LIMIT = "17m"
 DISK = 4 << 20  # the checkpoint file system
 PUSH_DEADLINE = 120.0  # seconds a pusher keeps trying through a fault

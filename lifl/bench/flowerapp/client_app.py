@@ -18,7 +18,8 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from lifl.workload import make_model, train_local
+from lifl.models import make_model
+from lifl.workload import train_local
 
 torch.set_num_threads(1)
 

@@ -27,7 +27,8 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
 from lifl.flower import LiflFedAvg
-from lifl.workload import evaluate, make_model
+from lifl.models import make_model
+from lifl.workload import evaluate
 
 torch.set_num_threads(1)  # like the clients: the machine's cores are shared by every process
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from lifl.gateway import lifl_pb2 as lifl_dot_gateway_dot_lifl__pb2
+from lifl.net import lifl_pb2 as lifl_dot_net_dot_lifl__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in lifl/gateway/lifl_pb2_grpc.py depends on'
+        + ' but the generated code in lifl/net/lifl_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,88 +36,88 @@ class GatewayStub:
         """
         self.CreateJob = channel.unary_unary(
                 '/lifl.v1.Gateway/CreateJob',
-                request_serializer=lifl_dot_gateway_dot_lifl__pb2.CreateJobRequest.SerializeToString,
-                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.JobStatus.FromString,
+                request_serializer=lifl_dot_net_dot_lifl__pb2.CreateJobRequest.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.JobStatus.FromString,
                 _registered_method=True)
         self.ListJobs = channel.unary_unary(
                 '/lifl.v1.Gateway/ListJobs',
-                request_serializer=lifl_dot_gateway_dot_lifl__pb2.ListJobsRequest.SerializeToString,
-                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.JobList.FromString,
+                request_serializer=lifl_dot_net_dot_lifl__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.JobList.FromString,
                 _registered_method=True)
         self.GetJob = channel.unary_unary(
                 '/lifl.v1.Gateway/GetJob',
-                request_serializer=lifl_dot_gateway_dot_lifl__pb2.GetJobRequest.SerializeToString,
-                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.JobStatus.FromString,
+                request_serializer=lifl_dot_net_dot_lifl__pb2.GetJobRequest.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.JobStatus.FromString,
                 _registered_method=True)
         self.SetModel = channel.stream_unary(
                 '/lifl.v1.Gateway/SetModel',
-                request_serializer=lifl_dot_gateway_dot_lifl__pb2.ModelChunk.SerializeToString,
-                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.SetModelReply.FromString,
+                request_serializer=lifl_dot_net_dot_lifl__pb2.ModelChunk.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.SetModelReply.FromString,
                 _registered_method=True)
         self.GetModel = channel.unary_stream(
                 '/lifl.v1.Gateway/GetModel',
-                request_serializer=lifl_dot_gateway_dot_lifl__pb2.GetModelRequest.SerializeToString,
-                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.ModelChunk.FromString,
+                request_serializer=lifl_dot_net_dot_lifl__pb2.GetModelRequest.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.ModelChunk.FromString,
                 _registered_method=True)
         self.PushUpdate = channel.stream_unary(
                 '/lifl.v1.Gateway/PushUpdate',
-                request_serializer=lifl_dot_gateway_dot_lifl__pb2.UpdateChunk.SerializeToString,
-                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.PushUpdateReply.FromString,
+                request_serializer=lifl_dot_net_dot_lifl__pb2.UpdateChunk.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.PushUpdateReply.FromString,
                 _registered_method=True)
         self.TakeLease = channel.unary_unary(
                 '/lifl.v1.Gateway/TakeLease',
-                request_serializer=lifl_dot_gateway_dot_lifl__pb2.TakeLeaseRequest.SerializeToString,
-                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.Lease.FromString,
+                request_serializer=lifl_dot_net_dot_lifl__pb2.TakeLeaseRequest.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.Lease.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/lifl.v1.Gateway/Heartbeat',
-                request_serializer=lifl_dot_gateway_dot_lifl__pb2.LeaseRequest.SerializeToString,
-                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.Lease.FromString,
+                request_serializer=lifl_dot_net_dot_lifl__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.Lease.FromString,
                 _registered_method=True)
         self.ReleaseLease = channel.unary_unary(
                 '/lifl.v1.Gateway/ReleaseLease',
-                request_serializer=lifl_dot_gateway_dot_lifl__pb2.LeaseRequest.SerializeToString,
-                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.Lease.FromString,
+                request_serializer=lifl_dot_net_dot_lifl__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.Lease.FromString,
                 _registered_method=True)
         self.GetRounds = channel.unary_unary(
                 '/lifl.v1.Gateway/GetRounds',
-                request_serializer=lifl_dot_gateway_dot_lifl__pb2.GetRoundsRequest.SerializeToString,
-                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.Rounds.FromString,
+                request_serializer=lifl_dot_net_dot_lifl__pb2.GetRoundsRequest.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.Rounds.FromString,
                 _registered_method=True)
         self.GetAssignment = channel.unary_unary(
                 '/lifl.v1.Gateway/GetAssignment',
-                request_serializer=lifl_dot_gateway_dot_lifl__pb2.AssignmentRequest.SerializeToString,
-                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.Assignment.FromString,
+                request_serializer=lifl_dot_net_dot_lifl__pb2.AssignmentRequest.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.Assignment.FromString,
                 _registered_method=True)
         self.CreateToken = channel.unary_unary(
                 '/lifl.v1.Gateway/CreateToken',
-                request_serializer=lifl_dot_gateway_dot_lifl__pb2.CreateTokenRequest.SerializeToString,
-                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.Token.FromString,
+                request_serializer=lifl_dot_net_dot_lifl__pb2.CreateTokenRequest.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.Token.FromString,
                 _registered_method=True)
         self.ListTokens = channel.unary_unary(
                 '/lifl.v1.Gateway/ListTokens',
-                request_serializer=lifl_dot_gateway_dot_lifl__pb2.ListTokensRequest.SerializeToString,
-                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.TokenList.FromString,
+                request_serializer=lifl_dot_net_dot_lifl__pb2.ListTokensRequest.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.TokenList.FromString,
                 _registered_method=True)
         self.RevokeToken = channel.unary_unary(
                 '/lifl.v1.Gateway/RevokeToken',
-                request_serializer=lifl_dot_gateway_dot_lifl__pb2.RevokeTokenRequest.SerializeToString,
-                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.RevokeTokenReply.FromString,
+                request_serializer=lifl_dot_net_dot_lifl__pb2.RevokeTokenRequest.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.RevokeTokenReply.FromString,
                 _registered_method=True)
         self.Query = channel.unary_unary(
                 '/lifl.v1.Gateway/Query',
-                request_serializer=lifl_dot_gateway_dot_lifl__pb2.QueryRequest.SerializeToString,
-                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.JsonReply.FromString,
+                request_serializer=lifl_dot_net_dot_lifl__pb2.QueryRequest.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.JsonReply.FromString,
                 _registered_method=True)
         self.GetRetention = channel.unary_unary(
                 '/lifl.v1.Gateway/GetRetention',
-                request_serializer=lifl_dot_gateway_dot_lifl__pb2.GetRetentionRequest.SerializeToString,
-                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.JsonReply.FromString,
+                request_serializer=lifl_dot_net_dot_lifl__pb2.GetRetentionRequest.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.JsonReply.FromString,
                 _registered_method=True)
         self.SetRetention = channel.unary_unary(
                 '/lifl.v1.Gateway/SetRetention',
-                request_serializer=lifl_dot_gateway_dot_lifl__pb2.SetRetentionRequest.SerializeToString,
-                response_deserializer=lifl_dot_gateway_dot_lifl__pb2.JsonReply.FromString,
+                request_serializer=lifl_dot_net_dot_lifl__pb2.SetRetentionRequest.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.JsonReply.FromString,
                 _registered_method=True)
 
 
@@ -239,88 +239,88 @@ def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'CreateJob': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateJob,
-                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.CreateJobRequest.FromString,
-                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.JobStatus.SerializeToString,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.CreateJobRequest.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.JobStatus.SerializeToString,
             ),
             'ListJobs': grpc.unary_unary_rpc_method_handler(
                     servicer.ListJobs,
-                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.ListJobsRequest.FromString,
-                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.JobList.SerializeToString,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.ListJobsRequest.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.JobList.SerializeToString,
             ),
             'GetJob': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJob,
-                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.GetJobRequest.FromString,
-                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.JobStatus.SerializeToString,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.GetJobRequest.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.JobStatus.SerializeToString,
             ),
             'SetModel': grpc.stream_unary_rpc_method_handler(
                     servicer.SetModel,
-                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.ModelChunk.FromString,
-                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.SetModelReply.SerializeToString,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.ModelChunk.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.SetModelReply.SerializeToString,
             ),
             'GetModel': grpc.unary_stream_rpc_method_handler(
                     servicer.GetModel,
-                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.GetModelRequest.FromString,
-                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.ModelChunk.SerializeToString,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.GetModelRequest.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.ModelChunk.SerializeToString,
             ),
             'PushUpdate': grpc.stream_unary_rpc_method_handler(
                     servicer.PushUpdate,
-                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.UpdateChunk.FromString,
-                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.PushUpdateReply.SerializeToString,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.UpdateChunk.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.PushUpdateReply.SerializeToString,
             ),
             'TakeLease': grpc.unary_unary_rpc_method_handler(
                     servicer.TakeLease,
-                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.TakeLeaseRequest.FromString,
-                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.Lease.SerializeToString,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.TakeLeaseRequest.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.Lease.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.LeaseRequest.FromString,
-                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.Lease.SerializeToString,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.LeaseRequest.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.Lease.SerializeToString,
             ),
             'ReleaseLease': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseLease,
-                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.LeaseRequest.FromString,
-                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.Lease.SerializeToString,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.LeaseRequest.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.Lease.SerializeToString,
             ),
             'GetRounds': grpc.unary_unary_rpc_method_handler(
                     servicer.GetRounds,
-                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.GetRoundsRequest.FromString,
-                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.Rounds.SerializeToString,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.GetRoundsRequest.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.Rounds.SerializeToString,
             ),
             'GetAssignment': grpc.unary_unary_rpc_method_handler(
                     servicer.GetAssignment,
-                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.AssignmentRequest.FromString,
-                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.Assignment.SerializeToString,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.AssignmentRequest.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.Assignment.SerializeToString,
             ),
             'CreateToken': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateToken,
-                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.CreateTokenRequest.FromString,
-                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.Token.SerializeToString,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.CreateTokenRequest.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.Token.SerializeToString,
             ),
             'ListTokens': grpc.unary_unary_rpc_method_handler(
                     servicer.ListTokens,
-                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.ListTokensRequest.FromString,
-                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.TokenList.SerializeToString,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.ListTokensRequest.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.TokenList.SerializeToString,
             ),
             'RevokeToken': grpc.unary_unary_rpc_method_handler(
                     servicer.RevokeToken,
-                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.RevokeTokenRequest.FromString,
-                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.RevokeTokenReply.SerializeToString,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.RevokeTokenRequest.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.RevokeTokenReply.SerializeToString,
             ),
             'Query': grpc.unary_unary_rpc_method_handler(
                     servicer.Query,
-                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.QueryRequest.FromString,
-                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.JsonReply.SerializeToString,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.QueryRequest.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.JsonReply.SerializeToString,
             ),
             'GetRetention': grpc.unary_unary_rpc_method_handler(
                     servicer.GetRetention,
-                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.GetRetentionRequest.FromString,
-                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.JsonReply.SerializeToString,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.GetRetentionRequest.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.JsonReply.SerializeToString,
             ),
             'SetRetention': grpc.unary_unary_rpc_method_handler(
                     servicer.SetRetention,
-                    request_deserializer=lifl_dot_gateway_dot_lifl__pb2.SetRetentionRequest.FromString,
-                    response_serializer=lifl_dot_gateway_dot_lifl__pb2.JsonReply.SerializeToString,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.SetRetentionRequest.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.JsonReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -348,8 +348,8 @@ class Gateway:
             request,
             target,
             '/lifl.v1.Gateway/CreateJob',
-            lifl_dot_gateway_dot_lifl__pb2.CreateJobRequest.SerializeToString,
-            lifl_dot_gateway_dot_lifl__pb2.JobStatus.FromString,
+            lifl_dot_net_dot_lifl__pb2.CreateJobRequest.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.JobStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -375,8 +375,8 @@ class Gateway:
             request,
             target,
             '/lifl.v1.Gateway/ListJobs',
-            lifl_dot_gateway_dot_lifl__pb2.ListJobsRequest.SerializeToString,
-            lifl_dot_gateway_dot_lifl__pb2.JobList.FromString,
+            lifl_dot_net_dot_lifl__pb2.ListJobsRequest.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.JobList.FromString,
             options,
             channel_credentials,
             insecure,
@@ -402,8 +402,8 @@ class Gateway:
             request,
             target,
             '/lifl.v1.Gateway/GetJob',
-            lifl_dot_gateway_dot_lifl__pb2.GetJobRequest.SerializeToString,
-            lifl_dot_gateway_dot_lifl__pb2.JobStatus.FromString,
+            lifl_dot_net_dot_lifl__pb2.GetJobRequest.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.JobStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -429,8 +429,8 @@ class Gateway:
             request_iterator,
             target,
             '/lifl.v1.Gateway/SetModel',
-            lifl_dot_gateway_dot_lifl__pb2.ModelChunk.SerializeToString,
-            lifl_dot_gateway_dot_lifl__pb2.SetModelReply.FromString,
+            lifl_dot_net_dot_lifl__pb2.ModelChunk.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.SetModelReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -456,8 +456,8 @@ class Gateway:
             request,
             target,
             '/lifl.v1.Gateway/GetModel',
-            lifl_dot_gateway_dot_lifl__pb2.GetModelRequest.SerializeToString,
-            lifl_dot_gateway_dot_lifl__pb2.ModelChunk.FromString,
+            lifl_dot_net_dot_lifl__pb2.GetModelRequest.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.ModelChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -483,8 +483,8 @@ class Gateway:
             request_iterator,
             target,
             '/lifl.v1.Gateway/PushUpdate',
-            lifl_dot_gateway_dot_lifl__pb2.UpdateChunk.SerializeToString,
-            lifl_dot_gateway_dot_lifl__pb2.PushUpdateReply.FromString,
+            lifl_dot_net_dot_lifl__pb2.UpdateChunk.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.PushUpdateReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -510,8 +510,8 @@ class Gateway:
             request,
             target,
             '/lifl.v1.Gateway/TakeLease',
-            lifl_dot_gateway_dot_lifl__pb2.TakeLeaseRequest.SerializeToString,
-            lifl_dot_gateway_dot_lifl__pb2.Lease.FromString,
+            lifl_dot_net_dot_lifl__pb2.TakeLeaseRequest.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.Lease.FromString,
             options,
             channel_credentials,
             insecure,
@@ -537,8 +537,8 @@ class Gateway:
             request,
             target,
             '/lifl.v1.Gateway/Heartbeat',
-            lifl_dot_gateway_dot_lifl__pb2.LeaseRequest.SerializeToString,
-            lifl_dot_gateway_dot_lifl__pb2.Lease.FromString,
+            lifl_dot_net_dot_lifl__pb2.LeaseRequest.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.Lease.FromString,
             options,
             channel_credentials,
             insecure,
@@ -564,8 +564,8 @@ class Gateway:
             request,
             target,
             '/lifl.v1.Gateway/ReleaseLease',
-            lifl_dot_gateway_dot_lifl__pb2.LeaseRequest.SerializeToString,
-            lifl_dot_gateway_dot_lifl__pb2.Lease.FromString,
+            lifl_dot_net_dot_lifl__pb2.LeaseRequest.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.Lease.FromString,
             options,
             channel_credentials,
             insecure,
@@ -591,8 +591,8 @@ class Gateway:
             request,
             target,
             '/lifl.v1.Gateway/GetRounds',
-            lifl_dot_gateway_dot_lifl__pb2.GetRoundsRequest.SerializeToString,
-            lifl_dot_gateway_dot_lifl__pb2.Rounds.FromString,
+            lifl_dot_net_dot_lifl__pb2.GetRoundsRequest.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.Rounds.FromString,
             options,
             channel_credentials,
             insecure,
@@ -618,8 +618,8 @@ class Gateway:
             request,
             target,
             '/lifl.v1.Gateway/GetAssignment',
-            lifl_dot_gateway_dot_lifl__pb2.AssignmentRequest.SerializeToString,
-            lifl_dot_gateway_dot_lifl__pb2.Assignment.FromString,
+            lifl_dot_net_dot_lifl__pb2.AssignmentRequest.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.Assignment.FromString,
             options,
             channel_credentials,
             insecure,
@@ -645,8 +645,8 @@ class Gateway:
             request,
             target,
             '/lifl.v1.Gateway/CreateToken',
-            lifl_dot_gateway_dot_lifl__pb2.CreateTokenRequest.SerializeToString,
-            lifl_dot_gateway_dot_lifl__pb2.Token.FromString,
+            lifl_dot_net_dot_lifl__pb2.CreateTokenRequest.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.Token.FromString,
             options,
             channel_credentials,
             insecure,
@@ -672,8 +672,8 @@ class Gateway:
             request,
             target,
             '/lifl.v1.Gateway/ListTokens',
-            lifl_dot_gateway_dot_lifl__pb2.ListTokensRequest.SerializeToString,
-            lifl_dot_gateway_dot_lifl__pb2.TokenList.FromString,
+            lifl_dot_net_dot_lifl__pb2.ListTokensRequest.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.TokenList.FromString,
             options,
             channel_credentials,
             insecure,
@@ -699,8 +699,8 @@ class Gateway:
             request,
             target,
             '/lifl.v1.Gateway/RevokeToken',
-            lifl_dot_gateway_dot_lifl__pb2.RevokeTokenRequest.SerializeToString,
-            lifl_dot_gateway_dot_lifl__pb2.RevokeTokenReply.FromString,
+            lifl_dot_net_dot_lifl__pb2.RevokeTokenRequest.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.RevokeTokenReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -726,8 +726,8 @@ class Gateway:
             request,
             target,
             '/lifl.v1.Gateway/Query',
-            lifl_dot_gateway_dot_lifl__pb2.QueryRequest.SerializeToString,
-            lifl_dot_gateway_dot_lifl__pb2.JsonReply.FromString,
+            lifl_dot_net_dot_lifl__pb2.QueryRequest.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.JsonReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -753,8 +753,8 @@ class Gateway:
             request,
             target,
             '/lifl.v1.Gateway/GetRetention',
-            lifl_dot_gateway_dot_lifl__pb2.GetRetentionRequest.SerializeToString,
-            lifl_dot_gateway_dot_lifl__pb2.JsonReply.FromString,
+            lifl_dot_net_dot_lifl__pb2.GetRetentionRequest.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.JsonReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -780,8 +780,8 @@ class Gateway:
             request,
             target,
             '/lifl.v1.Gateway/SetRetention',
-            lifl_dot_gateway_dot_lifl__pb2.SetRetentionRequest.SerializeToString,
-            lifl_dot_gateway_dot_lifl__pb2.JsonReply.FromString,
+            lifl_dot_net_dot_lifl__pb2.SetRetentionRequest.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.JsonReply.FromString,
             options,
             channel_credentials,
             insecure,

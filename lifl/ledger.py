@@ -35,6 +35,7 @@ has for jobs at all is told so (``shm_too_small``) instead of being asked to ret
 
 Refusals are ``Overloaded`` (HTTP 503 with Retry-After, gRPC RESOURCE_EXHAUSTED) with codes
 ``shm_too_small``, ``fair_share`` and ``shm_exhausted``. Pure: no I/O, the clock is an argument.
+The object store (``lifl.store``) keeps a node's ledger and creates objects through it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from lifl import format as fmt
-from lifl.fixedpoint import FixedPoint
+from lifl.fixedpoint import FixedPoint, partial_spec
 from lifl.errors import Overloaded
 
 WANTING_SECONDS = 5.0  # a refused job counts for the fair shares this long (longer than its Retry-After)
@@ -74,7 +75,7 @@ class JobSizes:
         """The objects the aggregator function allocates (``functions/aggregator/handler``);
         ``strategy_bytes``: what a strategy step allocates besides the model (``functions/aggregator/top``);
         ``fixed_point``: partial sums are integers (``lifl.fixedpoint``)."""
-        partial = spec.partial(fixed_point)
+        partial = partial_spec(spec, fixed_point)
         return cls(len(fmt.spec_header(partial)) + partial.data_bytes,
                    len(fmt.spec_header(spec)) + spec.data_bytes + strategy_bytes, leaf_fan_in)
 

@@ -8,10 +8,10 @@ import ipaddress
 import os
 import ssl
 
-from lifl.gateway.stream import ConnectionLimits
+from lifl.net.limits import ConnectionLimits
 from lifl.net.tls import ALPN_H2, ALPN_HTTP, ServerTls
 
-# flag -> (ConnectionLimits field, type, help); the defaults are ConnectionLimits' (gateway/stream.py)
+# flag -> (ConnectionLimits field, type, help); the defaults are ConnectionLimits' (lifl.net.limits)
 LIMIT_FLAGS: dict[str, tuple[str, type, str]] = {
     "--idle-timeout": ("idle_timeout", float, "seconds a connection may wait for its next request"),
     "--head-timeout": ("head_timeout", float, "seconds from a request's first byte to the end of its head"),

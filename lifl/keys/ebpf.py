@@ -46,10 +46,10 @@ from typing import NamedTuple
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from lifl.channel import AGENT_ID, KIND_ACK, MESSAGE_BYTES, KeyMessage, stamped
+from lifl.keys.record import AGENT_ID, KIND_ACK, MESSAGE_BYTES, KeyMessage, stamped
 from lifl.store import Tenant
 
-BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"  # in a source checkout (make builds it)
+BPF_DIR = Path(__file__).resolve().parents[2] / "bpf"  # in a source checkout (make builds it)
 # An installed lifl (the node image) has no source checkout: LIFL_BPF_OBJECT names the object.
 OBJECT = Path(os.environ.get("LIFL_BPF_OBJECT") or BPF_DIR / "keychan.bpf.o")
 BPFFS = Path("/sys/fs/bpf")
@@ -275,7 +275,7 @@ class KeyMaps:
         for name, shape in expected.items():
             actual = _map_shape(self._fds[name])
             if actual != shape:
-                raise EbpfError(f"map {name} is (key, value, entries) {actual}, lifl/ebpf.py expects {shape}: "
+                raise EbpfError(f"map {name} is (key, value, entries) {actual}, lifl/keys/ebpf.py expects {shape}: "
                                 "rebuild bpf/ and update the mirrors")
 
     @staticmethod
@@ -446,7 +446,7 @@ def wait_unloaded(program: int, timeout_s: float) -> bool:
         time.sleep(0.01)  # polling a condition with a deadline, not a sleep as synchronisation
 
 
-# --- the transport (lifl.channel.KeyTransport) ------------------------------------------------
+# --- the transport (lifl.keys.transport.KeyTransport) ------------------------------------
 
 AGENT_SENDER_BASE = 1 << 31  # the agent's sending sockets' ids: instance ids stay below
 CAP_NET_ADMIN, CAP_BPF = 12, 39  # capability numbers (linux/capability.h)

@@ -1,24 +1,14 @@
-"""The lifl client SDK (docs/client.md): talk to a gateway over HTTP or gRPC, convert models to
-and from the update format, and take part in synchronous FL rounds.
+"""One client connection to a gateway (``Gateway``), over HTTP or gRPC, and how its calls are
+retried (``RetryPolicy``): errors come back as the ``LiflError`` subclasses the gateway raised;
+what is safe to retry is retried with bounded exponential back-off, never sooner than the
+gateway's Retry-After (docs/client.md, "Faults").
 
-- ``Gateway`` wraps one connection. Blobs are sent without extra copies: over HTTP the body
-  is written straight from the caller's buffer, and over gRPC the HTTP/2 frames point into it
-  too (``lifl.grpcwire``; other calls use grpcio). Errors come
-  back as the ``LiflError`` subclasses the gateway raised, with code, message and ``version``.
-  Calls survive faults: a broken connection is replaced, and what is safe to retry is retried
-  with bounded exponential back-off, never sooner than the gateway's Retry-After
-  (``RetryPolicy``; the rules are in docs/client.md, "Faults").
-- ``to_blob`` / ``from_blob`` convert torch ``state_dict``s and dicts of numpy arrays; tensors
-  are read in place (CPU tensors are not copied before serialising) and come back as views
-  of the received blob.
-- ``Participant`` is one client's side of a round: lease, pull, train (heartbeats keep the
-  lease meanwhile), push; it reports 409s as "retrain" and gives its lease back when a round
-  fails.
+Blob streams over gRPC go through ``lifl.client.grpcwire``, other gRPC calls through grpcio:
+both are imported only when a gateway speaks gRPC (the SDK's ``grpc`` extra).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import http.client
 import json
 import math
@@ -27,20 +17,19 @@ import random
 import select
 import socket
 import ssl
-import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
-from typing import Any, TypeVar
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from lifl import errors
-from lifl import format as fmt
-from lifl.grpcwire import GrpcStatusError, UploadConnection, chunk_messages
+from lifl.net.grpc import GrpcStatusError, chunk_messages
 from lifl.net.tls import ClientTls, client_settings, connection_closed, https_connection, server_name
+
+if TYPE_CHECKING:
+    from lifl.client.grpcwire import UploadConnection
 
 T = TypeVar("T")
 
@@ -62,7 +51,7 @@ _BY_GRPC = {"INVALID_ARGUMENT": errors.BadRequest, "NOT_FOUND": errors.NotFound,
 _UNAVAILABLE_CODES = frozenset({errors.Unavailable.default_code, "state_unavailable", "checkpoint_failed"})
 # The gateway answered and did nothing: any call may be sent again once its Retry-After has passed.
 _BACK_PRESSURE = (errors.Overloaded, errors.Unavailable)
-# What lifl.grpcwire raises when its connection fails (ConnectionError and TimeoutError are OSErrors).
+# What lifl.client.grpcwire raises when its connection fails (ConnectionError and TimeoutError are OSErrors).
 _UPLOAD_CONNECTION_FAILURES = (OSError, EOFError)
 # grpcio's own statuses (no trailers: no server answered) for a connection that failed or a call
 # that timed out: it cannot say whether the call reached the gateway.
@@ -232,7 +221,7 @@ class Gateway:
         else:
             import grpc
 
-            from lifl.gateway import lifl_pb2
+            from lifl.net import lifl_pb2
 
             self._pb = lifl_pb2
             # grpcio reconnects on a schedule of its own (attempts up to 2 minutes apart) and fails
@@ -338,7 +327,7 @@ class Gateway:
         return _grpc_status_error(e.code().name, urllib.parse.unquote(e.details() or ""), trailers)
 
     def _upload(self, method: str, meta: bytes, blob: bytes | bytearray | memoryview) -> bytes:
-        """A blob stream, its bytes sent straight from ``blob`` (lifl.grpcwire). An upload changes
+        """A blob stream, its bytes sent straight from ``blob`` (lifl.client.grpcwire). An upload changes
         state, so it is retried only when it certainly was not taken."""
         return self._retrying(lambda: self._upload_once(method, meta, blob), idempotent=False)
 
@@ -354,6 +343,8 @@ class Gateway:
 
     def _upload_connection(self) -> UploadConnection:
         if self._uploads is None:
+            from lifl.client.grpcwire import UploadConnection  # the grpc extra's: lifl's HTTP/2 codec needs hpack
+
             try:
                 self._uploads = UploadConnection(self.address, timeout=self.timeout, tls=self.tls)
             except ssl.SSLCertVerificationError:
@@ -574,186 +565,3 @@ def _status_dict(status: Any) -> dict[str, Any]:
     if text := out.pop("strategy_json", ""):  # a client's view has none
         out["strategy"] = json.loads(text)
     return out
-
-
-# -- models <-> update format ----------------------------------------------------------------------
-
-
-def to_blob(state: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> bytearray:
-    """A torch ``state_dict`` (any device, bf16 included) or a dict of numpy arrays, as an update blob."""
-    arrays: dict[str, np.ndarray] = {}
-    dtypes: dict[str, str] = {}
-    for name, value in state.items():
-        if hasattr(value, "detach"):  # a torch tensor: read it in place when it is on the CPU
-            import torch
-
-            t = value.detach()
-            t = (t.cpu() if t.device.type != "cpu" else t).contiguous()
-            if t.dtype == torch.bfloat16:
-                arrays[name], dtypes[name] = t.view(torch.int16).numpy().view(np.uint16), "BF16"
-            else:
-                arrays[name] = t.numpy()
-        else:
-            arrays[name] = np.asarray(value)
-    return fmt.encode(arrays, metadata, dtypes=dtypes)
-
-
-def from_blob(blob: bytes | bytearray | memoryview, *, as_torch: bool = False) -> dict[str, Any]:
-    """The tensors of a blob, as numpy arrays (BF16 as uint16) or torch tensors, viewing the blob's
-    bytes (a read-only blob is copied once so that torch may use it)."""
-    layout = fmt.validate(blob)
-    if not as_torch:
-        return fmt.views(blob, layout)
-    import torch
-
-    buffer = blob if isinstance(blob, bytearray) else bytearray(blob)
-    views = fmt.views(buffer, layout)
-    out = {}
-    for entry in layout.entries:
-        view = views[entry.spec.name]
-        if entry.spec.dtype is fmt.BF16:
-            out[entry.spec.name] = torch.from_numpy(view.view(np.int16)).view(torch.bfloat16)
-        else:
-            out[entry.spec.name] = torch.from_numpy(view)
-    return out
-
-
-# -- taking part in rounds -------------------------------------------------------------------------
-
-
-@dataclass
-class RoundResult:
-    outcome: str  # "accepted", "stale" (pull and retrain), or "no_slot" (the round is full or closed)
-    version: int  # the version trained from (accepted), or the current one
-
-
-class Participant:
-    """One client's side of synchronous FL rounds.
-
-    ``run_round(train)`` asks any gateway which node to use this round (the cluster's placement)
-    and talks to that node's gateway: it takes a lease, pulls the current model, calls
-    ``train(state, version)`` (which returns the trained state and its sample count) while a
-    thread heartbeats the lease, and pushes the update. Calls are retried by ``retry``
-    (back-pressure, unreachable gateway: docs/client.md, "Faults"); a round that fails after
-    taking its lease gives the lease back before the error propagates. ``address`` is the
-    gateway it starts from (and falls back to). ``tls`` is as ``Gateway``'s, and holds for every
-    gateway the participant is sent to. ``token`` is the client's (default: LIFL_TOKEN);
-    ``client`` names the client only when an operator's token acts as one.
-    """
-
-    def __init__(self, address: str, job: str, client: str | None = None, *, protocol: str = "http",
-                 as_torch: bool = False, retry: RetryPolicy = DEFAULT_RETRY, token: str | None = None,
-                 tls: ClientTls | bool | None = None) -> None:
-        self.address, self.job, self.client, self.protocol = address, job, client, protocol
-        self.tls = client_settings(address, tls)[1]  # for every gateway it talks to: assigned ones too
-        self.as_torch = as_torch
-        self.retry = retry
-        self.token = token
-        self.bootstrap = self.connect(address, retry)
-        self.gateway = self.bootstrap
-        self.gateway_address = address  # the assigned node's, once known
-
-    def connect(self, address: str, retry: RetryPolicy) -> Gateway:
-        """A connection of this participant's to the gateway at ``address``."""
-        return Gateway(address, self.protocol, retry=retry, token=self.token, tls=self.tls)
-
-    def close(self) -> None:
-        if self.gateway is not self.bootstrap:
-            self.gateway.close()
-        self.bootstrap.close()
-
-    def _follow_assignment(self) -> None:
-        """Use the gateway of the node assigned for this round (the one it had, if unchanged)."""
-        try:
-            assigned = self.bootstrap.assignment(self.job, self.client)[self.protocol]
-        except (errors.LiflError, OSError):
-            return  # an older gateway, or none reachable: keep the one in use
-        if assigned != self.gateway_address:
-            if self.gateway is not self.bootstrap:
-                self.gateway.close()
-            self.gateway = self.connect(assigned, self.retry)
-            self.gateway_address = assigned
-
-    def run_round(self, train: Callable[[dict[str, Any], int], tuple[Mapping[str, Any], int]]) -> RoundResult:
-        self._follow_assignment()
-        try:
-            lease = self.gateway.take_lease(self.job, self.client)
-        except errors.Conflict as e:  # round full or closed: try again for the next one
-            return RoundResult("no_slot", e.extra.get("version", -1))
-        try:
-            version, blob = self.gateway.model(self.job)
-            state = from_blob(blob, as_torch=self.as_torch)
-            with _Heartbeats(lambda retry: self.connect(self.gateway_address, retry), self.job, lease, self.retry):
-                trained, samples = train(state, version)
-            self.gateway.push(self.job, to_blob(trained), client=self.client, samples=samples, base_version=version,
-                              lease=lease["lease"])
-            return RoundResult("accepted", version)  # the update took the lease's place
-        except errors.Conflict as e:
-            self._give_back(lease)
-            return RoundResult("stale", e.extra.get("version", -1))
-        except Exception as e:
-            self._give_back(lease, e)
-            raise
-
-    def _give_back(self, lease: dict[str, Any], failure: Exception | None = None) -> None:
-        """Release a lease this round will not use, so that its place goes to another client now
-        rather than when it lapses: best-effort, retried for at most the lease's lifetime (later it
-        has lapsed anyway), on a connection of its own (the round's may be what failed). If it
-        cannot be released, ``failure`` (the round's error) says so."""
-        retry = dataclasses.replace(self.retry, max_elapsed_s=min(self.retry.max_elapsed_s, lease["ttl_s"]))
-        gateway = self.connect(self.gateway_address, retry)
-        try:
-            gateway.release_lease(self.job, lease["lease"])
-        except errors.NotFound:
-            pass  # already gone: taken by the push, or lapsed
-        except (errors.LiflError, OSError) as e:
-            if failure is not None:
-                failure.add_note(f"lifl: lease {lease['lease']} could not be released ({e}); it lapses within {lease['ttl_s']} s")
-        finally:
-            gateway.close()
-
-    def wait_for_version(self, after: int, timeout: float) -> int:
-        """Poll (with backoff) until the job's version passes ``after``; returns the version seen."""
-        deadline, delay = time.monotonic() + timeout, 0.02
-        while True:
-            version = self.gateway.job(self.job)["version"]
-            if version is not None and version > after or time.monotonic() >= deadline:
-                return version
-            time.sleep(delay)
-            delay = min(delay * 1.5, 1.0)
-
-
-class _Heartbeats:
-    """Renews a lease every third of its lifetime, on a connection of its own, while training.
-    A renewal is retried until the next one is due; one that fails for good is left to the next
-    (if the lease lapses meanwhile, the push finds out whether a place is still free)."""
-
-    def __init__(self, connect: Callable[[RetryPolicy], Gateway], job: str, lease: dict[str, Any], retry: RetryPolicy) -> None:
-        every = max(0.05, lease["ttl_s"] / 3)
-        self._connect = connect
-        self._args = (job, lease["lease"], every)
-        self._retry = dataclasses.replace(retry, max_elapsed_s=min(retry.max_elapsed_s, every))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        job, lease, every = self._args
-        gateway = self._connect(self._retry)
-        try:
-            while not self._stop.wait(every):
-                try:
-                    gateway.heartbeat(job, lease)
-                except errors.NotFound:
-                    return  # lapsed: the push will find out whether a slot is still free
-                except (errors.LiflError, OSError):
-                    continue  # the gateway is away: try again when the next renewal is due
-        finally:
-            gateway.close()
-
-    def __enter__(self) -> _Heartbeats:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        self._stop.set()
-        self._thread.join()

@@ -1,0 +1,94 @@
+"""The cluster's state as values: a job (``Job``), its round's shard plan and accounting
+(``Shard``), and what declaring a node lost did (``Loss``).
+
+``lifl.state`` reads them from Redis; the pure cores (the round duties in ``lifl.control.rounds``,
+the node's task trees in ``lifl.node.tree``) decide from them without importing Redis. The
+meaning of every field is in ``lifl.state``'s module docstring.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from lifl.format import ModelSpec
+from lifl.jobs import JobSpec
+
+NO_MODEL = -1  # a job's version before its first model
+
+
+@dataclass(frozen=True)
+class Job:
+    spec: JobSpec
+    version: int
+    round: int
+    round_opened: float  # seconds since the epoch
+    closed: bool
+    model_key: str
+    model_node: str
+    model_spec: ModelSpec | None
+    reserved: int
+    accepted: int
+    aggregated: int
+    rejected: dict[str, int]
+    last_round: dict[str, Any] | None
+    checkpoint: int  # latest version durably checkpointed, -1 if none
+    checkpoint_error: str = ""  # why the next version's checkpoint is not written yet ("" when none failed)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A round's shard plan and its accounting (see the module docstring)."""
+
+    round: int
+    finalized: bool  # closed with its final counts known
+    counts: dict[str, int]  # acknowledged updates per node (final once finalized)
+    top: str | None  # node hosting the top aggregator (set once finalized)
+    epoch: int  # bumped each time the top moves
+    delivered: frozenset[str]  # nodes whose partial reached the top of this epoch
+    dead: frozenset[str]
+    lost: dict[str, int]  # updates lost with dead nodes
+    plan: dict[str, Any] | None  # {"policy", "quotas": [[node, n], ...], "top"}
+    assigned: dict[str, int] = field(default_factory=dict)  # clients sent to each node
+    inflight: dict[str, int] = field(default_factory=dict)  # uploads in progress on each node
+    first_update: float | None = None  # when its first update was acknowledged (Redis clock, s)
+
+    @property
+    def participants(self) -> dict[str, int]:
+        """Nodes whose results the top waits for, with their update counts."""
+        return {n: c for n, c in self.counts.items() if c > 0}
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    @classmethod
+    def parse(cls, h: dict[str, str]) -> Shard:
+        final = {k[6:]: int(v) for k, v in h.items() if k.startswith("final.")}
+        counts = final if h.get("finalized") == "1" else {k[6:]: int(v) for k, v in h.items() if k.startswith("count.")}
+        epoch = int(h.get("epoch", 0))
+        return cls(
+            round=int(h.get("round", -1)),
+            finalized=h.get("finalized") == "1",
+            counts=counts,
+            top=h.get("top") or None,
+            epoch=epoch,
+            delivered=frozenset(k[10:] for k, v in h.items() if k.startswith("delivered.") and int(v) == epoch),
+            dead=frozenset(k[5:] for k in h if k.startswith("dead.")),
+            lost={k[5:]: int(v) for k, v in h.items() if k.startswith("lost.")},
+            plan=json.loads(h["plan"]) if h.get("plan") else None,
+            assigned={k[9:]: int(v) for k, v in h.items() if k.startswith("assigned.")},
+            inflight={k[9:]: int(v) for k, v in h.items() if k.startswith("inflight.")},
+            first_update=int(h["first_ms"]) / 1000 if "first_ms" in h else None,
+        )
+
+
+@dataclass(frozen=True)
+class Loss:
+    """What ``node_lost`` did."""
+
+    handled: bool  # False: another round, or the node was handled already
+    remaining: int  # acknowledged updates the round still holds
+    closed: bool
+    top_lost: bool
