@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from lifl.errors import BadRequest
 
-PROTOCOL = 2
+PROTOCOL = 3
 ENVELOPE = frozenset({"id", "ok", "op", "nfds", "error"})  # lifl.rpc's framing: no message field may be one
 
 _REGISTRY: dict[str, type[Message]] = {}
@@ -187,16 +187,6 @@ class Document(Message):
 @dataclass(frozen=True)
 class Allocated(Message):
     key: bytes
-
-
-@message("route")
-@dataclass(frozen=True)
-class Route(Message):
-    """Where a handed-off result goes: send it to ``instance`` for ``task`` yourself, or
-    (instance 0) nothing to do, the agent delivers it."""
-
-    instance: int = 0
-    task: int = 0
 
 
 # -- gateway -> agent ----------------------------------------------------------------------------
@@ -391,6 +381,25 @@ class Invoke(Message):
     options: dict[str, Any] | None = None  # ...with how it aggregates: {"strategy": ..., "fixed_point": ...}
     parent_instance: int = 0  # where the parent task ran when this one started (0: not placed yet)...
     parent_task: int = 0  # ...so the result's key goes there first, before the agent hears of it
+    inputs: list[list[Any]] = field(default_factory=list)  # inputs known at the start (``input_record``): no key messages
+    scratch: bytes = b""  # an accumulator allocated for its first fold (its descriptor comes along), b"": none
+
+
+def input_record(key: bytes, samples: int, updates: int, partial: bool, sent_ns: int) -> list[Any]:
+    """An input given in an ``Invoke`` (what a key message would have said of it)."""
+    return [key.hex(), samples, updates, partial, sent_ns]
+
+
+def input_fields(record: list[Any]) -> tuple[bytes, int, int, bool, int]:
+    """(key, samples, updates, partial, sent_ns) of an ``input_record``; BadRequest if it is not one."""
+    try:
+        key, samples, updates, partial, sent_ns = record
+        fields = (bytes.fromhex(key), int(samples), int(updates), bool(partial), int(sent_ns))
+    except (TypeError, ValueError):
+        raise BadRequest(f"malformed input record {str(record)[:80]}", code="bad_message") from None
+    if len(fields[0]) != 16:
+        raise BadRequest("an input's key is 16 bytes", code="bad_message")
+    return fields
 
 
 @message("cancel")
@@ -413,26 +422,39 @@ class Alloc(Message):
     size: int
 
 
-@message("folded", Ok)
+@message("folded", Allocated)
 @dataclass(frozen=True)
 class Folded(Message):
-    """``keys`` (inputs, and the previous accumulator) are summed up in ``state``, a new object."""
+    """``keys`` (inputs, and the previous accumulator) are summed up in ``state``, a new object.
+    With ``next_size``, the reply brings an accumulator of that size for the next fold (its
+    descriptor comes along; key b"" when none was asked for)."""
 
     task: int
     keys: list[bytes]
     updates: int
     seconds: float
     state: bytes
+    next_size: int = 0
 
 
-@message("handoff", Route)
+@message("finished")
 @dataclass(frozen=True)
-class Handoff(Message):
+class Finished(Message):
+    """A leaf's or middle's end, in one push: its last fold (``folded`` summed up in
+    ``fold_state``, in ``fold_seconds``), its result (``key``) for the parent, and its statistics.
+    ``sent_to``: [instance, task] the instance sent the result's key to itself (the parent that
+    ran when it started), so the agent sends it only elsewhere. The instance is free from then."""
+
     task: int
     key: bytes
     samples: int
     updates: int
     partial: bool
+    folded: list[bytes] = field(default_factory=list)
+    fold_state: bytes = b""
+    fold_seconds: float = 0.0
+    sent_to: list[int] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
 
 
 @message("install", Installed)

@@ -72,38 +72,55 @@ local function forget(owners, lease)
 end
 """
 
-# KEYS: job, leases, shard, lease owners. ARGV: base version, lease ('' for none), node, client
-# ('' for any). -> {status, version, round}. A client whose update of the round was counted gets
-# -6. A lease that is not the client's is ignored. The slot is also counted against the node
-# whose gateway receives the update, so that the slots of a node that dies with uploads in
-# progress can be given back.
+# KEYS: job, leases, shard, lease owners, excluded. ARGV: node, then (base version, lease ('' for
+# none), client ('' for any)) for each update arriving at that node. -> {status, version, round}
+# for each, in order: a batch of admissions costs one call, each checked and counted as if alone.
+# A client whose update of the round was counted gets -6. A lease that is not the client's is
+# ignored. The slot is also counted against the node whose gateway receives the update, so that
+# the slots of a node that dies with uploads in progress can be given back.
 _RESERVE = _NOW + _LEASES + """
 local h = KEYS[1]
-if redis.call('EXISTS', h) == 0 then return {-1, 0, 0} end
-local v, r = field(h, 'version'), field(h, 'round')
-if v < 0 then return {-2, v, r} end
-local base = tonumber(ARGV[1])
-if base > v or v - base > (field(h, 'max_staleness') or 0) then return {-3, v, r} end
-if field(h, 'closed') == 1 then return {closed_status(h), v, r} end
-if ARGV[4] ~= '' and redis.call('HEXISTS', KEYS[3], 'client.' .. ARGV[4]) == 1 then return {-6, v, r} end
-if ARGV[4] ~= '' and redis.call('SISMEMBER', KEYS[5], ARGV[4]) == 1 then return {-7, v, r} end
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms())
-if ARGV[2] ~= '' and owns(KEYS[4], ARGV[2], ARGV[4]) then
-  redis.call('ZREM', KEYS[2], ARGV[2])
-  forget(KEYS[4], ARGV[2])
+local function reserve(base, lease, node, client)
+  if redis.call('EXISTS', h) == 0 then return {-1, 0, 0} end
+  local v, r = field(h, 'version'), field(h, 'round')
+  if v < 0 then return {-2, v, r} end
+  if base > v or v - base > (field(h, 'max_staleness') or 0) then return {-3, v, r} end
+  if field(h, 'closed') == 1 then return {closed_status(h), v, r} end
+  if client ~= '' and redis.call('HEXISTS', KEYS[3], 'client.' .. client) == 1 then return {-6, v, r} end
+  if client ~= '' and redis.call('SISMEMBER', KEYS[5], client) == 1 then return {-7, v, r} end
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms())
+  if lease ~= '' and owns(KEYS[4], lease, client) then
+    redis.call('ZREM', KEYS[2], lease)
+    forget(KEYS[4], lease)
+  end
+  if field(h, 'reserved') >= field(h, 'goal') then return {-4, v, r} end
+  redis.call('HINCRBY', h, 'reserved', 1)
+  redis.call('HINCRBY', KEYS[3], 'inflight.' .. node, 1)
+  return {0, v, r}
 end
-if field(h, 'reserved') >= field(h, 'goal') then return {-4, v, r} end
-redis.call('HINCRBY', h, 'reserved', 1)
-redis.call('HINCRBY', KEYS[3], 'inflight.' .. ARGV[3], 1)
-return {0, v, r}
+local out = {}
+for i = 2, #ARGV, 3 do
+  local status = reserve(tonumber(ARGV[i]), ARGV[i + 1], ARGV[1], ARGV[i + 2])
+  out[#out + 1] = status[1]
+  out[#out + 1] = status[2]
+  out[#out + 1] = status[3]
+end
+return out
 """
 
-# KEYS: job, shard. ARGV: round, node. An upload gave its slot back (refused, aborted, lost).
+# KEYS: job, shard. ARGV: node, then the round of each upload that gave its slot back (refused,
+# aborted, lost), with the name of a refusal counter to add to ('' for none). -> how many counted.
 _UNRESERVE = """
-if tonumber(redis.call('HGET', KEYS[1], 'round')) ~= tonumber(ARGV[1]) then return 0 end
-redis.call('HINCRBY', KEYS[1], 'reserved', -1)
-redis.call('HINCRBY', KEYS[2], 'inflight.' .. ARGV[2], -1)
-return 1
+local given = 0
+for i = 2, #ARGV, 2 do
+  if tonumber(redis.call('HGET', KEYS[1], 'round')) == tonumber(ARGV[i]) then
+    redis.call('HINCRBY', KEYS[1], 'reserved', -1)
+    redis.call('HINCRBY', KEYS[2], 'inflight.' .. ARGV[1], -1)
+    if ARGV[i + 1] ~= '' then redis.call('HINCRBY', KEYS[1], ARGV[i + 1], 1) end
+    given = given + 1
+  end
+end
+return given
 """
 
 # KEYS: job, leases, shard, lease owners. ARGV: lease id, ttl ms, max leases, client.
@@ -155,11 +172,16 @@ forget(KEYS[2], ARGV[1])
 return redis.call('ZREM', KEYS[1], ARGV[1])
 """
 
-# KEYS: job. ARGV: round, field, delta. Counts only for the round it was meant for.
+# KEYS: job. ARGV: (round, field, delta) for each count. Counts only for the round it was meant for.
 _COUNT = """
-if tonumber(redis.call('HGET', KEYS[1], 'round')) ~= tonumber(ARGV[1]) then return 0 end
-redis.call('HINCRBY', KEYS[1], ARGV[2], ARGV[3])
-return 1
+local counted = 0
+for i = 1, #ARGV, 3 do
+  if tonumber(redis.call('HGET', KEYS[1], 'round')) == tonumber(ARGV[i]) then
+    redis.call('HINCRBY', KEYS[1], ARGV[i + 1], ARGV[i + 2])
+    counted = counted + 1
+  end
+end
+return counted
 """
 
 # Freezes the round: no more updates; each node's count becomes final. (Lua, shared)
@@ -176,31 +198,41 @@ local function finalize(h, s)
 end
 """
 
-# KEYS: job, shard. ARGV: round, node, job name, client ('' for any): one update per client and round.
-# An acknowledged update, counted once for the whole round, on the node that took it; the one
-# that meets the goal closes the round. -> {status, accepted}: 1 closed it, 0 counted,
-# -1 another round, -5 closed, -6 this node was declared dead for this round, -7 the client's
-# update of this round was counted already (its slot is given back).
+# KEYS: job, shard. ARGV: node, job name, then (round, client ('' for any)) for each update that
+# arrived whole at that node; one update per client and round. Each is an acknowledged update,
+# counted once for the whole round, on the node that took it; the one that meets the goal closes
+# the round (and the batch's later ones find it closed). -> {status, accepted} for each: 1 closed
+# it, 0 counted, -1 another round, -5 closed, -6 this node was declared dead for this round, -7
+# the client's update of this round was counted already (its slot is given back).
 _ACCEPT = _NOW + _FINALIZE + """
-local h, s = KEYS[1], KEYS[2]
-if field(h, 'round') ~= tonumber(ARGV[1]) then return {-1, 0} end
-if field(h, 'closed') == 1 then return {-5, 0} end
-if redis.call('HEXISTS', s, 'dead.' .. ARGV[2]) == 1 then return {-6, 0} end
-if ARGV[4] ~= '' and redis.call('HSETNX', s, 'client.' .. ARGV[4], ARGV[2]) == 0 then
-  redis.call('HINCRBY', h, 'reserved', -1)
-  redis.call('HINCRBY', s, 'inflight.' .. ARGV[2], -1)
-  return {-7, 0}
+local h, s, node = KEYS[1], KEYS[2], ARGV[1]
+local function accept(round, client)
+  if field(h, 'round') ~= round then return -1, 0 end
+  if field(h, 'closed') == 1 then return -5, 0 end
+  if redis.call('HEXISTS', s, 'dead.' .. node) == 1 then return -6, 0 end
+  if client ~= '' and redis.call('HSETNX', s, 'client.' .. client, node) == 0 then
+    redis.call('HINCRBY', h, 'reserved', -1)
+    redis.call('HINCRBY', s, 'inflight.' .. node, -1)
+    return -7, 0
+  end
+  local accepted = redis.call('HINCRBY', h, 'accepted', 1)
+  redis.call('HINCRBY', s, 'count.' .. node, 1)
+  redis.call('HINCRBY', s, 'inflight.' .. node, -1)
+  redis.call('HSETNX', s, 'first_ms', now_ms())
+  if accepted >= field(h, 'goal') then
+    finalize(h, s)
+    redis.call('PUBLISH', '""" + EVENTS + """', ARGV[2])
+    return 1, accepted
+  end
+  return 0, accepted
 end
-local accepted = redis.call('HINCRBY', h, 'accepted', 1)
-redis.call('HINCRBY', s, 'count.' .. ARGV[2], 1)
-redis.call('HINCRBY', s, 'inflight.' .. ARGV[2], -1)
-redis.call('HSETNX', s, 'first_ms', now_ms())
-if accepted >= field(h, 'goal') then
-  finalize(h, s)
-  redis.call('PUBLISH', '""" + EVENTS + """', ARGV[3])
-  return {1, accepted}
+local out = {}
+for i = 3, #ARGV, 2 do
+  local status, accepted = accept(tonumber(ARGV[i]), ARGV[i + 1])
+  out[#out + 1] = status
+  out[#out + 1] = accepted
 end
-return {0, accepted}
+return out
 """
 
 # KEYS: job, shard. ARGV: round, min updates, job name. Closes the round at its deadline:
@@ -637,53 +669,59 @@ class ClusterState:
     def reserve(self, name: str, base_version: int, node: str, lease: str = "", client: str = "") -> tuple[int, int, int]:
         """Take one of the round's ``goal`` slots for ``client``'s update arriving at ``node``:
         (status, version, round)."""
-        status, version, round_id = self._reserve(
-            keys=[job_key(name), leases_key(name), shard_key(name), lease_owners_key(name), excluded_key(name)],
-            args=[base_version, lease, node, client])
-        return int(status), int(version), int(round_id)
-
-    def unreserve(self, name: str, round_id: int, node: str) -> bool:
-        """Give back the slot of an upload that will not be accepted."""
-        return bool(self._unreserve(keys=[job_key(name), shard_key(name)], args=[round_id, node]))
+        return self.reserve_many(name, node, [(base_version, lease, client)])[0]
 
     def reserve_many(self, name: str, node: str, items: list[tuple[int, str, str]]) -> list[tuple[int, int, int]]:
         """``reserve`` for each (base version, lease, client) of updates arriving at ``node``, in
-        one round trip (each a script of its own: the counters stay in the scripts)."""
-        keys = [job_key(name), leases_key(name), shard_key(name), lease_owners_key(name), excluded_key(name)]
-        pipe = self.redis.pipeline(transaction=False)
-        for base, lease, client in items:
-            self._reserve(keys=keys, args=[base, lease, node, client], client=pipe)
-        return [(int(status), int(version), int(round_id)) for status, version, round_id in pipe.execute()]
+        one script (each checked and counted as if alone)."""
+        flat = self._reserve(keys=[job_key(name), leases_key(name), shard_key(name), lease_owners_key(name),
+                                   excluded_key(name)],
+                             args=[node, *[x for item in items for x in item]])
+        return [(int(flat[i]), int(flat[i + 1]), int(flat[i + 2])) for i in range(0, len(flat), 3)]
+
+    def unreserve(self, name: str, round_id: int, node: str) -> bool:
+        """Give back the slot of an upload that will not be accepted."""
+        return self.give_back(name, node, [(round_id, "")]) == 1
 
     def unreserve_many(self, name: str, node: str, rounds: list[int]) -> None:
         """``unreserve`` the slot of each upload (of the round given) that will not be accepted."""
-        pipe = self.redis.pipeline(transaction=False)
-        for round_id in rounds:
-            self._unreserve(keys=[job_key(name), shard_key(name)], args=[round_id, node], client=pipe)
-        pipe.execute()
+        self.give_back(name, node, [(round_id, "") for round_id in rounds])
 
-    def give_back(self, name: str, node: str, refused: list[tuple[int, str]]) -> None:
+    def give_back(self, name: str, node: str, refused: list[tuple[int, str]]) -> int:
         """Uploads that will not be accepted, each (round, reason): their slots go back and the
-        refusals are counted (``rejected.<reason>``)."""
-        pipe = self.redis.pipeline(transaction=False)
+        refusals are counted (``rejected.<reason>``; no reason: not counted); how many were of
+        the current round."""
+        args: list[Any] = [node]
         for round_id, reason in refused:
-            self._unreserve(keys=[job_key(name), shard_key(name)], args=[round_id, node], client=pipe)
-            self._count(keys=[job_key(name)], args=[round_id, f"rejected.{reason}", 1], client=pipe)
-        pipe.execute()
+            args += [round_id, f"rejected.{reason}" if reason else ""]
+        return int(self._unreserve(keys=[job_key(name), shard_key(name)], args=args))
 
     def count_rejections(self, name: str, refused: list[tuple[int, str]]) -> None:
         """Count refusals of arrived updates, each (round, code)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for round_id, code in refused:
-            self._count(keys=[job_key(name)], args=[round_id, f"rejected.{code}", 1], client=pipe)
-        pipe.execute()
+        self._count(keys=[job_key(name)], args=[x for round_id, code in refused for x in (round_id, f"rejected.{code}", 1)])
 
     def count_aggregated(self, counts: dict[tuple[str, int], int]) -> None:
-        """Add to the ``aggregated`` counter of each (job, round)."""
-        pipe = self.redis.pipeline(transaction=False)
+        """Add to the ``aggregated`` counter of each (job, round): one script per job, one round trip."""
+        by_job: dict[str, list[Any]] = {}
         for (name, round_id), n in counts.items():
-            self._count(keys=[job_key(name)], args=[round_id, "aggregated", n], client=pipe)
-        pipe.execute()
+            by_job.setdefault(name, []).extend((round_id, "aggregated", n))
+        self._scripts([(self._count, [job_key(name)], args) for name, args in by_job.items()])
+
+    def _scripts(self, calls: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
+        """Run several scripts in one round trip (EVALSHA each; a Redis that lost its scripts, as
+        a restarted one has, is given them again)."""
+        for attempt in (1, 2):
+            pipe = self.redis.pipeline(transaction=False)
+            for script, keys, args in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            try:
+                return pipe.execute()
+            except redis.exceptions.NoScriptError:
+                if attempt == 2:
+                    raise
+                for script in {id(script): script for script, _, _ in calls}.values():
+                    self.redis.script_load(script.script)
+        return []
 
     def take_lease(self, spec: JobSpec, client: str) -> tuple[str, int, int]:
         """``client``'s lease for training in the current round, bound to it: (lease id, version,
@@ -717,18 +755,15 @@ class ClusterState:
     def accept(self, name: str, round_id: int, node: str, client: str = "") -> tuple[int, int]:
         """Count ``client``'s arrived update of round ``round_id`` on ``node``: (status, accepted so
         far); ACCEPT_CLOSED_ROUND when it met the goal and closed the round."""
-        status, accepted = self._accept(keys=[job_key(name), shard_key(name)], args=[round_id, node, name, client])
-        return int(status), int(accepted)
+        return self.accept_many(name, node, [(round_id, client, None)])[0]
 
     def accept_many(self, name: str, node: str, items: list[tuple[int, str, dict[str, Any] | None]]) -> list[tuple[int, int]]:
         """``accept`` for each (round, client, retained) of updates that arrived at ``node``, in
-        one round trip; then, for those accepted and ``retained`` (where the update lives, see
+        one script; then, for those accepted and ``retained`` (where the update lives, see
         ``record_retained``), the retention index (a second round trip, only when there are some)."""
-        keys = [job_key(name), shard_key(name)]
-        pipe = self.redis.pipeline(transaction=False)
-        for round_id, client, _ in items:
-            self._accept(keys=keys, args=[round_id, node, name, client], client=pipe)
-        results = [(int(status), int(accepted)) for status, accepted in pipe.execute()]
+        flat = self._accept(keys=[job_key(name), shard_key(name)],
+                            args=[node, name, *[x for round_id, client, _ in items for x in (round_id, client)]])
+        results = [(int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
         kept = [(round_id, meta) for (round_id, _, meta), (status, _) in zip(items, results) if status >= 0 and meta]
         if kept:
             pipe = self.redis.pipeline(transaction=False)

@@ -66,6 +66,7 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
     premapped = 0
     queued: list[Contribution] = []  # lazy: everything waits for the last input
     latest: Any = None  # the newest accumulator's mapping (fixed point: its bound is written there)
+    last_fold: tuple[list[bytes], bytes, float] | None = None  # a leaf's or middle's final fold, reported with its result
 
     def new_accumulator() -> tuple[Tensors, bytes]:
         nonlocal alloc_s, latest
@@ -126,14 +127,18 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
                 assert agg.state is not None
                 if fixed_point:  # before the accumulator is reported: a restarted task resumes from it
                     write_bound(latest, ctx.layout(latest), agg.state.bound)
-                ctx.folded(inv, [c.token for c in folded], sum(c.updates for c in folded if not c.partial), t2 - t1,
-                           agg.state.token)
+                keys = [c.token for c in folded]
+                if agg.complete and inv.role != TOP:  # reported with the result, in one message
+                    last_fold = keys, agg.state.token, t2 - t1
+                else:  # the next fold's accumulator comes with the answer
+                    ctx.folded(inv, keys, sum(c.updates for c in folded if not c.partial), t2 - t1, agg.state.token,
+                               next_size=0 if agg.complete else len(partial_header) + partial_bytes)
         result = agg.result()
 
         # Send
         t3 = time.perf_counter()
         if inv.role != TOP:
-            ctx.forward(inv, result.token, result.samples, result.updates, result.partial, agg_s)
+            ctx.forward(inv, result.token, result.samples, result.updates, result.partial, agg_s, folded=last_fold)
         else:
             def write_mean(mm: Any, out_spec: fmt.ModelSpec, total: Contribution) -> None:
                 out = _mapped(ctx, mm, out_spec)

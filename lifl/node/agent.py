@@ -74,9 +74,9 @@ from lifl.node.retention import Retainer, query_holder, update_blob
 from lifl.procs import die_with_parent, on_signals
 from lifl.protocol import (
     PROTOCOL, QUERY_ROLE, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Admitted, Alloc, Allocated, Attach,
-    Attached, CancelTask, Document, Done, Failed, Folded, Forwarded, ForwardPartial, GetMetrics, GetRecent, GetStatus,
-    Handoff, Hello, InstallModel, InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, Ok, OpenModel,
-    Query, Ready, Release, Route, StrategyInputs, Submit, SubmitPartial, Submitted, TakeQuery, Text, Welcome, decode,
+    Attached, CancelTask, Document, Done, Failed, Finished, Folded, Forwarded, ForwardPartial, GetMetrics, GetRecent, GetStatus,
+    Hello, InstallModel, InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, Ok, OpenModel,
+    Query, Ready, Release, StrategyInputs, Submit, SubmitPartial, Submitted, TakeQuery, Text, Welcome, decode, input_record,
 )
 from lifl.rpc import MessageStream, error_reply, reply_frame
 from lifl.state import ACCEPT_CLOSED_ROUND, RESERVE_OK, ClusterState, accept_refusal, refusal
@@ -418,7 +418,7 @@ class Agent:
         self._next_id = 0
         self._outbox: deque[tuple[Tenant, KeyMessage]] = deque()  # keys for instances whose queue was full
         self._outbox_timer: Any = None
-        self._parked_folds: dict[int, list[tuple[int, Folded, Reply, Any]]] = {}  # folds of keys not handed off yet
+        self._parked_folds: dict[int, list[tuple[Callable[[], None], Callable[[LiflError], None], Any]]] = {}  # folds of keys not handed off yet
         self._settling: set[str] = set()  # jobs whose settle is in flight
         self._settle_again: set[str] = set()  # ...and asked for again meanwhile
         self._settle_then: dict[str, list[Callable[[], None]]] = {}  # what waits for a job's settle
@@ -697,7 +697,7 @@ class Agent:
             Ready: lambda m, f, r: self.ready(iid, r),
             Alloc: lambda m, f, r: self.alloc(iid, m, r),
             Folded: lambda m, f, r: self.folded(iid, m, r),
-            Handoff: lambda m, f, r: self.handoff(iid, m, r),
+            Finished: lambda m, f, r: self.finished(iid, m),
             InstallResult: lambda m, f, r: self.install(iid, m, r),
             Done: lambda m, f, r: self.done(iid, m, r),
             Failed: lambda m, f, r: self.failed(iid, m, r),
@@ -1339,47 +1339,67 @@ class Agent:
 
     def folded(self, iid: int, m: Folded, reply: Reply) -> None:
         """Inputs (and the previous accumulator) are summed up in a new accumulator, ``m.state``:
-        it is what the task runs again from if its instance dies; what it sums up may go."""
+        it is what the task runs again from if its instance dies; what it sums up may go. The
+        answer brings the accumulator for the next fold if the instance asked for one."""
         task = self._task_of(iid, m.task)
-        known = self.board.progress[task.id].known()
-        if not set(m.keys) <= known:
-            # a leaf sends its result's key ahead of its hand-off (Invoke.parent_*): the parent may
-            # fold it before the hand-off reaches us; it comes within moments
-            def too_late() -> None:
-                parked = self._parked_folds.get(task.id, [])
-                for i, (_, pm, preply, _) in enumerate(parked):
-                    if pm is m:
-                        del parked[i]
-                        stray = [k.hex() for k in m.keys if k not in self.board.progress.get(task.id, tasks.Progress()).known()]
-                        preply.error(BadRequest(f"task {task.id} folded {', '.join(stray)}, none of its inputs"))
-                        return
-
-            self._parked_folds.setdefault(task.id, []).append((iid, m, reply, self.loop.later(HANDOFF_WAIT_S, too_late)))
+        if not self._fold(task, m.keys, m.state, m.seconds):
+            self._park(task.id, lambda: self.folded(iid, m, reply), reply.error, m.keys)
             return
-        self.store.move_ref(m.state, _scratch_holder(task.id), _state_holder(task.id))
-        self.store.seal(m.state)
-        inputs, previous = self.board.folded(task.id, m.keys, m.state, now_ns())
+        if not m.next_size:
+            reply(Allocated(b""))
+            return
+        try:
+            seg = self.store.create(self.instance_tenants[iid], m.next_size, _scratch_holder(task.id), affinity=iid,
+                                    owner=RoundOf(task.job, task.round), scratch=True)
+        except Overloaded:  # it asks again when it needs one (and is told then)
+            reply(Allocated(b""))
+            return
+        reply(Allocated(seg.key), [os.dup(seg.fd)])
+
+    def _fold(self, task: tree.Task, keys: list[bytes], state: bytes, seconds: float) -> bool:
+        """Apply a fold the task reported; False if some of ``keys`` are not (yet) its inputs."""
+        if not set(keys) <= self.board.progress[task.id].known():
+            return False
+        self.store.move_ref(state, _scratch_holder(task.id), _state_holder(task.id))
+        self.store.seal(state)
+        inputs, previous = self.board.folded(task.id, keys, state, now_ns())
         updates = 0
         for msg in inputs:
             updates += self.uploads.update_done(msg.key) is not None
             self.store.release(msg.key, _input_holder(task.id))
         if previous is not None:
             self.store.release(previous.key, _state_holder(task.id))
-        self.metrics.aggregated(task.job, updates, m.seconds)
+        self.metrics.aggregated(task.job, updates, seconds)
         if updates:
             round_key = (task.job, task.round)
             self._aggregated[round_key] = self._aggregated.get(round_key, 0) + updates
-        reply()
+        return True
+
+    def _park(self, task_id: int, again: Callable[[], None], refuse: Callable[[LiflError], None], keys: list[bytes]) -> None:
+        """A leaf sends its result's key ahead of its hand-off (Invoke.parent_*): the parent may
+        fold it before the hand-off reaches the agent; it comes within moments. ``again`` runs
+        when an input is delivered to the task, ``refuse`` after ``HANDOFF_WAIT_S`` without it."""
+        entry: list[Any] = []
+
+        def too_late() -> None:
+            parked = self._parked_folds.get(task_id, [])
+            if entry[0] in parked:
+                parked.remove(entry[0])
+                known = self.board.progress[task_id].known() if task_id in self.board.progress else set()
+                refuse(BadRequest(f"task {task_id} folded {', '.join(k.hex() for k in keys if k not in known)}, "
+                                  "none of its inputs"))
+
+        entry.append((again, refuse, self.loop.later(HANDOFF_WAIT_S, too_late)))
+        self._parked_folds.setdefault(task_id, []).append(entry[0])
 
     def _unpark_folds(self, task_id: int) -> None:
         """An input was delivered to ``task_id``: folds that waited for it go on."""
-        parked = self._parked_folds.pop(task_id, None)
-        for iid, m, reply, timer in parked or []:
+        for again, refuse, timer in self._parked_folds.pop(task_id, []):
             timer.cancel()
             try:
-                self.folded(iid, m, reply)
+                again()
             except LiflError as e:
-                reply.error(e)
+                refuse(e)
 
     def _count_aggregated(self) -> None:
         """Tell Redis how many updates were aggregated (a periodic duty: one call for many folds)."""
@@ -1388,12 +1408,23 @@ class Agent:
         counts, self._aggregated = self._aggregated, {}
         self._io(lambda: self.state.count_aggregated(counts), "counting aggregated updates")
 
-    def handoff(self, iid: int, m: Handoff, reply: Reply) -> None:
-        """A leaf's or middle's result: to its parent here (the instance sends the key itself when
-        the parent runs), or to the top on another node."""
-        route: list[tuple[int, int]] = []
-        self._result(iid, m.task, tree.Input(m.key, m.samples, m.updates, m.partial), route)
-        reply(Route(*route[0]) if route else Route())
+    def finished(self, iid: int, m: Finished) -> None:
+        """A leaf's or middle's end: its last fold, its result to its parent here (which the
+        instance sent itself if the parent ran when it started) or to the top on another node,
+        and its statistics; the instance is free."""
+        task = self.board.running_on(iid, m.task)
+        if task is not None and m.task in self.trees.tasks:
+            if m.folded and not self._fold(task, m.folded, m.fold_state, m.fold_seconds):
+                self._park(task.id, lambda: self.finished(iid, m), lambda e: self._failed_run(iid, m.task, e.message),
+                           m.folded)
+                return
+            sent = (m.sent_to[0], m.sent_to[1]) if len(m.sent_to) == 2 else None
+            self._result(iid, m.task, tree.Input(m.key, m.samples, m.updates, m.partial), sent)
+        self._through(iid, m.task, m.stats)
+
+    def _failed_run(self, iid: int, task: int, problem: str) -> None:
+        self._perform(self.board.failed(iid, task, problem, *self._board_context()))
+        self._free(iid)
 
     def install(self, iid: int, m: InstallResult, reply: Reply) -> None:
         """The top has the round's model: checkpoint it in the background, then install it."""
@@ -1453,14 +1484,15 @@ class Agent:
         run.strategy_state = (step.state, version)
         return step.report
 
-    def _result(self, iid: int, task_id: int, output: tree.Input, route: list[tuple[int, int]] | None = None) -> tree.Task:
-        """A task's result, sealed and kept by its round until the tree says where it goes."""
+    def _result(self, iid: int, task_id: int, output: tree.Input, sent: tuple[int, int] | None = None) -> tree.Task:
+        """A task's result, sealed and kept by its round until the tree says where it goes
+        (``sent``: the instance sent it to that (instance, task) itself)."""
         task = self._task_of(iid, task_id)
         if not self.store.get(output.key).sealed:
             self.store.seal(output.key)
         self.store.hand_over(output.key, ("round", task.job, task.round))
         self._result_exists(task.id)
-        self._apply(self.trees.result(task.id, output), route)
+        self._apply(self.trees.result(task.id, output), sent)
         return task
 
     def _result_exists(self, task_id: int) -> None:
@@ -1474,9 +1506,9 @@ class Agent:
         self.store.release_holder(_scratch_holder(task_id))
         self._result_exists(task_id)
         self.trees.finished(task_id)
-        for _, _, reply, timer in self._parked_folds.pop(task_id, []):
+        for _, refuse, timer in self._parked_folds.pop(task_id, []):
             timer.cancel()
-            reply.error(NotFound(f"task {task_id} is over", code="no_such_task"))
+            refuse(NotFound(f"task {task_id} is over", code="no_such_task"))
 
     def done(self, iid: int, m: Done, reply: Reply) -> None:
         """The instance finished a task (or acknowledged its cancellation) and is free again."""
@@ -1484,11 +1516,14 @@ class Agent:
         if m.task in self.queries:
             self._query_over(iid, m.task, m.stats)
             return
-        task = self.board.through(iid, m.task, time.monotonic())
+        self._through(iid, m.task, m.stats)
+
+    def _through(self, iid: int, task_id: int, stats: dict[str, Any]) -> None:
+        task = self.board.through(iid, task_id, time.monotonic())
         if task is not None:
             self._release_task_objects(task.id)
-            if not m.stats.get("cancelled"):
-                self._record_task(task, iid, m.stats)
+            if not stats.get("cancelled"):
+                self._record_task(task, iid, stats)
         self._free(iid)
 
     def _record_task(self, task: tree.Task, iid: int, stats: dict[str, Any]) -> None:
@@ -1622,9 +1657,9 @@ class Agent:
     def _dispatch(self) -> None:
         self._perform(self.board.dispatch(*self._board_context()))
 
-    def _apply(self, effects: Sequence[tree.Effect], route: list[tuple[int, int]] | None = None) -> None:
-        """Apply the tree's effects. With ``route``, one delivery to a running task is left to the
-        caller's instance to send (it says where in its reply)."""
+    def _apply(self, effects: Sequence[tree.Effect], sent: tuple[int, int] | None = None) -> None:
+        """Apply the tree's effects; a delivery to the (instance, task) ``sent`` is not sent: the
+        instance whose result it is sent it there itself."""
         for e in effects:
             if isinstance(e, tree.Deliver):
                 task = self.trees.tasks[e.task]
@@ -1632,8 +1667,8 @@ class Agent:
                 msg = KeyMessage(dest=0, task=e.task, key=e.input.key, samples=e.input.samples, count=e.input.updates,
                                  partial=e.input.partial, sent_ns=now_ns())
                 produced = self.board.deliver(task, msg, *self._board_context())
-                if route is not None and not route and produced and isinstance(produced[0], tasks.SendKeys):
-                    route.append((produced[0].instance, e.task))
+                if sent is not None and produced and isinstance(produced[0], tasks.SendKeys) \
+                        and (produced[0].instance, e.task) == sent:
                     produced = produced[1:]
                 self._perform(produced)
                 if e.task in self._parked_folds:
@@ -1696,6 +1731,8 @@ class Agent:
                     q.done(None, Unavailable(e.why, code="query_failed", retry_after=1.0))
 
     def _invoke(self, e: tasks.Invoke) -> None:
+        """Start a task on an instance: the inputs it has so far travel with the invocation, and
+        so does an accumulator when it will fold at once (no request of its own for either)."""
         task = e.task
         run = self.jobs[task.job]
         spec = options = None
@@ -1704,17 +1741,24 @@ class Agent:
             spec = run.model_spec.to_json()
             options = {"strategy": run.spec.strategy, "fixed_point": run.spec.fixed_point}
         self.metrics.starts.labels("warm" if self.board.workers[e.instance].ready else "cold").inc()
-        self._push(e.instance, Invoke(task.id, task.job, task.version, task.role, e.fan_in, self.config.lazy, spec,
-                                      options, *e.parent))
-        tenant = self.instance_tenants[e.instance]
-        for msg in e.inputs:
-            self._send_key(tenant, KeyMessage(**{**msg.__dict__, "dest": e.instance}))
+        scratch, fds = b"", []
+        if len(e.inputs) >= 2:
+            with contextlib.suppress(Overloaded):  # it asks when it folds (and is told then)
+                seg = self.store.create(self.instance_tenants[e.instance], run.sizes.accumulator, _scratch_holder(task.id),
+                                        affinity=e.instance, owner=RoundOf(task.job, task.round), scratch=True)
+                scratch, fds = seg.key, [os.dup(seg.fd)]
+        inputs = [input_record(m.key, m.samples, m.count, m.partial, m.sent_ns) for m in e.inputs]
+        self._push(e.instance, Invoke(task.id, task.job, task.version, task.role, e.fan_in, self.config.lazy, spec, options,
+                                      *e.parent, inputs, scratch), fds)
         self._refresh_instance_gauges()
 
-    def _push(self, instance: int, message: Message) -> None:
+    def _push(self, instance: int, message: Message, fds: Sequence[int] = ()) -> None:
         peer = self.instances.get(instance)
         if peer is not None:  # else it is gone: its task runs again with all its inputs
-            peer.push(message)
+            peer.push(message, fds)
+        else:
+            for fd in fds:
+                os.close(fd)
 
     def _spawn(self, e: tasks.Spawn) -> None:
         """A cold start: the instance's connection exists at once (messages wait in it), its
