@@ -15,6 +15,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from lifl.errors import BadRequest
@@ -32,9 +33,8 @@ class Message:
 
     def encode(self) -> dict[str, Any]:
         out: dict[str, Any] = {"op": self.op}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = _encode_value(value)
+        for name in _field_names(type(self)):
+            out[name] = _encode_value(getattr(self, name))
         return out
 
 
@@ -60,25 +60,39 @@ def decode(data: dict[str, Any]) -> Message:
     cls = _REGISTRY.get(op) if isinstance(op, str) else None
     if cls is None:
         raise BadRequest(f"unknown message {op!r}", code="bad_message")
-    hints = _hints(cls)
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise BadRequest(f"message {op!r} lacks field {f.name!r}", code="bad_message")
+    for name, required, convert in _decoders(cls):
+        if name not in data:
+            if required:
+                raise BadRequest(f"message {op!r} lacks field {name!r}", code="bad_message")
             continue
-        values[f.name] = _decode_value(hints[f.name], data[f.name], f"{op}.{f.name}")
+        values[name] = convert(data[name])
     return cls(**values)
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+Converter = Callable[[Any], Any]
+_FIELDS: dict[type, tuple[str, ...]] = {}
+_DECODERS: dict[type, list[tuple[str, bool, Converter]]] = {}
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = _HINTS[cls] = typing.get_type_hints(cls)
-    return hints
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
+def _decoders(cls: type) -> list[tuple[str, bool, Converter]]:
+    """Each field's (name, required, checked conversion), built once per message type from its
+    type hints: decoding a message does no introspection."""
+    decoders = _DECODERS.get(cls)
+    if decoders is None:
+        hints = typing.get_type_hints(cls)
+        decoders = _DECODERS[cls] = [
+            (f.name, f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+             _converter(hints[f.name], f"{cls.op}.{f.name}"))
+            for f in dataclasses.fields(cls)]
+    return decoders
 
 
 def _encode_value(value: Any) -> Any:
@@ -89,39 +103,61 @@ def _encode_value(value: Any) -> Any:
     return value
 
 
-def _decode_value(hint: Any, value: Any, where: str) -> Any:
+def _converter(hint: Any, where: str) -> Converter:
+    """A function that checks a decoded JSON value against ``hint`` and converts it (hex to
+    bytes), raising BadRequest that names ``where``."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
         (inner,) = [o for o in options if o is not type(None)]
-        return _decode_value(inner, value, where)
+        convert_inner = _converter(inner, where)
+        nullable = type(None) in options
+        return lambda value: None if value is None and nullable else convert_inner(value)
     if origin is list:
-        if not isinstance(value, list):
-            raise BadRequest(f"{where} must be a list", code="bad_message")
         (inner,) = typing.get_args(hint)
-        return [_decode_value(inner, v, where) for v in value]
+        convert_item = _converter(inner, where)
+
+        def convert_list(value: Any) -> list[Any]:
+            if not isinstance(value, list):
+                raise BadRequest(f"{where} must be a list", code="bad_message")
+            return [convert_item(v) for v in value]
+
+        return convert_list
     if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            raise BadRequest(f"{where} must be an object", code="bad_message")
-        return value
+        return _checked(lambda v: isinstance(v, dict), f"{where} must be an object")
     if hint is bytes:
-        if not isinstance(value, str):
-            raise BadRequest(f"{where} must be hex", code="bad_message")
-        try:
-            return bytes.fromhex(value)
-        except ValueError:
-            raise BadRequest(f"{where} must be hex", code="bad_message") from None
+        def convert_hex(value: Any) -> bytes:
+            if not isinstance(value, str):
+                raise BadRequest(f"{where} must be hex", code="bad_message")
+            try:
+                return bytes.fromhex(value)
+            except ValueError:
+                raise BadRequest(f"{where} must be hex", code="bad_message") from None
+
+        return convert_hex
     if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise BadRequest(f"{where} must be a number", code="bad_message")
-        return float(value)
+        def convert_number(value: Any) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise BadRequest(f"{where} must be a number", code="bad_message")
+            return float(value)
+
+        return convert_number
     if hint is Any:
+        return lambda value: value
+    if hint is int:
+        return _checked(lambda v: isinstance(v, int) and not isinstance(v, bool), f"{where} must be int")
+    if hint in (str, bool):
+        return _checked(lambda v: isinstance(v, hint), f"{where} must be {hint.__name__}")
+    return lambda value: value
+
+
+def _checked(valid: Callable[[Any], bool], problem: str) -> Converter:
+    def check(value: Any) -> Any:
+        if not valid(value):
+            raise BadRequest(problem, code="bad_message")
         return value
-    if hint in (int, str, bool) and (not isinstance(value, hint) or (hint is int and isinstance(value, bool))):
-        raise BadRequest(f"{where} must be {hint.__name__}", code="bad_message")
-    return value
+
+    return check
 
 
 # -- replies ---------------------------------------------------------------------------------------

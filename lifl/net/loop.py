@@ -65,6 +65,7 @@ class Loop:
         self._pools = {pool: ThreadPoolExecutor(n, thread_name_prefix=f"{name}-{pool}") for pool, n in POOL_THREADS.items()}
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._closed = False
 
     # -- readiness -----------------------------------------------------------------------------
     def watch(self, fileobj: Any, reader: Callable[[], None] | None, writer: Callable[[], None] | None = None) -> None:
@@ -121,7 +122,9 @@ class Loop:
 
     # -- other threads ---------------------------------------------------------------------------
     def post(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the loop soon (thread-safe)."""
+        """Run ``fn`` on the loop soon (thread-safe); after ``close``, never."""
+        if self._closed:
+            return
         self._posted.append(fn)
         if not self._signalled:
             self._signalled = True
@@ -131,8 +134,9 @@ class Loop:
                 pass  # the pipe is full of wake-ups already
 
     def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
-        """From a thread other than the loop's: ``fn()`` run on the loop; its result, or its exception."""
-        if self.in_loop():
+        """From a thread other than the loop's: ``fn()`` run on the loop; its result, or its
+        exception. Once the loop has stopped nothing else runs there: ``fn`` runs here."""
+        if self.in_loop() or not self.running:
             return fn()
         future: Future[T] = Future()
 
@@ -165,6 +169,10 @@ class Loop:
 
     def in_loop(self) -> bool:
         return self._thread is threading.current_thread()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopped
 
     # -- running ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -199,6 +207,7 @@ class Loop:
         self.post(self._halt)
 
     def close(self) -> None:
+        self._closed = True
         for pool in self._pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
         self._selector.close()

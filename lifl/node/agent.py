@@ -332,8 +332,9 @@ class Peer:
 
 
 class Batches:
-    """One Redis call per job at a time: items that arrive while a job's call is in flight wait,
-    and go together in its next call (up to ``MAX_BATCH`` per call)."""
+    """One Redis call per job at a time, for everything of the job that arrived by then: items
+    added in one turn of the loop go together (the call starts at the end of the turn), and items
+    that arrive while a job's call is in flight go in its next call (up to ``MAX_BATCH`` a call)."""
 
     def __init__(self, loop: Loop, call: Callable[[str, list[Any]], Any],
                  done: Callable[[str, list[Any], Any, BaseException | None], None]) -> None:
@@ -341,25 +342,25 @@ class Batches:
         self._call = call
         self._done = done
         self._waiting: dict[str, list[Any]] = {}
-        self._in_flight: set[str] = set()
+        self._busy: set[str] = set()  # jobs whose call is in flight or about to start
 
     def add(self, job: str, item: Any) -> None:
         self._waiting.setdefault(job, []).append(item)
-        if job not in self._in_flight:
-            self._start(job)
+        if job not in self._busy:
+            self._busy.add(job)
+            self.loop.post(lambda: self._start(job))
 
     def _start(self, job: str) -> None:
         waiting = self._waiting.pop(job, [])
         if not waiting:
+            self._busy.discard(job)
             return
         items, rest = waiting[:MAX_BATCH], waiting[MAX_BATCH:]
         if rest:
             self._waiting[job] = rest
-        self._in_flight.add(job)
         self.loop.offload(lambda: self._call(job, items), lambda result, error: self._finished(job, items, result, error))
 
     def _finished(self, job: str, items: list[Any], result: Any, error: BaseException | None) -> None:
-        self._in_flight.discard(job)
         try:
             self._done(job, items, result, error)
         finally:
@@ -504,7 +505,9 @@ class Agent:
 
     def stop(self) -> None:
         """Clean shutdown: unlink every object first (mappings stay valid for whoever holds them,
-        and a checkpoint being written has its own descriptor), then stop the instances."""
+        and a checkpoint being written has its own descriptor), then stop the instances. Once."""
+        if self._stopping:
+            return
         self._stopping = True
 
         def shut() -> None:
@@ -1419,7 +1422,9 @@ class Agent:
                            m.folded)
                 return
             sent = (m.sent_to[0], m.sent_to[1]) if len(m.sent_to) == 2 else None
-            self._result(iid, m.task, tree.Input(m.key, m.samples, m.updates, m.partial), sent)
+            agg_s = m.stats.get("agg_s")
+            agg_us = round(agg_s * 1e6) if isinstance(agg_s, (int, float)) and 0 <= agg_s < 1e6 else 0
+            self._result(iid, m.task, tree.Input(m.key, m.samples, m.updates, m.partial), sent, agg_us)
         self._through(iid, m.task, m.stats)
 
     def _failed_run(self, iid: int, task: int, problem: str) -> None:
@@ -1484,15 +1489,17 @@ class Agent:
         run.strategy_state = (step.state, version)
         return step.report
 
-    def _result(self, iid: int, task_id: int, output: tree.Input, sent: tuple[int, int] | None = None) -> tree.Task:
+    def _result(self, iid: int, task_id: int, output: tree.Input, sent: tuple[int, int] | None = None,
+                agg_us: int = 0) -> tree.Task:
         """A task's result, sealed and kept by its round until the tree says where it goes
-        (``sent``: the instance sent it to that (instance, task) itself)."""
+        (``sent``: the instance sent it to that (instance, task) itself; ``agg_us``: how long the
+        task folded, which the key message reports on its behalf)."""
         task = self._task_of(iid, task_id)
         if not self.store.get(output.key).sealed:
             self.store.seal(output.key)
         self.store.hand_over(output.key, ("round", task.job, task.round))
         self._result_exists(task.id)
-        self._apply(self.trees.result(task.id, output), sent)
+        self._apply(self.trees.result(task.id, output), sent, agg_us)
         return task
 
     def _result_exists(self, task_id: int) -> None:
@@ -1657,7 +1664,7 @@ class Agent:
     def _dispatch(self) -> None:
         self._perform(self.board.dispatch(*self._board_context()))
 
-    def _apply(self, effects: Sequence[tree.Effect], sent: tuple[int, int] | None = None) -> None:
+    def _apply(self, effects: Sequence[tree.Effect], sent: tuple[int, int] | None = None, agg_us: int = 0) -> None:
         """Apply the tree's effects; a delivery to the (instance, task) ``sent`` is not sent: the
         instance whose result it is sent it there itself."""
         for e in effects:
@@ -1665,8 +1672,8 @@ class Agent:
                 task = self.trees.tasks[e.task]
                 self.store.hand_over(e.input.key, _input_holder(e.task))
                 msg = KeyMessage(dest=0, task=e.task, key=e.input.key, samples=e.input.samples, count=e.input.updates,
-                                 partial=e.input.partial, sent_ns=now_ns())
-                produced = self.board.deliver(task, msg, *self._board_context())
+                                 partial=e.input.partial, sent_ns=now_ns(), agg_us=agg_us)
+                produced = self.board.deliver(task, msg)
                 if sent is not None and produced and isinstance(produced[0], tasks.SendKeys) \
                         and (produced[0].instance, e.task) == sent:
                     produced = produced[1:]
@@ -2108,7 +2115,7 @@ class Agent:
 
     # -- status and metrics -------------------------------------------------------------------------
     def _refresh_instance_gauges(self) -> None:
-        for role, n in self.board.counts(self.trees.tasks).items():
+        for role, n in self.board.counts().items():
             self.metrics.instances.labels(role).set(n)
 
     def status(self) -> dict[str, Any]:
