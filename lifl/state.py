@@ -32,6 +32,7 @@ import json
 import math
 import secrets
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
@@ -519,6 +520,35 @@ def dependency_errors(cls: type) -> type:
     return cls
 
 
+@dataclass(frozen=True)
+class ScriptCall:
+    """One of the state's scripts with its keys and arguments, to run blocking (``ClusterState.run``)
+    or from an event loop (``lifl.net.resp``)."""
+
+    script: Any  # a redis-py Script: its text and SHA-1
+    keys: list[str]
+    args: list[Any]
+
+
+def reserved(raw: list[Any]) -> list[tuple[int, int, int]]:
+    """(status, version, round) of each admission of a ``reserve_call``."""
+    return [(int(raw[i]), int(raw[i + 1]), int(raw[i + 2])) for i in range(0, len(raw), 3)]
+
+
+def accepted(raw: list[Any]) -> list[tuple[int, int]]:
+    """(status, accepted so far) of each update of an ``accept_call``."""
+    return [(int(raw[i]), int(raw[i + 1])) for i in range(0, len(raw), 2)]
+
+
+def retained_index(name: str, kept: list[tuple[int, dict[str, Any]]]) -> list[tuple[Any, ...]]:
+    """The commands that index retained client updates, each (round, where it lives)."""
+    commands: list[tuple[Any, ...]] = []
+    for round_id, meta in kept:
+        commands.append(("HSET", retained_key(name, round_id), meta["client"], json.dumps(meta, sort_keys=True)))
+        commands.append(("ZADD", retained_rounds_key(name), round_id, str(round_id)))
+    return commands
+
+
 @dependency_errors
 class ClusterState:
     def __init__(self, url: str) -> None:
@@ -666,6 +696,9 @@ class ClusterState:
         return sorted(self.redis.smembers(excluded_key(name)))
 
     # -- rounds ---------------------------------------------------------------------------------
+    # The round's hot path (admission, acceptance, slots, counters) is built as ``ScriptCall``s
+    # that either run here, blocking (redis-py), or from an event loop (``lifl.net.resp``, the
+    # agent's way): the same scripts, keys and arguments, the same parsing of their answers.
     def reserve(self, name: str, base_version: int, node: str, lease: str = "", client: str = "") -> tuple[int, int, int]:
         """Take one of the round's ``goal`` slots for ``client``'s update arriving at ``node``:
         (status, version, round)."""
@@ -674,54 +707,36 @@ class ClusterState:
     def reserve_many(self, name: str, node: str, items: list[tuple[int, str, str]]) -> list[tuple[int, int, int]]:
         """``reserve`` for each (base version, lease, client) of updates arriving at ``node``, in
         one script (each checked and counted as if alone)."""
-        flat = self._reserve(keys=[job_key(name), leases_key(name), shard_key(name), lease_owners_key(name),
-                                   excluded_key(name)],
-                             args=[node, *[x for item in items for x in item]])
-        return [(int(flat[i]), int(flat[i + 1]), int(flat[i + 2])) for i in range(0, len(flat), 3)]
+        return reserved(self.run(self.reserve_call(name, node, items)))
+
+    def reserve_call(self, name: str, node: str, items: list[tuple[int, str, str]]) -> ScriptCall:
+        return ScriptCall(self._reserve, [job_key(name), leases_key(name), shard_key(name), lease_owners_key(name),
+                                          excluded_key(name)], [node, *[x for item in items for x in item]])
 
     def unreserve(self, name: str, round_id: int, node: str) -> bool:
         """Give back the slot of an upload that will not be accepted."""
         return self.give_back(name, node, [(round_id, "")]) == 1
 
-    def unreserve_many(self, name: str, node: str, rounds: list[int]) -> None:
-        """``unreserve`` the slot of each upload (of the round given) that will not be accepted."""
-        self.give_back(name, node, [(round_id, "") for round_id in rounds])
-
     def give_back(self, name: str, node: str, refused: list[tuple[int, str]]) -> int:
         """Uploads that will not be accepted, each (round, reason): their slots go back and the
         refusals are counted (``rejected.<reason>``; no reason: not counted); how many were of
         the current round."""
+        return int(self.run(self.give_back_call(name, node, refused)))
+
+    def give_back_call(self, name: str, node: str, refused: list[tuple[int, str]]) -> ScriptCall:
         args: list[Any] = [node]
         for round_id, reason in refused:
             args += [round_id, f"rejected.{reason}" if reason else ""]
-        return int(self._unreserve(keys=[job_key(name), shard_key(name)], args=args))
+        return ScriptCall(self._unreserve, [job_key(name), shard_key(name)], args)
 
-    def count_rejections(self, name: str, refused: list[tuple[int, str]]) -> None:
-        """Count refusals of arrived updates, each (round, code)."""
-        self._count(keys=[job_key(name)], args=[x for round_id, code in refused for x in (round_id, f"rejected.{code}", 1)])
+    def count_call(self, name: str, counts: list[tuple[int, str, int]]) -> ScriptCall:
+        """Add to counters of rounds of the job, each (round, field, delta): rejected.<code>,
+        aggregated (counted only while that round is the current one)."""
+        return ScriptCall(self._count, [job_key(name)], [x for count in counts for x in count])
 
-    def count_aggregated(self, counts: dict[tuple[str, int], int]) -> None:
-        """Add to the ``aggregated`` counter of each (job, round): one script per job, one round trip."""
-        by_job: dict[str, list[Any]] = {}
-        for (name, round_id), n in counts.items():
-            by_job.setdefault(name, []).extend((round_id, "aggregated", n))
-        self._scripts([(self._count, [job_key(name)], args) for name, args in by_job.items()])
-
-    def _scripts(self, calls: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
-        """Run several scripts in one round trip (EVALSHA each; a Redis that lost its scripts, as
-        a restarted one has, is given them again)."""
-        for attempt in (1, 2):
-            pipe = self.redis.pipeline(transaction=False)
-            for script, keys, args in calls:
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-            try:
-                return pipe.execute()
-            except redis.exceptions.NoScriptError:
-                if attempt == 2:
-                    raise
-                for script in {id(script): script for script, _, _ in calls}.values():
-                    self.redis.script_load(script.script)
-        return []
+    def run(self, call: ScriptCall) -> Any:
+        """Run a script call here (blocking)."""
+        return call.script(keys=call.keys, args=call.args)
 
     def take_lease(self, spec: JobSpec, client: str) -> tuple[str, int, int]:
         """``client``'s lease for training in the current round, bound to it: (lease id, version,
@@ -750,7 +765,7 @@ class ClusterState:
 
     def count(self, name: str, round_id: int, field: str, delta: int = 1) -> bool:
         """Add to a counter of round ``round_id`` (aggregated, rejected.<code>)."""
-        return bool(self._count(keys=[job_key(name)], args=[round_id, field, delta]))
+        return bool(self.run(self.count_call(name, [(round_id, field, delta)])))
 
     def accept(self, name: str, round_id: int, node: str, client: str = "") -> tuple[int, int]:
         """Count ``client``'s arrived update of round ``round_id`` on ``node``: (status, accepted so
@@ -761,17 +776,19 @@ class ClusterState:
         """``accept`` for each (round, client, retained) of updates that arrived at ``node``, in
         one script; then, for those accepted and ``retained`` (where the update lives, see
         ``record_retained``), the retention index (a second round trip, only when there are some)."""
-        flat = self._accept(keys=[job_key(name), shard_key(name)],
-                            args=[node, name, *[x for round_id, client, _ in items for x in (round_id, client)]])
-        results = [(int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
-        kept = [(round_id, meta) for (round_id, _, meta), (status, _) in zip(items, results) if status >= 0 and meta]
-        if kept:
+        results = accepted(self.run(self.accept_call(name, node, [(round_id, client) for round_id, client, _ in items])))
+        index = retained_index(name, [(round_id, meta) for (round_id, _, meta), (status, _) in zip(items, results)
+                                      if status >= 0 and meta])
+        if index:
             pipe = self.redis.pipeline(transaction=False)
-            for round_id, meta in kept:
-                pipe.hset(retained_key(name, round_id), meta["client"], json.dumps(meta, sort_keys=True))
-                pipe.zadd(retained_rounds_key(name), {str(round_id): round_id})
+            for command in index:
+                pipe.execute_command(*command)
             pipe.execute()
         return results
+
+    def accept_call(self, name: str, node: str, items: list[tuple[int, str]]) -> ScriptCall:
+        return ScriptCall(self._accept, [job_key(name), shard_key(name)],
+                          [node, name, *[x for round_id, client in items for x in (round_id, client)]])
 
     def close_round(self, name: str, round_id: int, min_updates: int) -> int:
         """Close round ``round_id`` at its deadline: CLOSE_FINAL (finishes with what arrived),

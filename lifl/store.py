@@ -62,6 +62,11 @@ def object_name(node: str, tenant: str, key: bytes) -> str:
     return f"/lifl-{node}-{tenant}-{key.hex()}"
 
 
+def _path(name: str) -> str:
+    """The file of a shared-memory name (a string: this is on the hot path)."""
+    return "/dev/shm" + name
+
+
 def node_prefix(node: str) -> str:
     return f"lifl-{node}-"
 
@@ -181,10 +186,10 @@ class ObjectStore:
             if key in self._objects:
                 continue
             try:  # a name taken already (a leftover, or 2^-128 bad luck) is never overwritten
-                os.link(SHM_DIR / seg.name[1:], SHM_DIR / name[1:])
+                os.link(_path(seg.name), _path(name))
             except FileExistsError:
                 continue
-            os.unlink(SHM_DIR / seg.name[1:])
+            os.unlink(_path(seg.name))
             seg.name = name
             return key
 
@@ -358,7 +363,7 @@ class ObjectStore:
             return
         self._pool_seq += 1
         name = f"/{node_prefix(self.node)}{seg.tenant.name}-pool{self._pool_seq}"
-        os.rename(SHM_DIR / seg.name[1:], SHM_DIR / name[1:])  # its key no longer opens it
+        os.rename(_path(seg.name), _path(name))  # its key no longer opens it
         seg.name, seg.key, seg.freed_at = name, b"", time.monotonic()
         self._pool[seg.inode] = seg
         self._pool_shapes.setdefault((seg.tenant.name, seg.size), OrderedDict())[seg.inode] = seg

@@ -79,7 +79,11 @@ from lifl.protocol import (
     Query, Ready, Release, StrategyInputs, Submit, SubmitPartial, Submitted, TakeQuery, Text, Welcome, decode, input_record,
 )
 from lifl.rpc import MessageStream, error_reply, reply_frame
-from lifl.state import ACCEPT_CLOSED_ROUND, RESERVE_OK, ClusterState, accept_refusal, refusal
+from lifl.net.resp import Resp
+from lifl.state import (
+    ACCEPT_CLOSED_ROUND, REDIS_COMMAND_TIMEOUT, RESERVE_OK, ClusterState, ScriptCall, accept_refusal, accepted, refusal, reserved,
+    retained_index,
+)
 from lifl.store import SHM_DIR, ObjectStore, Segment, Tenant, remove_node_objects
 from lifl.strategy import privacy, strategy_bytes
 
@@ -334,9 +338,10 @@ class Peer:
 class Batches:
     """One Redis call per job at a time, for everything of the job that arrived by then: items
     added in one turn of the loop go together (the call starts at the end of the turn), and items
-    that arrive while a job's call is in flight go in its next call (up to ``MAX_BATCH`` a call)."""
+    that arrive while a job's call is in flight go in its next call (up to ``MAX_BATCH`` a call).
+    ``call(job, items, finished)`` starts a call; ``done(job, items, result, error)`` takes its answer."""
 
-    def __init__(self, loop: Loop, call: Callable[[str, list[Any]], Any],
+    def __init__(self, loop: Loop, call: Callable[[str, list[Any], Callable[[Any, BaseException | None], None]], None],
                  done: Callable[[str, list[Any], Any, BaseException | None], None]) -> None:
         self.loop = loop
         self._call = call
@@ -358,7 +363,7 @@ class Batches:
         items, rest = waiting[:MAX_BATCH], waiting[MAX_BATCH:]
         if rest:
             self._waiting[job] = rest
-        self.loop.offload(lambda: self._call(job, items), lambda result, error: self._finished(job, items, result, error))
+        self._call(job, items, lambda result, error: self._finished(job, items, result, error))
 
     def _finished(self, job: str, items: list[Any], result: Any, error: BaseException | None) -> None:
         try:
@@ -381,6 +386,7 @@ class Agent:
         self.node = config.node
         self.state = state
         self.loop = Loop(f"lifl agent {config.node}")
+        self.resp = Resp(self.loop, config.redis_url, REDIS_COMMAND_TIMEOUT)  # the hot path's Redis calls, from the loop
         self.store = ObjectStore(config.node, config.shm_capacity, config.pool_limit)
         self.metrics = Metrics()
         data_dir = config.data_dir or config.run_dir
@@ -770,8 +776,24 @@ class Agent:
         meanwhile: one Redis call), then the memory to aggregate the update, then its object."""
         self._with_run(m.job, lambda run: self._reserves.add(m.job, (holder, m, reply)), reply)
 
-    def _reserve_call(self, job: str, items: list[tuple[Hashable, Admit, Reply]]) -> list[tuple[int, int, int]]:
-        return self.state.reserve_many(job, self.node, [(m.version, m.lease, m.client) for _, m, _ in items])
+    def _reserve_call(self, job: str, items: list[tuple[Hashable, Admit, Reply]],
+                      done: Callable[[Any, BaseException | None], None]) -> None:
+        call = self.state.reserve_call(job, self.node, [(m.version, m.lease, m.client) for _, m, _ in items])
+        self._script(call, lambda raw, error: done(reserved(raw) if error is None else None, error))
+
+    def _script(self, call: ScriptCall, done: Callable[[Any, BaseException | None], None]) -> None:
+        """Run one of the state's scripts from the loop (``lifl.net.resp``: no thread, no waiting)."""
+        self.resp.script(call.script.sha, call.script.script, call.keys, call.args, done)
+
+    def _script_io(self, call: ScriptCall, what: str, then: Callable[[], None] = lambda: None) -> None:
+        """A script whose answer nobody waits for (a failure is logged: duties repair it); then ``then()``."""
+
+        def done(_: Any, error: BaseException | None) -> None:
+            if error is not None:
+                print(f"lifl agent: {what} failed: {error}", file=sys.stderr)
+            then()
+
+        self._script(call, done)
 
     def _reserved(self, job: str, items: list[tuple[Hashable, Admit, Reply]], results: list[tuple[int, int, int]] | None,
                   error: BaseException | None) -> None:
@@ -799,11 +821,12 @@ class Agent:
             reply(Admitted(seg.key, m.version, round_id), [os.dup(seg.fd)])
         if give_back:  # refused after all: the slots go back before the refusals are answered
 
-            def answer(_: Any, error: BaseException | None) -> None:
+            def answer() -> None:
                 for _, reply, e in give_back:
                     reply.error(e)
 
-            self.loop.offload(lambda: self.state.unreserve_many(job, self.node, [r for r, _, _ in give_back]), answer)
+            self._script_io(self.state.give_back_call(job, self.node, [(r, "") for r, _, _ in give_back]),
+                            "giving back round slots", answer)
 
     def _io(self, call: Callable[[], Any], what: str = "") -> None:
         """A Redis write whose answer nobody waits for (a failure is logged; duties repair it)."""
@@ -885,17 +908,15 @@ class Agent:
         if not slots:
             then()
             return
+        left = [len(slots)]
 
-        def give_back() -> None:
-            for job, given in slots.items():
-                self.state.give_back(job, self.node, given)
+        def given() -> None:  # Redis away: the slots come back when the round ends
+            left[0] -= 1
+            if not left[0]:
+                then()
 
-        def given(_: Any, error: BaseException | None) -> None:
-            if error is not None:  # Redis away: the slots come back when the round ends
-                print(f"lifl agent: giving back round slots failed: {error}", file=sys.stderr)
-            then()
-
-        self.loop.offload(give_back, given)
+        for job, refused in slots.items():
+            self._script_io(self.state.give_back_call(job, self.node, refused), "giving back round slots", given)
 
     def _gateway_gone(self, holder: Hashable) -> None:
         self._holders.discard(holder)
@@ -917,11 +938,35 @@ class Agent:
             retained = self._retained_meta(m, upload)
         self._accepts.add(upload.job, (m, upload, retained, reply))
 
-    def _accept_call(self, job: str, items: list[tuple[Submit, uploads.Upload, dict[str, Any] | None, Reply]]
-                     ) -> list[tuple[int, int]]:
-        """Count the updates in Redis (one call), and index the ones the job's policy retains: a
-        query may come as soon as the round ends."""
-        return self.state.accept_many(job, self.node, [(upload.round, m.client, meta) for m, upload, meta, _ in items])
+    def _accept_call(self, job: str, items: list[tuple[Submit, uploads.Upload, dict[str, Any] | None, Reply]],
+                     done: Callable[[Any, BaseException | None], None]) -> None:
+        """Count the updates in Redis (one script), then index the ones the job's policy retains
+        (a query may come as soon as the round ends) before anyone hears of them."""
+        call = self.state.accept_call(job, self.node, [(upload.round, m.client) for m, upload, _, _ in items])
+
+        def counted(raw: Any, error: BaseException | None) -> None:
+            if error is not None:
+                done(None, error)
+                return
+            results = accepted(raw)
+            index = retained_index(job, [(upload.round, meta) for (_, upload, meta, _), (status, _) in zip(items, results)
+                                         if status >= 0 and meta])
+            if not index:
+                done(results, None)
+                return
+            left = [len(index)]
+
+            def indexed(_: Any, error: BaseException | None) -> None:
+                if error is not None:
+                    print(f"lifl agent: indexing retained updates of {job!r} failed: {error}", file=sys.stderr)
+                left[0] -= 1
+                if not left[0]:
+                    done(results, None)
+
+            for command in index:
+                self.resp.command(command, indexed)
+
+        self._script(call, counted)
 
     def _retained_meta(self, m: Submit, upload: uploads.Upload) -> dict[str, Any]:
         """Where a retained client update lives, as Redis indexes it."""
@@ -955,7 +1000,7 @@ class Agent:
                                            tree.Input(m.key, m.samples, 1, False))
             reply(Submitted(upload.round, self.uploads.counts.get(job, 0)))
         if refused:
-            self._io(lambda: self.state.count_rejections(job, refused), "counting refusals")
+            self._script_io(self.state.count_call(job, [(r, f"rejected.{code}", 1) for r, code in refused]), "counting refusals")
         self._apply(effects)
         if closed:
             self.settle(job)
@@ -1409,7 +1454,11 @@ class Agent:
         if not self._aggregated:
             return
         counts, self._aggregated = self._aggregated, {}
-        self._io(lambda: self.state.count_aggregated(counts), "counting aggregated updates")
+        by_job: dict[str, list[tuple[int, str, int]]] = {}
+        for (job, round_id), n in counts.items():
+            by_job.setdefault(job, []).append((round_id, "aggregated", n))
+        for job, job_counts in by_job.items():
+            self._script_io(self.state.count_call(job, job_counts), "counting aggregated updates")
 
     def finished(self, iid: int, m: Finished) -> None:
         """A leaf's or middle's end: its last fold, its result to its parent here (which the
@@ -1559,7 +1608,6 @@ class Agent:
         self.actuator.retire(tenant, iid, self.loop)
         if not self._stopping:
             self._perform(self.board.gone(iid, why, *self._board_context()))
-        self._refresh_instance_gauges()
 
     def _free(self, iid: int) -> None:
         """An instance finished its task: reuse it for a waiting task, or keep it warm (or, without
@@ -1567,7 +1615,6 @@ class Agent:
         if not self.config.reuse and iid in self.instances:
             self._perform([self.board.stop(iid)])
         self._dispatch()
-        self._refresh_instance_gauges()
 
     # -- strategies (lifl.strategy) -------------------------------------------------------------------
     def strategy_inputs(self, iid: int, m: StrategyInputs, reply: Reply) -> None:
@@ -1757,7 +1804,6 @@ class Agent:
         inputs = [input_record(m.key, m.samples, m.count, m.partial, m.sent_ns) for m in e.inputs]
         self._push(e.instance, Invoke(task.id, task.job, task.version, task.role, e.fan_in, self.config.lazy, spec, options,
                                       *e.parent, inputs, scratch), fds)
-        self._refresh_instance_gauges()
 
     def _push(self, instance: int, message: Message, fds: Sequence[int] = ()) -> None:
         peer = self.instances.get(instance)

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from lifl.control.planner import InstanceView, expired, pick_warm
+from lifl.control.planner import expired, pick_warm
 from lifl.keys.record import KIND_CLOSE, KeyMessage
 from lifl.node.tree import OPEN, Task
 from lifl.protocol import LEAF, MIDDLE, QUERY_ROLE, ROLES
@@ -47,6 +47,10 @@ class Worker:
     last_used: float = 0.0
     inference: bool = False  # it loaded torch before dropping privileges: it may answer inference queries
     jobs_known: set[str] = field(default_factory=set)  # jobs whose model spec it was sent
+
+    @property
+    def idle(self) -> bool:
+        return self.task is None
 
 
 @dataclass(eq=False)
@@ -418,9 +422,7 @@ class Board:
         return any(p in self.placed for p in producers(task))
 
     def _idle(self, tenant: str, inference: bool = False) -> Worker | None:
-        views = [InstanceView(w.id, w.tenant, w.task is None, w.last_used) for w in self.workers.values()
-                 if w.inference or not inference]
-        chosen = pick_warm(views, tenant)
+        chosen = pick_warm((w for w in self.workers.values() if w.inference or not inference), tenant)
         return self.workers[chosen] if chosen is not None else None
 
     def _spawn(self, tenant: str, reason: str, effects: list[Effect], now: float, preload: bool = False) -> Worker | None:
@@ -448,9 +450,8 @@ class Board:
         if not self.starts_instances:
             return []
         keep = dict(keep)
-        views = [InstanceView(w.id, w.tenant, w.task is None, w.last_used) for w in self.workers.values()]
         effects: list[Effect] = []
-        for instance in expired(views, now, keep_warm):
+        for instance in expired(list(self.workers.values()), now, keep_warm):
             tenant = self.workers[instance].tenant
             if keep.get(tenant, 0) > 0:
                 keep[tenant] -= 1
