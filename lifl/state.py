@@ -73,18 +73,25 @@ local function forget(owners, lease)
 end
 """
 
-# KEYS: job, leases, shard, lease owners, excluded. ARGV: node, then (base version, lease ('' for
-# none), client ('' for any)) for each update arriving at that node. -> {status, version, round}
-# for each, in order: a batch of admissions costs one call, each checked and counted as if alone.
-# A client whose update of the round was counted gets -6. A lease that is not the client's is
-# ignored. The slot is also counted against the node whose gateway receives the update, so that
-# the slots of a node that dies with uploads in progress can be given back.
+# Idempotent batches: each upload has a token ('' for none). An admission records its slot as
+# 'slot.<token>' (the node) in the round's tokens hash, and an acceptance its outcome as
+# 'acc.<token>' ('<status>:<accepted>'), so a batch sent again because its answer was lost (the
+# connection broke after the script ran) finds what it did and does nothing twice. The tokens
+# are dropped with their round (a hash of their own: the shard, read whole, stays small).
+
+# KEYS: job, leases, shard, lease owners, excluded, tokens. ARGV: node, then (token, base version, lease
+# ('' for none), client ('' for any)) for each update arriving at that node. -> {status, version,
+# round} for each, in order: a batch of admissions costs one call, each checked and counted as if
+# alone. A client whose update of the round was counted gets -6. A lease that is not the
+# client's is ignored. The slot is also counted against the node whose gateway receives the
+# update, so that the slots of a node that dies with uploads in progress can be given back.
 _RESERVE = _NOW + _LEASES + """
 local h = KEYS[1]
-local function reserve(base, lease, node, client)
+local function reserve(token, base, lease, node, client)
   if redis.call('EXISTS', h) == 0 then return {-1, 0, 0} end
   local v, r = field(h, 'version'), field(h, 'round')
   if v < 0 then return {-2, v, r} end
+  if token ~= '' and redis.call('HEXISTS', KEYS[6], 'slot.' .. token) == 1 then return {0, v, r} end  -- sent again
   if base > v or v - base > (field(h, 'max_staleness') or 0) then return {-3, v, r} end
   if field(h, 'closed') == 1 then return {closed_status(h), v, r} end
   if client ~= '' and redis.call('HEXISTS', KEYS[3], 'client.' .. client) == 1 then return {-6, v, r} end
@@ -97,11 +104,12 @@ local function reserve(base, lease, node, client)
   if field(h, 'reserved') >= field(h, 'goal') then return {-4, v, r} end
   redis.call('HINCRBY', h, 'reserved', 1)
   redis.call('HINCRBY', KEYS[3], 'inflight.' .. node, 1)
+  if token ~= '' then redis.call('HSET', KEYS[6], 'slot.' .. token, node) end
   return {0, v, r}
 end
 local out = {}
-for i = 2, #ARGV, 3 do
-  local status = reserve(tonumber(ARGV[i]), ARGV[i + 1], ARGV[1], ARGV[i + 2])
+for i = 2, #ARGV, 4 do
+  local status = reserve(ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], ARGV[1], ARGV[i + 3])
   out[#out + 1] = status[1]
   out[#out + 1] = status[2]
   out[#out + 1] = status[3]
@@ -109,15 +117,24 @@ end
 return out
 """
 
-# KEYS: job, shard. ARGV: node, then the round of each upload that gave its slot back (refused,
-# aborted, lost), with the name of a refusal counter to add to ('' for none). -> how many counted.
+# KEYS: job, shard, tokens. ARGV: node, then (token, round, counter ('' for none)) for each upload
+# that gives its slot back (refused, aborted, lost): the slot goes, once, and the refusal is
+# counted then. A token names its slot (tokens live as long as their round: the round given is not
+# needed); an upload without one gives back a slot of its round on that node. -> how many went back.
 _UNRESERVE = """
 local given = 0
-for i = 2, #ARGV, 2 do
-  if tonumber(redis.call('HGET', KEYS[1], 'round')) == tonumber(ARGV[i]) then
+for i = 2, #ARGV, 3 do
+  local token = ARGV[i]
+  local back
+  if token ~= '' then
+    back = redis.call('HDEL', KEYS[3], 'slot.' .. token) == 1
+  else
+    back = tonumber(redis.call('HGET', KEYS[1], 'round')) == tonumber(ARGV[i + 1])
+  end
+  if back then
     redis.call('HINCRBY', KEYS[1], 'reserved', -1)
     redis.call('HINCRBY', KEYS[2], 'inflight.' .. ARGV[1], -1)
-    if ARGV[i + 1] ~= '' then redis.call('HINCRBY', KEYS[1], ARGV[i + 1], 1) end
+    if ARGV[i + 2] ~= '' then redis.call('HINCRBY', KEYS[1], ARGV[i + 2], 1) end
     given = given + 1
   end
 end
@@ -199,22 +216,37 @@ local function finalize(h, s)
 end
 """
 
-# KEYS: job, shard. ARGV: node, job name, then (round, client ('' for any)) for each update that
-# arrived whole at that node; one update per client and round. Each is an acknowledged update,
-# counted once for the whole round, on the node that took it; the one that meets the goal closes
-# the round (and the batch's later ones find it closed). -> {status, accepted} for each: 1 closed
-# it, 0 counted, -1 another round, -5 closed, -6 this node was declared dead for this round, -7
-# the client's update of this round was counted already (its slot is given back).
+# KEYS: job, shard, tokens. ARGV: node, job name, then (token, round, client ('' for any)) for each update
+# that arrived whole at that node; one update per client and round. Each is an acknowledged
+# update, counted once for the whole round, on the node that took it; the one that meets the
+# goal closes the round (and the batch's later ones find it closed). -> {status, accepted} for
+# each: 1 closed it, 0 counted, -1 another round, -5 closed, -6 this node was declared dead for
+# this round, -7 the client's update of this round was counted already (its slot is given back).
+# An update whose token was accepted already gets the same answer again.
 _ACCEPT = _NOW + _FINALIZE + """
-local h, s, node = KEYS[1], KEYS[2], ARGV[1]
-local function accept(round, client)
+local h, s, t, node = KEYS[1], KEYS[2], KEYS[3], ARGV[1]
+local function decided(token, status, accepted)
+  if token ~= '' then
+    redis.call('HDEL', t, 'slot.' .. token)
+    redis.call('HSET', t, 'acc.' .. token, status .. ':' .. accepted)
+  end
+  return status, accepted
+end
+local function accept(token, round, client)
+  if token ~= '' then
+    local prior = redis.call('HGET', t, 'acc.' .. token)
+    if prior then
+      local colon = string.find(prior, ':', 1, true)
+      return tonumber(string.sub(prior, 1, colon - 1)), tonumber(string.sub(prior, colon + 1))
+    end
+  end
   if field(h, 'round') ~= round then return -1, 0 end
   if field(h, 'closed') == 1 then return -5, 0 end
   if redis.call('HEXISTS', s, 'dead.' .. node) == 1 then return -6, 0 end
   if client ~= '' and redis.call('HSETNX', s, 'client.' .. client, node) == 0 then
     redis.call('HINCRBY', h, 'reserved', -1)
     redis.call('HINCRBY', s, 'inflight.' .. node, -1)
-    return -7, 0
+    return decided(token, -7, 0)
   end
   local accepted = redis.call('HINCRBY', h, 'accepted', 1)
   redis.call('HINCRBY', s, 'count.' .. node, 1)
@@ -223,13 +255,13 @@ local function accept(round, client)
   if accepted >= field(h, 'goal') then
     finalize(h, s)
     redis.call('PUBLISH', '""" + EVENTS + """', ARGV[2])
-    return 1, accepted
+    return decided(token, 1, accepted)
   end
-  return 0, accepted
+  return decided(token, 0, accepted)
 end
 local out = {}
-for i = 3, #ARGV, 2 do
-  local status, accepted = accept(tonumber(ARGV[i]), ARGV[i + 1])
+for i = 3, #ARGV, 3 do
+  local status, accepted = accept(ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2])
   out[#out + 1] = status
   out[#out + 1] = accepted
 end
@@ -272,7 +304,7 @@ redis.call('HSET', s, 'delivered.' .. ARGV[2], ARGV[3])
 return 1
 """
 
-# KEYS: job, shard. ARGV: round, dead node, job name.
+# KEYS: job, shard, tokens. ARGV: round, dead node, job name.
 # A node died (or restarted) during the round: what it acknowledged and had not delivered to
 # the top is lost (recorded per node); while the round is open its slots reopen. If it hosted
 # the top, every partial delivered there is gone too: the epoch moves on and the survivors
@@ -313,6 +345,10 @@ if inflight > 0 then  -- its uploads in progress died with it
   redis.call('HINCRBY', h, 'reserved', -inflight)
   redis.call('HSET', s, 'inflight.' .. node, 0)
 end
+local tokens = redis.call('HGETALL', KEYS[3])
+for i = 1, #tokens, 2 do  -- their slots too: a fenced node giving one back gives back nothing
+  if string.sub(tokens[i], 1, 5) == 'slot.' and tokens[i + 1] == node then redis.call('HDEL', KEYS[3], tokens[i]) end
+end
 local remaining = 0
 local all = redis.call('HGETALL', s)
 for i = 1, #all, 2 do
@@ -322,7 +358,7 @@ redis.call('PUBLISH', '""" + EVENTS + """', ARGV[3])
 return {1, remaining, closed and 1 or 0, top_lost}
 """
 
-# KEYS: job, leases, history, shard, assignments, lease owners. ARGV: round expected, new version, model key
+# KEYS: job, leases, history, shard, assignments, lease owners, tokens. ARGV: round expected, new version, model key
 # ('' keeps it), node, summary json ('' records nothing), model spec json ('' keeps it),
 # history length, job name. -> opening time (ms), or -1.
 _NEXT_ROUND = _NOW + """
@@ -337,7 +373,7 @@ redis.call('HSET', h, 'version', ARGV[2], 'round', next_round, 'round_opened', n
            'reserved', 0, 'accepted', 0, 'aggregated', 0)
 if ARGV[3] ~= '' then redis.call('HSET', h, 'model_key', ARGV[3], 'model_node', ARGV[4]) end
 if ARGV[6] ~= '' then redis.call('HSET', h, 'model_spec', ARGV[6]) end
-redis.call('DEL', KEYS[2], KEYS[4], KEYS[5], KEYS[6])
+redis.call('DEL', KEYS[2], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
 redis.call('HSET', KEYS[4], 'round', next_round, 'epoch', 0)
 if ARGV[5] ~= '' then
   redis.call('HSET', h, 'last_round', ARGV[5])
@@ -455,6 +491,11 @@ def history_key(name: str) -> str:
 
 def shard_key(name: str) -> str:
     return f"lifl:job:{name}:shard"
+
+
+def tokens_key(name: str) -> str:
+    """The current round's upload tokens (see the admission and acceptance scripts)."""
+    return f"lifl:job:{name}:tokens"
 
 
 def assignments_key(name: str) -> str:
@@ -699,35 +740,36 @@ class ClusterState:
     # The round's hot path (admission, acceptance, slots, counters) is built as ``ScriptCall``s
     # that either run here, blocking (redis-py), or from an event loop (``lifl.net.resp``, the
     # agent's way): the same scripts, keys and arguments, the same parsing of their answers.
-    def reserve(self, name: str, base_version: int, node: str, lease: str = "", client: str = "") -> tuple[int, int, int]:
+    def reserve(self, name: str, base_version: int, node: str, lease: str = "", client: str = "",
+                token: str = "") -> tuple[int, int, int]:
         """Take one of the round's ``goal`` slots for ``client``'s update arriving at ``node``:
-        (status, version, round)."""
-        return self.reserve_many(name, node, [(base_version, lease, client)])[0]
+        (status, version, round). ``token``: the upload's, so that sending this again is harmless."""
+        return self.reserve_many(name, node, [(token, base_version, lease, client)])[0]
 
-    def reserve_many(self, name: str, node: str, items: list[tuple[int, str, str]]) -> list[tuple[int, int, int]]:
-        """``reserve`` for each (base version, lease, client) of updates arriving at ``node``, in
-        one script (each checked and counted as if alone)."""
+    def reserve_many(self, name: str, node: str, items: list[tuple[str, int, str, str]]) -> list[tuple[int, int, int]]:
+        """``reserve`` for each (token, base version, lease, client) of updates arriving at
+        ``node``, in one script (each checked and counted as if alone)."""
         return reserved(self.run(self.reserve_call(name, node, items)))
 
-    def reserve_call(self, name: str, node: str, items: list[tuple[int, str, str]]) -> ScriptCall:
+    def reserve_call(self, name: str, node: str, items: list[tuple[str, int, str, str]]) -> ScriptCall:
         return ScriptCall(self._reserve, [job_key(name), leases_key(name), shard_key(name), lease_owners_key(name),
-                                          excluded_key(name)], [node, *[x for item in items for x in item]])
+                                          excluded_key(name), tokens_key(name)], [node, *[x for item in items for x in item]])
 
-    def unreserve(self, name: str, round_id: int, node: str) -> bool:
+    def unreserve(self, name: str, round_id: int, node: str, token: str = "") -> bool:
         """Give back the slot of an upload that will not be accepted."""
-        return self.give_back(name, node, [(round_id, "")]) == 1
+        return self.give_back(name, node, [(token, round_id, "")]) == 1
 
-    def give_back(self, name: str, node: str, refused: list[tuple[int, str]]) -> int:
-        """Uploads that will not be accepted, each (round, reason): their slots go back and the
-        refusals are counted (``rejected.<reason>``; no reason: not counted); how many were of
-        the current round."""
+    def give_back(self, name: str, node: str, refused: list[tuple[str, int, str]]) -> int:
+        """Uploads that will not be accepted, each (token, round, reason): their slots go back
+        and the refusals are counted (``rejected.<reason>``; no reason: not counted); how many
+        slots went back (a token's goes back once)."""
         return int(self.run(self.give_back_call(name, node, refused)))
 
-    def give_back_call(self, name: str, node: str, refused: list[tuple[int, str]]) -> ScriptCall:
+    def give_back_call(self, name: str, node: str, refused: list[tuple[str, int, str]]) -> ScriptCall:
         args: list[Any] = [node]
-        for round_id, reason in refused:
-            args += [round_id, f"rejected.{reason}" if reason else ""]
-        return ScriptCall(self._unreserve, [job_key(name), shard_key(name)], args)
+        for token, round_id, reason in refused:
+            args += [token, round_id, f"rejected.{reason}" if reason else ""]
+        return ScriptCall(self._unreserve, [job_key(name), shard_key(name), tokens_key(name)], args)
 
     def count_call(self, name: str, counts: list[tuple[int, str, int]]) -> ScriptCall:
         """Add to counters of rounds of the job, each (round, field, delta): rejected.<code>,
@@ -767,17 +809,19 @@ class ClusterState:
         """Add to a counter of round ``round_id`` (aggregated, rejected.<code>)."""
         return bool(self.run(self.count_call(name, [(round_id, field, delta)])))
 
-    def accept(self, name: str, round_id: int, node: str, client: str = "") -> tuple[int, int]:
+    def accept(self, name: str, round_id: int, node: str, client: str = "", token: str = "") -> tuple[int, int]:
         """Count ``client``'s arrived update of round ``round_id`` on ``node``: (status, accepted so
         far); ACCEPT_CLOSED_ROUND when it met the goal and closed the round."""
-        return self.accept_many(name, node, [(round_id, client, None)])[0]
+        return self.accept_many(name, node, [(token, round_id, client, None)])[0]
 
-    def accept_many(self, name: str, node: str, items: list[tuple[int, str, dict[str, Any] | None]]) -> list[tuple[int, int]]:
-        """``accept`` for each (round, client, retained) of updates that arrived at ``node``, in
-        one script; then, for those accepted and ``retained`` (where the update lives, see
+    def accept_many(self, name: str, node: str, items: list[tuple[str, int, str, dict[str, Any] | None]]
+                    ) -> list[tuple[int, int]]:
+        """``accept`` for each (token, round, client, retained) of updates that arrived at ``node``,
+        in one script; then, for those accepted and ``retained`` (where the update lives, see
         ``record_retained``), the retention index (a second round trip, only when there are some)."""
-        results = accepted(self.run(self.accept_call(name, node, [(round_id, client) for round_id, client, _ in items])))
-        index = retained_index(name, [(round_id, meta) for (round_id, _, meta), (status, _) in zip(items, results)
+        results = accepted(self.run(self.accept_call(name, node, [(token, round_id, client)
+                                                                  for token, round_id, client, _ in items])))
+        index = retained_index(name, [(round_id, meta) for (_, round_id, _, meta), (status, _) in zip(items, results)
                                       if status >= 0 and meta])
         if index:
             pipe = self.redis.pipeline(transaction=False)
@@ -786,9 +830,9 @@ class ClusterState:
             pipe.execute()
         return results
 
-    def accept_call(self, name: str, node: str, items: list[tuple[int, str]]) -> ScriptCall:
-        return ScriptCall(self._accept, [job_key(name), shard_key(name)],
-                          [node, name, *[x for round_id, client in items for x in (round_id, client)]])
+    def accept_call(self, name: str, node: str, items: list[tuple[str, int, str]]) -> ScriptCall:
+        return ScriptCall(self._accept, [job_key(name), shard_key(name), tokens_key(name)],
+                          [node, name, *[x for item in items for x in item]])
 
     def close_round(self, name: str, round_id: int, min_updates: int) -> int:
         """Close round ``round_id`` at its deadline: CLOSE_FINAL (finishes with what arrived),
@@ -806,7 +850,7 @@ class ClusterState:
         return int(self._delivered(keys=[job_key(name), shard_key(name)], args=[round_id, node, epoch]))
 
     def node_lost(self, name: str, round_id: int, node: str) -> Loss:
-        status, remaining, closed, top_lost = self._node_lost(keys=[job_key(name), shard_key(name)],
+        status, remaining, closed, top_lost = self._node_lost(keys=[job_key(name), shard_key(name), tokens_key(name)],
                                                               args=[round_id, node, name])
         return Loss(int(status) == 1, int(remaining), bool(closed), bool(top_lost))
 
@@ -816,7 +860,7 @@ class ClusterState:
         returns its opening time (s), or -1 if the round had moved on already."""
         opened = self._next_round(
             keys=[job_key(name), leases_key(name), history_key(name), shard_key(name), assignments_key(name),
-                  lease_owners_key(name)],
+                  lease_owners_key(name), tokens_key(name)],
             args=[round_id, version, key, node, json.dumps(summary) if summary else "",
                   json.dumps(spec.to_json()) if spec else "", HISTORY, name],
         )

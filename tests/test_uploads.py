@@ -39,13 +39,13 @@ class Book:
         self.admitted: dict[int, Upload] = {}
 
     def run(self, event: Event) -> list[str]:
-        """Apply ``event``: its effects (Rel:key, Slot:job/round:reason), the upload taken (took:key),
+        """Apply ``event``: its effects (Rel:key, Slot:job/round/token:reason), the upload taken (took:key),
         the job whose update is done, "ok", or the refusal's code (!code)."""
         u = self.uploads
         try:
             match event:
                 case ("admit", n, kind, job, holder):
-                    self.admitted[n] = Upload(job, kind, holder, version=2, round=3)
+                    self.admitted[n] = Upload(job, kind, holder, version=2, round=3, slot=f"t{n}")
                     u.add(key(n), self.admitted[n])
                     return []
                 case ("take", holder, n, kind):
@@ -72,7 +72,7 @@ class Book:
             if isinstance(e, ReleaseUpload):
                 out.append(f"Rel:{number(e.key)}" + ("" if e.upload is self.admitted[number(e.key)] else "(another upload)"))
             elif isinstance(e, GiveBackSlot):
-                out.append(f"Slot:{e.job}/{e.round}:{e.reason}")
+                out.append(f"Slot:{e.job}/{e.round}/{e.slot}:{e.reason}")
             else:
                 raise AssertionError(f"unexpected effect {e!r}")
         return out
@@ -112,7 +112,7 @@ def admitted(*blobs: tuple[int, str, str, str]) -> list[Step]:
                   (("done", 9), ["None"]),
                   (("budget", "j", 1), ["!inflight_budget"])], id="only-updates-are-done"),
     pytest.param([*admitted((1, UPDATE, "j", A)),
-                  (("abort", A, 1), ["Rel:1", "Slot:j/3:client_abort"]),
+                  (("abort", A, 1), ["Rel:1", "Slot:j/3/t1:client_abort"]),
                   (("budget", "j", 1), ["!inflight_budget"]),  # until its object is released (update_done)
                   (("done", 1), ["j"]),
                   (("budget", "j", 1), ["ok"])], id="an-aborted-update-is-in-flight-until-done"),
@@ -140,7 +140,7 @@ def test_take(steps: list[Step]) -> None:
 
 
 @pytest.mark.parametrize("kind,effects", [
-    pytest.param(UPDATE, ["Rel:1", "Slot:j/3:client_abort"], id="an-update-gives-its-rounds-slot-back"),
+    pytest.param(UPDATE, ["Rel:1", "Slot:j/3/t1:client_abort"], id="an-update-gives-its-rounds-slot-back"),
     pytest.param(MODEL, ["Rel:1"], id="a-model"),
     pytest.param(PARTIAL, ["Rel:1"], id="a-partial"),
     pytest.param(REPLICA, ["Rel:1"], id="a-replica"),
@@ -152,7 +152,7 @@ def test_abort(kind: str, effects: list[str]) -> None:
 def test_a_connection_gone_drops_what_it_was_receiving() -> None:
     Book().play([
         *admitted((1, UPDATE, "j", A), (2, UPDATE, "j", B), (3, PARTIAL, "k", A), (4, UPDATE, "k", A), (5, MODEL, "m", A)),
-        (("gone", A), ["Rel:1", "Slot:j/3:connection_lost", "Rel:3", "Rel:4", "Slot:k/3:connection_lost", "Rel:5"]),
+        (("gone", A), ["Rel:1", "Slot:j/3/t1:connection_lost", "Rel:3", "Rel:4", "Slot:k/3/t4:connection_lost", "Rel:5"]),
         (("gone", A), []),
         (("take", B, 2, UPDATE), ["took:2"]),  # the other connection's stays
     ])

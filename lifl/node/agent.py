@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import os
 import queue
+import secrets
 import socket
 import sys
 import threading
@@ -99,6 +100,8 @@ QUERY_TIMEOUT_S = 300.0  # a query not answered by then is called off (its insta
 MAX_QUERY_ROUNDS = 100  # rounds one reputation query reads at most
 HANDOFF_WAIT_S = 5.0  # how long a parent's report of folding a key sent ahead waits for that key's hand-off
 MAX_BATCH = 256  # uploads admitted (or accepted) by one Redis call at most; the rest wait for the next
+REDIS_ANSWER_BUDGET_S = 2.0  # how long a batch is sent again while Redis cannot be reached, before its uploads hear 503
+REDIS_RETRY_S = (0.02, 0.05, 0.1, 0.2, 0.5)  # between those attempts; the last repeats
 LISTEN_BACKLOG = 64
 
 
@@ -339,13 +342,18 @@ class Batches:
     """One Redis call per job at a time, for everything of the job that arrived by then: items
     added in one turn of the loop go together (the call starts at the end of the turn), and items
     that arrive while a job's call is in flight go in its next call (up to ``MAX_BATCH`` a call).
-    ``call(job, items, finished)`` starts a call; ``done(job, items, result, error)`` takes its answer."""
+    ``call(job, items, finished)`` starts a call; ``done(job, items, result, error)`` takes its answer.
+
+    The calls are idempotent (each upload has a token), so a call whose answer was lost (the
+    connection to Redis broke: the script may or may not have run) is sent again, with back-offs,
+    for up to ``REDIS_ANSWER_BUDGET_S``; only then does ``done`` hear of the error."""
 
     def __init__(self, loop: Loop, call: Callable[[str, list[Any], Callable[[Any, BaseException | None], None]], None],
-                 done: Callable[[str, list[Any], Any, BaseException | None], None]) -> None:
+                 done: Callable[[str, list[Any], Any, BaseException | None], None], sizes: Any) -> None:
         self.loop = loop
         self._call = call
         self._done = done
+        self._sizes = sizes  # a histogram of batch sizes (the node's metrics)
         self._waiting: dict[str, list[Any]] = {}
         self._busy: set[str] = set()  # jobs whose call is in flight or about to start
 
@@ -363,13 +371,21 @@ class Batches:
         items, rest = waiting[:MAX_BATCH], waiting[MAX_BATCH:]
         if rest:
             self._waiting[job] = rest
-        self._call(job, items, lambda result, error: self._finished(job, items, result, error))
+        self._sizes.observe(len(items))
+        self._send(job, items, time.monotonic() + REDIS_ANSWER_BUDGET_S, 0)
 
-    def _finished(self, job: str, items: list[Any], result: Any, error: BaseException | None) -> None:
-        try:
-            self._done(job, items, result, error)
-        finally:
-            self._start(job)
+    def _send(self, job: str, items: list[Any], deadline: float, attempt: int) -> None:
+        def finished(result: Any, error: BaseException | None) -> None:
+            if isinstance(error, ConnectionError) and time.monotonic() < deadline:
+                delay = REDIS_RETRY_S[min(attempt, len(REDIS_RETRY_S) - 1)]
+                self.loop.later(delay, lambda: self._send(job, items, deadline, attempt + 1))
+                return
+            try:
+                self._done(job, items, result, error)
+            finally:
+                self._start(job)
+
+        self._call(job, items, finished)
 
 
 def _unavailable(error: BaseException) -> LiflError:
@@ -434,8 +450,10 @@ class Agent:
         self._holders: set[Hashable] = set()  # gateway connections that are open
         self._stopping = False
         self._loop_thread: threading.Thread | None = None
-        self._reserves = Batches(self.loop, self._reserve_call, self._reserved)
-        self._accepts = Batches(self.loop, self._accept_call, self._accepted)
+        self._reserves = Batches(self.loop, self._reserve_call, self._reserved, self.metrics.batch_sizes.labels("reserve"))
+        self._accepts = Batches(self.loop, self._accept_call, self._accepted, self.metrics.batch_sizes.labels("accept"))
+        self._boot = secrets.token_hex(4)  # upload tokens start with it: unique across this node's restarts
+        self._tokens = 0
         self._gateway_handlers: dict[type[Message], Callable[[Hashable], Handler]] = {
             Admit: lambda h: lambda m, f, r: self.admit(h, m, r),
             AdmitModel: lambda h: lambda m, f, r: self.admit_model(h, m, r),
@@ -774,11 +792,16 @@ class Agent:
     def admit(self, holder: Hashable, m: Admit, reply: Reply) -> None:
         """Reserve a slot of the round (with every other admission of the job that arrives
         meanwhile: one Redis call), then the memory to aggregate the update, then its object."""
-        self._with_run(m.job, lambda run: self._reserves.add(m.job, (holder, m, reply)), reply)
+        self._with_run(m.job, lambda run: self._reserves.add(m.job, (holder, m, self._token(), reply)), reply)
 
-    def _reserve_call(self, job: str, items: list[tuple[Hashable, Admit, Reply]],
+    def _token(self) -> str:
+        """An upload's token: unique across this node's restarts (see the admission scripts)."""
+        self._tokens += 1
+        return f"{self._boot}{self._tokens:x}"
+
+    def _reserve_call(self, job: str, items: list[tuple[Hashable, Admit, str, Reply]],
                       done: Callable[[Any, BaseException | None], None]) -> None:
-        call = self.state.reserve_call(job, self.node, [(m.version, m.lease, m.client) for _, m, _ in items])
+        call = self.state.reserve_call(job, self.node, [(token, m.version, m.lease, m.client) for _, m, token, _ in items])
         self._script(call, lambda raw, error: done(reserved(raw) if error is None else None, error))
 
     def _script(self, call: ScriptCall, done: Callable[[Any, BaseException | None], None]) -> None:
@@ -795,15 +818,17 @@ class Agent:
 
         self._script(call, done)
 
-    def _reserved(self, job: str, items: list[tuple[Hashable, Admit, Reply]], results: list[tuple[int, int, int]] | None,
-                  error: BaseException | None) -> None:
+    def _reserved(self, job: str, items: list[tuple[Hashable, Admit, str, Reply]],
+                  results: list[tuple[int, int, int]] | None, error: BaseException | None) -> None:
         if error is not None or results is None:
-            for _, _, reply in items:
+            for _, _, _, reply in items:
                 reply.error(_unavailable(error or Internal("no answer")))
+            if isinstance(error, ConnectionError):  # they may have been reserved: their slots go back once Redis is back
+                self._give_back_eventually(job, [(token, -1, "") for _, _, token, _ in items])  # tokens name their round
             return
         run = self.jobs[job]
-        give_back: list[tuple[int, Reply, LiflError]] = []
-        for (holder, m, reply), (status, version, round_id) in zip(items, results):
+        give_back: list[tuple[str, int, Reply, LiflError]] = []
+        for (holder, m, token, reply), (status, version, round_id) in zip(items, results):
             if status != RESERVE_OK:
                 reply.error(refusal(status, job, version, round_id, run.spec.goal))
                 continue
@@ -815,18 +840,28 @@ class Agent:
             except LiflError as e:
                 if isinstance(e, Overloaded):
                     self.metrics.refused(job, e.code)
-                give_back.append((round_id, reply, e))
+                give_back.append((token, round_id, reply, e))
                 continue
-            self.uploads.add(seg.key, uploads.Upload(job, UPDATE, holder, version, round_id, base=m.version))
+            self.uploads.add(seg.key, uploads.Upload(job, UPDATE, holder, version, round_id, base=m.version, slot=token))
             reply(Admitted(seg.key, m.version, round_id), [os.dup(seg.fd)])
         if give_back:  # refused after all: the slots go back before the refusals are answered
 
             def answer() -> None:
-                for _, reply, e in give_back:
+                for _, _, reply, e in give_back:
                     reply.error(e)
 
-            self._script_io(self.state.give_back_call(job, self.node, [(r, "") for r, _, _ in give_back]),
+            self._script_io(self.state.give_back_call(job, self.node, [(t, r, "") for t, r, _, _ in give_back]),
                             "giving back round slots", answer)
+
+    def _give_back_eventually(self, job: str, slots: list[tuple[str, int, str]]) -> None:
+        """Slots that may have been taken by a call whose answer was lost: give them back (by token,
+        so only those taken go back), trying again until Redis answers or the round moves on."""
+
+        def given(_: Any, error: BaseException | None) -> None:
+            if isinstance(error, ConnectionError):
+                self.loop.later(REDIS_RETRY_S[-1], lambda: self._give_back_eventually(job, slots))
+
+        self._script(self.state.give_back_call(job, self.node, slots), given)
 
     def _io(self, call: Callable[[], Any], what: str = "") -> None:
         """A Redis write whose answer nobody waits for (a failure is logged; duties repair it)."""
@@ -897,14 +932,14 @@ class Agent:
 
     def _apply_uploads(self, effects: list[uploads.Effect], then: Callable[[], None] = lambda: None) -> None:
         """Release what the uploads held; give their round slots back in Redis, then ``then()``."""
-        slots: dict[str, list[tuple[int, str]]] = {}
+        slots: dict[str, list[tuple[str, int, str]]] = {}
         for e in effects:
             if isinstance(e, uploads.ReleaseUpload):
                 self.store.release(e.key, e.upload.holder)  # an update's in-flight count goes with its object
                 if e.upload.kind in (UPDATE, PARTIAL):  # its round will not aggregate it: what it reserved goes back
                     self.store.withdraw(RoundOf(e.upload.job, e.upload.round), e.upload.kind)
             elif isinstance(e, uploads.GiveBackSlot):
-                slots.setdefault(e.job, []).append((e.round, e.reason))
+                slots.setdefault(e.job, []).append((e.slot, e.round, e.reason))
         if not slots:
             then()
             return
@@ -942,7 +977,7 @@ class Agent:
                      done: Callable[[Any, BaseException | None], None]) -> None:
         """Count the updates in Redis (one script), then index the ones the job's policy retains
         (a query may come as soon as the round ends) before anyone hears of them."""
-        call = self.state.accept_call(job, self.node, [(upload.round, m.client) for m, upload, _, _ in items])
+        call = self.state.accept_call(job, self.node, [(upload.slot, upload.round, m.client) for m, upload, _, _ in items])
 
         def counted(raw: Any, error: BaseException | None) -> None:
             if error is not None:
@@ -977,9 +1012,15 @@ class Agent:
                   results: list[tuple[int, int]] | None, error: BaseException | None) -> None:
         holder = _accepting_holder(job)
         if error is not None or results is None:
-            for m, _, _, reply in items:
-                self.store.release(m.key, holder)
+            for _, _, _, reply in items:
                 reply.error(_unavailable(error or Internal("no answer")))
+            if isinstance(error, ConnectionError):
+                # counted or not, Redis will say (the call is idempotent): the updates stay until it does, and
+                # are aggregated if they were counted (a client told 503 that sends again hears "acknowledged")
+                self.loop.later(REDIS_RETRY_S[-1], lambda: [self._accepts.add(job, item) for item in items])
+                return
+            for m, _, _, _ in items:
+                self.store.release(m.key, holder)
             return
         run = self.jobs[job]
         closed = False

@@ -83,6 +83,9 @@ class Metrics:
                                    "checkpoint store", ["job"], registry=r)
         self.queries = Counter("lifl_queries", "Queries served, by workload and result (ok, error)",
                                ["job", "workload", "result"], registry=r)
+        self.batch_sizes = Histogram("lifl_state_batch_size", "Uploads admitted (reserve) or counted (accept) by one Redis "
+                                     "call: what arrives while a job's call is in flight goes in its next",
+                                     ["call"], registry=r, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.query_seconds = Histogram("lifl_query_seconds", "Time to answer a query", ["workload"], registry=r,
                                        buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30))
 
