@@ -539,6 +539,7 @@ REDIS_COMMAND_TIMEOUT = 10.0  # seconds: a stopped (not dead) server must not ha
 REDIS_RETRY_AFTER = 2.0  # seconds a client is told to wait
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 def _unavailable_when_unreachable(method: F) -> F:
@@ -614,7 +615,7 @@ class ClusterState:
         self._assign = r.register_script(_ASSIGN)
         self._set_plan = r.register_script(_SET_PLAN)
         self._lead = r.register_script(_LEAD)
-        self._specs: dict[str, ModelSpec] = {}
+        self._specs: dict[str, Any] = {}  # parsed JobSpecs and ModelSpecs, by their text
 
     def ping(self) -> None:
         self.redis.ping()
@@ -642,7 +643,7 @@ class ClusterState:
         if not h or "version" not in h:
             raise NotFound(f"job {name!r} does not exist", code="no_such_job")
         return Job(
-            spec=JobSpec.from_json(h["spec"]),
+            spec=self._parsed(h["spec"], JobSpec.from_json),
             version=int(h["version"]),
             round=int(h["round"]),
             round_opened=int(h["round_opened"]) / 1000,
@@ -660,15 +661,17 @@ class ClusterState:
         )
 
     def _model_spec(self, text: str) -> ModelSpec | None:
-        """Parsed once per distinct spec (it never changes once a job's model is set)."""
-        if not text:
-            return None
-        spec = self._specs.get(text)
-        if spec is None:
-            if len(self._specs) > 256:
+        return self._parsed(text, lambda t: ModelSpec.from_json(json.loads(t))) if text else None
+
+    def _parsed(self, text: str, parse: Callable[[str], T]) -> T:
+        """A job's spec or model spec, parsed once per distinct text (neither changes once set;
+        the cluster's hot paths read jobs often)."""
+        value = self._specs.get(text)
+        if value is None:
+            if len(self._specs) > 1024:
                 self._specs.clear()
-            spec = self._specs[text] = ModelSpec.from_json(json.loads(text))
-        return spec
+            value = self._specs[text] = parse(text)
+        return value
 
     def job_names(self, tenant: str | None = None) -> list[str]:
         """Every job's name, or those of ``tenant``."""

@@ -26,7 +26,7 @@ from lifl.functions.aggregator import top
 from lifl.runtime import Context, Invocation
 
 _tables: dict[tuple[int, int], tuple[fmt.Layout, fmt.ModelSpec, TensorTable]] = {}
-_headers: dict[tuple[int, FixedPoint | None], tuple[fmt.ModelSpec, bytes, bytes]] = {}
+_headers: dict[tuple[int, FixedPoint | None], tuple[fmt.ModelSpec, bytes, bytes, int]] = {}
 
 
 def _table(layout: fmt.Layout, spec: fmt.ModelSpec) -> TensorTable:
@@ -39,12 +39,13 @@ def _table(layout: fmt.Layout, spec: fmt.ModelSpec) -> TensorTable:
     return hit[2]
 
 
-def _spec_headers(spec: fmt.ModelSpec, fixed_point: FixedPoint | None) -> tuple[bytes, bytes]:
-    """(model header, partial-sum header) for a job's model."""
+def _spec_headers(spec: fmt.ModelSpec, fixed_point: FixedPoint | None) -> tuple[bytes, bytes, int]:
+    """(model header, partial-sum header, partial-sum data bytes) for a job's model, made once."""
     hit = _headers.get((id(spec), fixed_point))
     if hit is None or hit[0] is not spec:
-        hit = _headers[(id(spec), fixed_point)] = (spec, fmt.spec_header(spec), fmt.spec_header(partial_spec(spec, fixed_point)))
-    return hit[1], hit[2]
+        partial = partial_spec(spec, fixed_point)
+        hit = _headers[(id(spec), fixed_point)] = (spec, fmt.spec_header(spec), fmt.spec_header(partial), partial.data_bytes)
+    return hit[1], hit[2], hit[3]
 
 
 def _mapped(ctx: Context, mm: Any, spec: fmt.ModelSpec) -> Tensors:
@@ -54,8 +55,7 @@ def _mapped(ctx: Context, mm: Any, spec: fmt.ModelSpec) -> Tensors:
 def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
     spec = inv.spec
     fixed_point = inv.fixed_point
-    model_header, partial_header = _spec_headers(spec, fixed_point)
-    partial_bytes = partial_spec(spec, fixed_point).data_bytes
+    model_header, partial_header, partial_bytes = _spec_headers(spec, fixed_point)
     agg = StreamingFedAvg(inv.fan_in or None, fixed_point)
     delivery_us: list[float] = []  # sent -> the message in hand (the channel, and waking up)
     handoff_us: list[float] = []  # sent -> a readable view of the object (delivery, then mapping it)
