@@ -73,13 +73,15 @@ local function forget(owners, lease)
 end
 """
 
-# Idempotent batches: each upload has a token ('' for none). An admission records its slot as
-# 'slot.<token>' (the node) in the round's tokens hash, and an acceptance its outcome as
-# 'acc.<token>' ('<status>:<accepted>'), so a batch sent again because its answer was lost (the
-# connection broke after the script ran) finds what it did and does nothing twice. The tokens
-# are dropped with their round (a hash of their own: the shard, read whole, stays small).
+# The round's update records (a hash of their own, dropped with the round, so that the shard,
+# read whole by every duty, stays as small as the number of nodes): 'client.<id>' for each
+# client whose update was counted (the node that took it), and, for idempotent batches, each
+# upload's token ('' for none): an admission records its slot as 'slot.<token>' (the node) and
+# an acceptance its outcome as 'acc.<token>' ('<status>:<accepted>'), so a batch sent again
+# because its answer was lost (the connection broke after the script ran) finds what it did and
+# does nothing twice.
 
-# KEYS: job, leases, shard, lease owners, excluded, tokens. ARGV: node, then (token, base version, lease
+# KEYS: job, leases, shard, lease owners, excluded, updates. ARGV: node, then (token, base version, lease
 # ('' for none), client ('' for any)) for each update arriving at that node. -> {status, version,
 # round} for each, in order: a batch of admissions costs one call, each checked and counted as if
 # alone. A client whose update of the round was counted gets -6. A lease that is not the
@@ -94,7 +96,7 @@ local function reserve(token, base, lease, node, client)
   if token ~= '' and redis.call('HEXISTS', KEYS[6], 'slot.' .. token) == 1 then return {0, v, r} end  -- sent again
   if base > v or v - base > (field(h, 'max_staleness') or 0) then return {-3, v, r} end
   if field(h, 'closed') == 1 then return {closed_status(h), v, r} end
-  if client ~= '' and redis.call('HEXISTS', KEYS[3], 'client.' .. client) == 1 then return {-6, v, r} end
+  if client ~= '' and redis.call('HEXISTS', KEYS[6], 'client.' .. client) == 1 then return {-6, v, r} end
   if client ~= '' and redis.call('SISMEMBER', KEYS[5], client) == 1 then return {-7, v, r} end
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms())
   if lease ~= '' and owns(KEYS[4], lease, client) then
@@ -117,7 +119,7 @@ end
 return out
 """
 
-# KEYS: job, shard, tokens. ARGV: node, then (token, round, counter ('' for none)) for each upload
+# KEYS: job, shard, updates. ARGV: node, then (token, round, counter ('' for none)) for each upload
 # that gives its slot back (refused, aborted, lost): the slot goes, once, and the refusal is
 # counted then. A token names its slot (tokens live as long as their round: the round given is not
 # needed); an upload without one gives back a slot of its round on that node. -> how many went back.
@@ -141,7 +143,7 @@ end
 return given
 """
 
-# KEYS: job, leases, shard, lease owners. ARGV: lease id, ttl ms, max leases, client.
+# KEYS: job, leases, shard, lease owners, excluded, updates. ARGV: lease id, ttl ms, max leases, client.
 # -> {status, version, round, lease}. A client holds at most one lease: asking again renews and
 # returns the one it holds. A client whose update of the round was counted gets -6.
 _TAKE_LEASE = _NOW + _LEASES + """
@@ -150,7 +152,7 @@ if redis.call('EXISTS', h) == 0 then return {-1, 0, 0, ''} end
 local v, r = field(h, 'version'), field(h, 'round')
 if v < 0 then return {-2, v, r, ''} end
 if field(h, 'closed') == 1 then return {closed_status(h), v, r, ''} end
-if redis.call('HEXISTS', KEYS[3], 'client.' .. client) == 1 then return {-6, v, r, ''} end
+if redis.call('HEXISTS', KEYS[6], 'client.' .. client) == 1 then return {-6, v, r, ''} end
 if redis.call('SISMEMBER', KEYS[5], client) == 1 then return {-7, v, r, ''} end
 local now = now_ms()
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
@@ -216,7 +218,7 @@ local function finalize(h, s)
 end
 """
 
-# KEYS: job, shard, tokens. ARGV: node, job name, then (token, round, client ('' for any)) for each update
+# KEYS: job, shard, updates. ARGV: node, job name, then (token, round, client ('' for any)) for each update
 # that arrived whole at that node; one update per client and round. Each is an acknowledged
 # update, counted once for the whole round, on the node that took it; the one that meets the
 # goal closes the round (and the batch's later ones find it closed). -> {status, accepted} for
@@ -243,7 +245,7 @@ local function accept(token, round, client)
   if field(h, 'round') ~= round then return -1, 0 end
   if field(h, 'closed') == 1 then return -5, 0 end
   if redis.call('HEXISTS', s, 'dead.' .. node) == 1 then return -6, 0 end
-  if client ~= '' and redis.call('HSETNX', s, 'client.' .. client, node) == 0 then
+  if client ~= '' and redis.call('HSETNX', t, 'client.' .. client, node) == 0 then
     redis.call('HINCRBY', h, 'reserved', -1)
     redis.call('HINCRBY', s, 'inflight.' .. node, -1)
     return decided(token, -7, 0)
@@ -304,7 +306,7 @@ redis.call('HSET', s, 'delivered.' .. ARGV[2], ARGV[3])
 return 1
 """
 
-# KEYS: job, shard, tokens. ARGV: round, dead node, job name.
+# KEYS: job, shard, updates. ARGV: round, dead node, job name.
 # A node died (or restarted) during the round: what it acknowledged and had not delivered to
 # the top is lost (recorded per node); while the round is open its slots reopen. If it hosted
 # the top, every partial delivered there is gone too: the epoch moves on and the survivors
@@ -358,7 +360,7 @@ redis.call('PUBLISH', '""" + EVENTS + """', ARGV[3])
 return {1, remaining, closed and 1 or 0, top_lost}
 """
 
-# KEYS: job, leases, history, shard, assignments, lease owners, tokens. ARGV: round expected, new version, model key
+# KEYS: job, leases, history, shard, assignments, lease owners, updates. ARGV: round expected, new version, model key
 # ('' keeps it), node, summary json ('' records nothing), model spec json ('' keeps it),
 # history length, job name. -> opening time (ms), or -1.
 _NEXT_ROUND = _NOW + """
@@ -493,9 +495,10 @@ def shard_key(name: str) -> str:
     return f"lifl:job:{name}:shard"
 
 
-def tokens_key(name: str) -> str:
-    """The current round's upload tokens (see the admission and acceptance scripts)."""
-    return f"lifl:job:{name}:tokens"
+def updates_key(name: str) -> str:
+    """The current round's records of its updates: upload tokens (see the admission and
+    acceptance scripts) and the clients whose update was counted. Dropped with the round."""
+    return f"lifl:job:{name}:updates"
 
 
 def assignments_key(name: str) -> str:
@@ -756,7 +759,7 @@ class ClusterState:
 
     def reserve_call(self, name: str, node: str, items: list[tuple[str, int, str, str]]) -> ScriptCall:
         return ScriptCall(self._reserve, [job_key(name), leases_key(name), shard_key(name), lease_owners_key(name),
-                                          excluded_key(name), tokens_key(name)], [node, *[x for item in items for x in item]])
+                                          excluded_key(name), updates_key(name)], [node, *[x for item in items for x in item]])
 
     def unreserve(self, name: str, round_id: int, node: str, token: str = "") -> bool:
         """Give back the slot of an upload that will not be accepted."""
@@ -772,7 +775,7 @@ class ClusterState:
         args: list[Any] = [node]
         for token, round_id, reason in refused:
             args += [token, round_id, f"rejected.{reason}" if reason else ""]
-        return ScriptCall(self._unreserve, [job_key(name), shard_key(name), tokens_key(name)], args)
+        return ScriptCall(self._unreserve, [job_key(name), shard_key(name), updates_key(name)], args)
 
     def count_call(self, name: str, counts: list[tuple[int, str, int]]) -> ScriptCall:
         """Add to counters of rounds of the job, each (round, field, delta): rejected.<code>,
@@ -788,7 +791,7 @@ class ClusterState:
         round); the one it holds already, renewed, if any; raises if refused."""
         limit = math.ceil(spec.goal * spec.over_selection)
         keys = [job_key(spec.job), leases_key(spec.job), shard_key(spec.job), lease_owners_key(spec.job),
-                excluded_key(spec.job)]
+                excluded_key(spec.job), updates_key(spec.job)]
         status, version, round_id, lease = self._take_lease(
             keys=keys, args=[secrets.token_hex(12), int(spec.lease_ttl_s * 1000), limit, client])
         if status != RESERVE_OK:
@@ -834,7 +837,7 @@ class ClusterState:
         return results
 
     def accept_call(self, name: str, node: str, items: list[tuple[str, int, str]]) -> ScriptCall:
-        return ScriptCall(self._accept, [job_key(name), shard_key(name), tokens_key(name)],
+        return ScriptCall(self._accept, [job_key(name), shard_key(name), updates_key(name)],
                           [node, name, *[x for item in items for x in item]])
 
     def close_round(self, name: str, round_id: int, min_updates: int) -> int:
@@ -853,7 +856,7 @@ class ClusterState:
         return int(self._delivered(keys=[job_key(name), shard_key(name)], args=[round_id, node, epoch]))
 
     def node_lost(self, name: str, round_id: int, node: str) -> Loss:
-        status, remaining, closed, top_lost = self._node_lost(keys=[job_key(name), shard_key(name), tokens_key(name)],
+        status, remaining, closed, top_lost = self._node_lost(keys=[job_key(name), shard_key(name), updates_key(name)],
                                                               args=[round_id, node, name])
         return Loss(int(status) == 1, int(remaining), bool(closed), bool(top_lost))
 
@@ -863,7 +866,7 @@ class ClusterState:
         returns its opening time (s), or -1 if the round had moved on already."""
         opened = self._next_round(
             keys=[job_key(name), leases_key(name), history_key(name), shard_key(name), assignments_key(name),
-                  lease_owners_key(name), tokens_key(name)],
+                  lease_owners_key(name), updates_key(name)],
             args=[round_id, version, key, node, json.dumps(summary) if summary else "",
                   json.dumps(spec.to_json()) if spec else "", HISTORY, name],
         )
