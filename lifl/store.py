@@ -458,12 +458,11 @@ class MappingCache:
                 self._evict(key)
 
     def _evict(self, key: tuple[int, int, bool]) -> None:
-        mm, fd = self._entries.pop(key)
+        """Forget a mapping: it is unmapped when its last user lets go of it (at once, if the cache
+        was its only one). Never closed here: a task may hold more mappings than the cache keeps
+        (a middle folding hundreds of leaves' results at once)."""
+        _, fd = self._entries.pop(key)
         os.close(fd)
-        try:
-            mm.close()
-        except BufferError:
-            pass  # still viewed by the caller; unmapped when the last view goes away
 
     def clear(self) -> None:
         with self._lock:
