@@ -16,7 +16,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from lifl.errors import BadRequest
 
@@ -24,6 +24,9 @@ PROTOCOL = 3
 ENVELOPE = frozenset({"id", "ok", "op", "nfds", "error"})  # lifl.rpc's framing: no message field may be one
 
 _REGISTRY: dict[str, type[Message]] = {}
+
+LEAF, MIDDLE, TOP = "leaf", "middle", "top"  # the roles of a round's aggregation tasks (an Invoke's role)
+ROLES = (LEAF, MIDDLE, TOP)
 
 
 @dataclass(frozen=True)
@@ -71,8 +74,19 @@ def decode(data: dict[str, Any]) -> Message:
 
 
 Converter = Callable[[Any], Any]
+R = TypeVar("R")
 _FIELDS: dict[type, tuple[str, ...]] = {}
 _DECODERS: dict[type, list[tuple[str, bool, Converter]]] = {}
+
+
+def record_json(record: Any) -> dict[str, Any]:
+    """A record (a dataclass that messages carry, e.g. ``NodeStatus``) as JSON-ready values."""
+    return _encode_value(record)
+
+
+def record_from_json(cls: type[R], data: Any) -> R:
+    """The record ``cls`` that JSON ``data`` stands for; BadRequest naming what is wrong."""
+    return _converter(cls, cls.__name__)(data)
 
 
 def _field_names(cls: type) -> tuple[str, ...]:
@@ -88,9 +102,10 @@ def _decoders(cls: type) -> list[tuple[str, bool, Converter]]:
     decoders = _DECODERS.get(cls)
     if decoders is None:
         hints = typing.get_type_hints(cls)
+        where = getattr(cls, "op", "") or cls.__name__
         decoders = _DECODERS[cls] = [
             (f.name, f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
-             _converter(hints[f.name], f"{cls.op}.{f.name}"))
+             _converter(hints[f.name], f"{where}.{f.name}"))
             for f in dataclasses.fields(cls)]
     return decoders
 
@@ -100,6 +115,10 @@ def _encode_value(value: Any) -> Any:
         return value.hex()
     if isinstance(value, list):
         return [_encode_value(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a record inside a message
+        return {name: _encode_value(getattr(value, name)) for name in _field_names(type(value))}
+    if isinstance(value, dict):
+        return {k: _encode_value(v) for k, v in value.items()}
     return value
 
 
@@ -124,7 +143,30 @@ def _converter(hint: Any, where: str) -> Converter:
 
         return convert_list
     if origin is dict or hint is dict:
-        return _checked(lambda v: isinstance(v, dict), f"{where} must be an object")
+        args = typing.get_args(hint)
+        if not args or args[1] is Any:
+            return _checked(lambda v: isinstance(v, dict), f"{where} must be an object")
+        convert_key, convert_value = _converter(args[0], where), _converter(args[1], where)
+
+        def convert_dict(value: Any) -> dict[Any, Any]:
+            if not isinstance(value, dict):
+                raise BadRequest(f"{where} must be an object", code="bad_message")
+            return {convert_key(k): convert_value(v) for k, v in value.items()}
+
+        return convert_dict
+    if dataclasses.is_dataclass(hint):  # a record inside a message, field by field as a message is
+        def convert_record(value: Any) -> Any:
+            if not isinstance(value, dict):
+                raise BadRequest(f"{where} must be an object", code="bad_message")
+            fields: dict[str, Any] = {}
+            for name, required, convert in _decoders(hint):
+                if name in value:
+                    fields[name] = convert(value[name])
+                elif required:
+                    raise BadRequest(f"{where} lacks field {name!r}", code="bad_message")
+            return hint(**fields)
+
+        return convert_record
     if hint is bytes:
         def convert_hex(value: Any) -> bytes:
             if not isinstance(value, str):
@@ -213,10 +255,199 @@ class Text(Message):
     text: str
 
 
-@message("document")
+# -- records inside replies ---------------------------------------------------------------------
 @dataclass(frozen=True)
-class Document(Message):
-    body: dict[str, Any]
+class JobActivity:
+    """A job on a node: what is queued and at work, and its shared memory."""
+
+    tenant: str
+    leaf_fan_in: int
+    round: int | None  # the round this node's tree is working on, if any
+    queued: int  # client updates admitted and not yet aggregated
+    leaf: int = 0  # instances at work in each role
+    middle: int = 0
+    top: int = 0
+    working: int = 0  # bytes of live objects of its rounds
+    reserved: int = 0  # bytes reserved for aggregating its admitted updates
+
+    def at_work(self, role: str) -> int:
+        return {LEAF: self.leaf, MIDDLE: self.middle, TOP: self.top}[role]
+
+
+@dataclass(frozen=True)
+class InstanceCounts:
+    total: int
+    idle: int
+    ready: int
+    by_tenant: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PlannerCounts:
+    """Cumulative since the agent started: the planner differences two snapshots (``lifl.control``)."""
+
+    arrivals: int = 0  # client updates acknowledged here
+    aggregated: int = 0  # client updates whose leaf aggregation finished here
+    agg_seconds: float = 0.0  # seconds leaves spent aggregating them
+
+
+@dataclass(frozen=True)
+class SharedMemory:
+    used: int
+    pooled: int
+    capacity: int
+    pinned: int
+    reserved: int
+    objects: int
+    created: int
+    recycled: int
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """What a node's agent says of itself: answered to ``GetStatus`` and published in Redis (its
+    presence there is the node's liveness), read by gateways, the controller and calibration."""
+
+    node: str
+    time: float  # when it was taken (s since the epoch)
+    started: float
+    instances: InstanceCounts
+    jobs: dict[str, JobActivity]
+    counters: dict[str, PlannerCounts]
+    retention: dict[str, Any]  # lifl.node.retention's statistics by job
+    shm: SharedMemory
+
+
+@dataclass(frozen=True)
+class TaskReport:
+    """What a finished task reported (``GetRecent``): where it ran, and its function's statistics
+    (``functions/aggregator``: steps' seconds, hand-off latencies, folds...)."""
+
+    task: int
+    job: str
+    round: int
+    instance: int
+    role: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StrategyUpdate:
+    """A client update a strategy reads, with the model it was trained from."""
+
+    client: str
+    key: bytes
+    samples: int
+    staleness: int
+    base: bytes
+
+
+@dataclass(frozen=True)
+class QueryUpdate:
+    client: str
+    samples: int
+    key: bytes
+
+
+@dataclass(frozen=True)
+class QueryRound:
+    """A retained round a query reads: its updates, and the models before and after it (b"":
+    not retained)."""
+
+    round: int
+    version: int
+    base: bytes
+    aggregate: bytes
+    updates: list[QueryUpdate]
+
+
+@dataclass(frozen=True)
+class QueryData:
+    """Where a query's objects came from."""
+
+    objects: int
+    memory: int
+    store: int
+    bytes_fetched: int
+
+
+@dataclass(frozen=True)
+class QuerySeconds:
+    total: float
+    fetch: float
+    compute: float | None
+
+
+# -- replies (continued) ----------------------------------------------------------------------------
+@message("status_reply")
+@dataclass(frozen=True)
+class StatusReply(Message):
+    status: NodeStatus
+
+
+@message("recent_tasks")
+@dataclass(frozen=True)
+class RecentTasks(Message):
+    tasks: list[TaskReport]
+
+
+@message("strategy_work")
+@dataclass(frozen=True)
+class StrategyWork(Message):
+    """What a top's strategy step reads (``StrategyInputs``): object keys held for its task."""
+
+    seed: int  # the job's secret seed for the step's randomness
+    current: bytes  # the model the round started from
+    state: bytes  # the strategy's state after it; b"": none yet
+    updates: list[StrategyUpdate]  # strategies that read every update of the round
+
+
+@message("query_work")
+@dataclass(frozen=True)
+class QueryWork(Message):
+    """What a query instance computes (``TakeQuery``): the workload over ``rounds``, or inference
+    with ``model`` (an ``architecture``). ``mode``: "run", or "partial" (this node's part)."""
+
+    workload: str
+    params: dict[str, Any]
+    job: str
+    mode: str
+    rounds: list[QueryRound] = field(default_factory=list)
+    architecture: str = ""
+    model: bytes = b""
+
+
+@message("query_answer")
+@dataclass(frozen=True)
+class QueryAnswer(Message):
+    """A query's answer on one node: its ``result``, or (split across nodes) this node's
+    ``partial``, which the gateway combines with the ``peers``' own."""
+
+    job: str
+    workload: str
+    node: str
+    data: QueryData
+    seconds: QuerySeconds
+    round: int | None = None
+    rounds: list[int] | None = None
+    version: int | None = None
+    result: dict[str, Any] | None = None
+    partial: dict[str, Any] | None = None
+    peers: list[str] = field(default_factory=list)
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The answer as the gateway's API gives it (docs/api.md): what was read, the result (or
+        this node's part, its peers and the parameters to combine it with), where the data came
+        from and how long it took."""
+        out: dict[str, Any] = {"job": self.job, "workload": self.workload}
+        out.update({k: v for k, v in (("round", self.round), ("rounds", self.rounds), ("version", self.version))
+                    if v is not None})
+        if self.partial is not None:
+            out.update(partial=self.partial, peers=self.peers, params=self.params)
+        else:
+            out["result"] = self.result
+        return {**out, "data": record_json(self.data), "node": self.node, "seconds": record_json(self.seconds)}
 
 
 @message("allocated")
@@ -328,23 +559,23 @@ class GetMetrics(Message):
     pass
 
 
-@message("status", Document)
+@message("status", StatusReply)
 @dataclass(frozen=True)
 class GetStatus(Message):
     pass
 
 
-@message("recent", Document)
+@message("recent", RecentTasks)
 @dataclass(frozen=True)
 class GetRecent(Message):
     pass
 
 
-@message("query", Document)
+@message("query", QueryAnswer)
 @dataclass(frozen=True)
 class Query(Message):
-    """A non-training workload over the job's retained data (``lifl.flstore``); the reply's body
-    is the answer. The gateway has checked that the caller may query the job."""
+    """A non-training workload over the job's retained data (``lifl.flstore``). The gateway has
+    checked that the caller may query the job."""
 
     job: str
     body: dict[str, Any]
@@ -399,8 +630,6 @@ class Attach(Message):
     protocol: int = PROTOCOL
 
 
-LEAF, MIDDLE, TOP = "leaf", "middle", "top"  # the roles of a round's aggregation tasks (an Invoke's role)
-ROLES = (LEAF, MIDDLE, TOP)
 QUERY_ROLE = "query"  # an Invoke of this role runs a query (TakeQuery says which), not an aggregation task
 
 
@@ -504,7 +733,7 @@ class InstallResult(Message):
     report: dict[str, Any] = field(default_factory=dict)  # what the strategy says of the step (the rounds history shows it)
 
 
-@message("strategy_inputs", Document)
+@message("strategy_inputs", StrategyWork)
 @dataclass(frozen=True)
 class StrategyInputs(Message):
     """The top of a round whose strategy is not plain FedAvg asks what else it reads: the model
@@ -516,7 +745,7 @@ class StrategyInputs(Message):
     updates: int  # client updates the round's sum stands for: the updates to wait for
 
 
-@message("take_query", Document)
+@message("take_query", QueryWork)
 @dataclass(frozen=True)
 class TakeQuery(Message):
     """An instance invoked with role ``query`` asks what to compute: the workload, its parameters

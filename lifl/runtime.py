@@ -43,7 +43,7 @@ from lifl.errors import LiflError
 from lifl.fixedpoint import FixedPoint
 from lifl.protocol import (
     QUERY_ROLE, Alloc, Attach, CancelTask, Done, Failed, Finished, Folded, InstallResult, Invoke, Ready, StrategyInputs,
-    input_fields,
+    StrategyWork, input_fields,
 )
 from lifl.rpc import Client, Connection
 from lifl.store import MappingCache, object_name
@@ -241,11 +241,11 @@ class Context:
                                                   report=report or {}))
         return reply.version
 
-    def strategy_inputs(self, inv: Invocation, updates: int) -> dict[str, Any]:
+    def strategy_inputs(self, inv: Invocation, updates: int) -> StrategyWork:
         """What the top's strategy reads besides the round's sum (``lifl.protocol.StrategyInputs``):
-        object keys (hex) of the current model, the strategy's state and the round's updates."""
+        object keys of the current model, the strategy's state and the round's updates."""
         reply, _ = self.client.call(StrategyInputs(task=inv.task, updates=updates))
-        return dict(reply.body)
+        return reply
 
 
 Handler = Callable[[Invocation, Context], dict[str, Any]]

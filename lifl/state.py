@@ -44,6 +44,7 @@ from lifl.errors import Conflict, Forbidden, NotFound, Overloaded, Unavailable
 from lifl.format import ModelSpec
 from lifl.flstore.retention import RetentionPolicy
 from lifl.jobs import JobSpec
+from lifl.protocol import NodeStatus, record_from_json, record_json
 
 TENANT_UID_BASE = 610000  # tenants' functions run as uid/gid TENANT_UID_BASE + n
 HISTORY = 10000  # rounds kept per job
@@ -906,13 +907,13 @@ class ClusterState:
         self.redis.hsetnx("lifl:tenants", tenant, candidate)
         return int(self.redis.hget("lifl:tenants", tenant))
 
-    def publish_node(self, node: str, status: dict[str, Any], ttl: int = NODE_TTL) -> None:
+    def publish_node(self, node: str, status: NodeStatus, ttl: int = NODE_TTL) -> None:
         """A node agent's status; its presence is the node's liveness."""
-        self.redis.set(f"lifl:node:{node}", json.dumps(status), ex=ttl)
+        self.redis.set(f"lifl:node:{node}", json.dumps(record_json(status)), ex=ttl)
 
-    def nodes(self) -> dict[str, dict[str, Any]]:
+    def nodes(self) -> dict[str, NodeStatus]:
         """Live nodes' statuses."""
-        return self._scan_json("lifl:node:*")
+        return {node: record_from_json(NodeStatus, status) for node, status in self._scan_json("lifl:node:*").items()}
 
     def publish_gateway(self, node: str, addresses: dict[str, str], ttl: int = NODE_TTL) -> None:
         """Where clients and other gateways reach a node's gateway."""

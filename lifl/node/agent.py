@@ -75,9 +75,13 @@ from lifl.node.retention import Retainer, query_holder, update_blob
 from lifl.procs import die_with_parent, on_signals
 from lifl.protocol import (
     PROTOCOL, QUERY_ROLE, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Admitted, Alloc, Allocated, Attach,
-    Attached, CancelTask, Document, Done, Failed, Finished, Folded, Forwarded, ForwardPartial, GetMetrics, GetRecent, GetStatus,
+    Attached, CancelTask, Done, Failed, Finished, Folded, Forwarded, ForwardPartial, GetMetrics, GetRecent, GetStatus,
     Hello, InstallModel, InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, Ok, OpenModel,
     Query, Ready, Release, StrategyInputs, Submit, SubmitPartial, Submitted, TakeQuery, Text, Welcome, decode, input_record,
+)
+from lifl.protocol import (
+    ROLES, InstanceCounts, JobActivity, NodeStatus, QueryAnswer, QueryData, QueryRound, QuerySeconds, QueryUpdate, QueryWork,
+    RecentTasks, SharedMemory, StatusReply, StrategyUpdate, StrategyWork, TaskReport,
 )
 from lifl.rpc import MessageStream, error_reply, reply_frame
 from lifl.net.resp import Resp
@@ -435,7 +439,7 @@ class Agent:
         self.checkpointer.keep = lambda job: checkpoints_kept(self.retainer.policy(job), checkpoints.KEEP)
         self.queries: dict[int, QueryRun] = {}
         self.forwarder: Peer | None = None  # the gateway's connection taking ForwardPartial
-        self.recent: deque[dict[str, Any]] = deque(maxlen=512)  # finished tasks' statistics
+        self.recent: deque[TaskReport] = deque(maxlen=512)  # finished tasks' statistics
         self.started_at = time.time()
         self._tenants: dict[str, Tenant] = {}
         self._next_id = 0
@@ -467,8 +471,8 @@ class Agent:
             OpenModel: lambda h: lambda m, f, r: self.open_model(h, m, r),
             Release: lambda h: lambda m, f, r: self.release(h, m, r),
             GetMetrics: lambda h: lambda m, f, r: r(Text(self.metrics_text())),
-            GetStatus: lambda h: lambda m, f, r: r(Document(self.status())),
-            GetRecent: lambda h: lambda m, f, r: r(Document({"tasks": list(self.recent)})),
+            GetStatus: lambda h: lambda m, f, r: r(StatusReply(self.status())),
+            GetRecent: lambda h: lambda m, f, r: r(RecentTasks(list(self.recent))),
             Query: lambda h: lambda m, f, r: self.query(m, r),
         }
 
@@ -1272,18 +1276,14 @@ class Agent:
                     total = time.perf_counter() - t0
                     self.metrics.queries.labels(m.job, workload, "ok").inc()
                     self.metrics.query_seconds.labels(workload).observe(total)
-                    selected = {k: doc[k] for k in ("round", "rounds", "version") if k in doc}
-                    if split_here:  # the gateway combines this with the other nodes' partials (``peers``)
-                        selected.update(partial=result, peers=doc["peers"], params=params, rounds=doc["rounds_chosen"])
-                    else:
-                        selected["result"] = result
-                    reply(Document({
-                        "job": m.job, "workload": workload, **selected,
-                        "data": {"objects": len(sources), "memory": sources.count("memory"), "store": sources.count("store"),
-                                 "bytes_fetched": fetched},
-                        "node": self.node,
-                        "seconds": {"total": round(total, 6), "fetch": round(fetched_s, 6), "compute": stats.get("compute_s")},
-                    }))
+                    reply(QueryAnswer(
+                        m.job, workload, self.node,
+                        QueryData(len(sources), sources.count("memory"), sources.count("store"), fetched),
+                        QuerySeconds(round(total, 6), round(fetched_s, 6), stats.get("compute_s")),
+                        doc.get("round"), doc["rounds_chosen"] if split_here else doc.get("rounds"), doc.get("version"),
+                        None if split_here else result, result if split_here else None,
+                        doc["peers"] if split_here else [], params if split_here else {},
+                    ))
 
                 if excluded is None:
                     finish(None, None)
@@ -1407,7 +1407,12 @@ class Agent:
         wait = self.board.queries.get(m.task)
         if q is None or wait is None or wait.instance != iid:
             raise NotFound(f"query {m.task} is not running on instance {iid}", code="no_such_task")
-        reply(Document(q.doc))
+        d = q.doc
+        rounds = [QueryRound(r["round"], r["version"], bytes.fromhex(r["base"] or ""), bytes.fromhex(r["aggregate"] or ""),
+                             [QueryUpdate(u["client"], u["samples"], bytes.fromhex(u["key"])) for u in r["updates"]])
+                  for r in d.get("rounds_data", [])]
+        reply(QueryWork(d["workload"], d["params"], d["job"], d["mode"], rounds, d.get("architecture", ""),
+                        bytes.fromhex(d.get("model", ""))))
 
     # -- function instances -------------------------------------------------------------------------
     def _task_of(self, iid: int, task_id: int) -> tree.Task:
@@ -1631,7 +1636,7 @@ class Agent:
         for us in stats.get("handoff_us", []):
             if isinstance(us, (int, float)):
                 self.metrics.handoff.observe(us / 1e6)
-        self.recent.append({"task": task.id, "job": task.job, "round": task.round, "instance": iid, **stats})
+        self.recent.append(TaskReport(task.id, task.job, task.round, iid, role, stats))
 
     def failed(self, iid: int, m: Failed, reply: Reply) -> None:
         reply()
@@ -1666,21 +1671,21 @@ class Agent:
         run = self.jobs[task.job]
         holder = _scratch_holder(task.id)
 
-        def gather() -> dict[str, Any]:
+        def gather() -> StrategyWork:
             strategy = run.spec.strategy_spec
-            doc: dict[str, Any] = {"seed": self.state.strategy_seed(task.job), "updates": []}
             bases = {task.version: self._held_model(run, task.version, holder)}
-            doc["current"] = bases[task.version].hex()
-            doc["state"] = None if not strategy.stateful else self._held_state(run, task.version, holder)
+            state = b""
+            if strategy.stateful:
+                state = self._held_state(run, task.version, holder) or b""
+            updates = []
             if strategy.needs_updates:
                 for client, (key, base, samples) in sorted(self._round_updates(run, task, m.updates, holder).items()):
                     if base not in bases:
                         bases[base] = self._held_model(run, base, holder)
-                    doc["updates"].append({"client": client, "key": key.hex(), "samples": samples,
-                                           "staleness": task.version - base, "base": bases[base].hex()})
-            return doc
+                    updates.append(StrategyUpdate(client, key, samples, task.version - base, bases[base]))
+            return StrategyWork(self.state.strategy_seed(task.job), bases[task.version], state, updates)
 
-        self.loop.offload(gather, lambda doc, error: reply(Document(doc)) if error is None else reply.error(_unavailable(error)),
+        self.loop.offload(gather, lambda work, error: reply(work) if error is None else reply.error(_unavailable(error)),
                           SLOW_POOL)
 
     def _held_model(self, run: JobRun, version: int, holder: Hashable) -> bytes:
@@ -1699,15 +1704,15 @@ class Agent:
             key, _ = self.retainer.acquire_model(run.spec.job, run.tenant, version, holder, keep=False)
         return key
 
-    def _held_state(self, run: JobRun, version: int, holder: Hashable) -> str | None:
+    def _held_state(self, run: JobRun, version: int, holder: Hashable) -> bytes | None:
         """The strategy's state after ``version``, held by ``holder`` (off the loop): kept here, or
         read back from the checkpoint store (a restart, or the top moved to this node). None: no
         step made one yet (the first step starts from zeros)."""
 
-        def local() -> str | None:
+        def local() -> bytes | None:
             if run.strategy_state is not None and run.strategy_state[1] == version:
                 self.store.add_ref(run.strategy_state[0], holder)
-                return run.strategy_state[0].hex()
+                return run.strategy_state[0]
             return None
 
         kept = self.loop.call(local)
@@ -1717,7 +1722,7 @@ class Agent:
             blob = self.checkpointer.store.load_blob(run.spec.job, strategy_state_blob(version))
         except FileNotFoundError:
             return None
-        return str(self.loop.call(lambda: self._blob_object(run, blob, holder, model=False).key.hex()))
+        return self.loop.call(lambda: self._blob_object(run, blob, holder, model=False).key)
 
     def _round_updates(self, run: JobRun, task: tree.Task, expected: int, holder: Hashable
                        ) -> dict[str, tuple[bytes, int, int]]:
@@ -2205,35 +2210,30 @@ class Agent:
         for role, n in self.board.counts().items():
             self.metrics.instances.labels(role).set(n)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> NodeStatus:
         """What the node reports of itself (on the loop)."""
-        jobs: dict[str, dict[str, Any]] = {}
+        at_work: dict[tuple[str, str], int] = {}  # instances at work, by job and the role of their current task
+        for w in self.board.workers.values():
+            task = self.board.running.get(w.task) if w.task is not None else None
+            if task is not None:
+                at_work[task.job, task.role] = at_work.get((task.job, task.role), 0) + 1
+        jobs: dict[str, JobActivity] = {}
         for name, run in self.jobs.items():
             r = self.trees.round_of(name)
             memory = self.store.ledger.usage(name)
-            jobs[name] = {**dict.fromkeys(tasks.ROLES, 0), "queued": self.uploads.counts.get(name, 0),
-                          "round": r.round if r else None, "tenant": run.tenant.name, "leaf_fan_in": run.spec.leaf_fan_in,
-                          "shm": {"working": memory.working, "reserved": memory.reserved}}
-        for w in self.board.workers.values():  # instances at work, by the role of their current task
-            task = self.trees.tasks.get(w.task) if w.task is not None else None
-            if task is not None and task.job in jobs:
-                jobs[task.job][task.role] += 1
+            jobs[name] = JobActivity(run.tenant.name, run.spec.leaf_fan_in, r.round if r else None,
+                                     self.uploads.counts.get(name, 0), *(at_work.get((name, role), 0) for role in ROLES),
+                                     memory.working, memory.reserved)
         workers = self.board.workers.values()
-        return {
-            "node": self.node,
-            "time": time.time(),
-            "started": self.started_at,
-            "instances": {"total": len(self.board.workers), "idle": sum(w.task is None for w in workers),
-                          "ready": sum(w.ready for w in workers), "by_tenant": _count_by(w.tenant for w in workers)},
-            "jobs": jobs,
-            "counters": self.metrics.planner_counters(),
-            "retention": self.retainer.status(),
-            "shm": {
-                "used": self.store.used_bytes, "pooled": self.store.pooled_bytes, "capacity": self.store.capacity,
-                "pinned": self.store.ledger.pinned, "reserved": self.store.ledger.reserved,
-                "objects": self.store.object_count(), "created": self.store.created, "recycled": self.store.recycled,
-            },
-        }
+        store = self.store
+        return NodeStatus(
+            self.node, time.time(), self.started_at,
+            InstanceCounts(len(self.board.workers), sum(w.task is None for w in workers), sum(w.ready for w in workers),
+                           _count_by(w.tenant for w in workers)),
+            jobs, self.metrics.planner_counters(), self.retainer.status(),
+            SharedMemory(store.used_bytes, store.pooled_bytes, store.capacity, store.ledger.pinned, store.ledger.reserved,
+                         store.object_count(), store.created, store.recycled),
+        )
 
     def metrics_text(self) -> str:
         for name in self.jobs:

@@ -8,23 +8,22 @@ difference two snapshots however far apart they were taken.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from lifl.ledger import MemoryLedger
+from lifl.protocol import PlannerCounts
 
 
 @dataclass
 class PlannerCounters:
-    """Cumulative since the agent started; see ``lifl.control.planner.Counters``."""
+    """Cumulative since the agent started (published as ``lifl.protocol.PlannerCounts``); see
+    ``lifl.control.planner.Counters``."""
 
     arrivals: int = 0  # client updates acknowledged here
     aggregated: int = 0  # client updates whose leaf aggregation finished here
     agg_seconds: float = 0.0  # seconds leaves spent aggregating them
-
-    def to_json(self) -> dict[str, float]:
-        return asdict(self)
 
 
 class Metrics:
@@ -111,8 +110,8 @@ class Metrics:
             self.job_shm.labels(job, "working").set(usage.working)
             self.job_shm.labels(job, "reserved").set(usage.reserved)
 
-    def planner_counters(self) -> dict[str, dict[str, float]]:
-        return {job: c.to_json() for job, c in self.counters.items()}
+    def planner_counters(self) -> dict[str, PlannerCounts]:
+        return {job: PlannerCounts(c.arrivals, c.aggregated, c.agg_seconds) for job, c in self.counters.items()}
 
     def exposition(self) -> str:
         return generate_latest(self.registry).decode()
