@@ -397,7 +397,7 @@ class GatewayService:
             "job": name,
             "tenant": job.spec.tenant,
             "goal": job.spec.goal,
-            "leaf_fan_in": job.spec.leaf_fan_in,
+            "leaf_fan_in": job.leaf_fan_in,
             "max_update_bytes": job.spec.max_update_bytes,
             "max_inflight": job.spec.inflight_budget,
             "round_deadline_s": job.spec.round_deadline_s or None,
@@ -563,7 +563,7 @@ class GatewayService:
         capacities, loads = self.state.capacities(), self.state.loads()
         nodes = [NodeLoad(n, capacities.get(n, self.capacity), loads.get(n, 0.0)) for n in sorted(live)]
         expected = math.ceil(job.spec.goal * job.spec.over_selection)
-        plan = plan_round(expected, nodes, policy=self.placement, fan_in=job.spec.leaf_fan_in, reuse=True)
+        plan = plan_round(expected, nodes, policy=self.placement, fan_in=job.leaf_fan_in, reuse=True)
         return {"policy": plan.policy, "quotas": [[n, q] for n, q in plan.quotas.items()], "top": plan.top}
 
     # -- blobs ---------------------------------------------------------------------------------

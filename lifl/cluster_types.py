@@ -36,6 +36,11 @@ class Job:
     checkpoint: int  # latest version durably checkpointed, -1 if none
     checkpoint_error: str = ""  # why the next version's checkpoint is not written yet ("" when none failed)
 
+    @property
+    def leaf_fan_in(self) -> int:
+        """Updates per leaf for the job's current model (``JobSpec.fan_in_for``)."""
+        return self.spec.fan_in_for(self.model_spec.data_bytes if self.model_spec else None)
+
 
 @dataclass(frozen=True)
 class Shard:

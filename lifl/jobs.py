@@ -19,6 +19,8 @@ JOB_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 TENANT_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,30}")
 DEFAULT_MAX_UPDATE_BYTES = 4 << 30
 MAX_SAMPLES = 1 << 53  # X-Lifl-Samples of any update: counts stay exact in float64 weights
+AUTO_LEAF_BYTES = 4 << 20  # leaf_fan_in 0: a leaf takes about this many bytes of updates
+AUTO_FAN_IN = (2, 256)  # ... and between this many updates
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,7 @@ class JobSpec:
     job: str
     goal: int  # client updates aggregated per round (the aggregation goal n)
     tenant: str = "default"
-    leaf_fan_in: int = 2  # updates per leaf aggregator (the paper's I)
+    leaf_fan_in: int = 0  # updates per leaf aggregator (the paper's I); 0: sized from the model (fan_in_for)
     max_update_bytes: int = DEFAULT_MAX_UPDATE_BYTES
     max_inflight: int = 0  # updates received but not yet aggregated; 0 means the goal
     round_deadline_s: float = 0.0  # a round still short of its goal this long after opening closes; 0: none
@@ -47,6 +49,16 @@ class JobSpec:
     def inflight_budget(self) -> int:
         return self.max_inflight or self.goal
 
+    def fan_in_for(self, data_bytes: int | None) -> int:
+        """The updates per leaf for a model of ``data_bytes``: as set, or (0) enough that a leaf
+        folds about AUTO_LEAF_BYTES. A task's fixed costs (its invocation, its result's hand-off)
+        then weigh little per small update, while a large model keeps the paper's I = 2 (a leaf
+        waits least after its first update when folding is what takes time). Unknown model: 2."""
+        if self.leaf_fan_in:
+            return self.leaf_fan_in
+        low, high = AUTO_FAN_IN
+        return max(low, min(high, AUTO_LEAF_BYTES // data_bytes)) if data_bytes else low
+
     @classmethod
     def from_request(cls, body: Any) -> JobSpec:
         if not isinstance(body, dict):
@@ -65,7 +77,7 @@ class JobSpec:
             raise BadRequest("tenant must be 1-31 characters of a-z, 0-9 and '-', starting with a letter or digit", code="bad_job")
         ints = {
             "goal": (1, 1_000_000),
-            "leaf_fan_in": (1, 1024),
+            "leaf_fan_in": (0, 1024),
             "max_update_bytes": (64, 1 << 40),
             "max_inflight": (0, 1_000_000),
             "min_updates": (1, 1_000_000),

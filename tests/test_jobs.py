@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from lifl.errors import BadRequest
-from lifl.jobs import DEFAULT_MAX_UPDATE_BYTES, JobSpec
+from lifl.jobs import AUTO_FAN_IN, AUTO_LEAF_BYTES, DEFAULT_MAX_UPDATE_BYTES, JobSpec
 
 
 def test_defaults_and_round_trip() -> None:
     spec = JobSpec.from_request({"job": "mnist-1", "goal": 10})
-    assert (spec.tenant, spec.leaf_fan_in, spec.max_update_bytes, spec.inflight_budget) == ("default", 2, DEFAULT_MAX_UPDATE_BYTES, 10)
+    assert (spec.tenant, spec.leaf_fan_in, spec.max_update_bytes, spec.inflight_budget) == ("default", 0, DEFAULT_MAX_UPDATE_BYTES, 10)
     assert JobSpec.from_json(spec.to_json()) == spec
     assert JobSpec.from_request({"job": "a", "goal": 3, "max_inflight": 2}).inflight_budget == 2
     rounds = JobSpec.from_request({"job": "a", "goal": 4, "round_deadline_s": 30, "min_updates": 2, "lease_ttl_s": 5.5, "over_selection": 2})
@@ -35,7 +35,8 @@ def test_defaults_and_round_trip() -> None:
     ({"job": "a", "goal": True}, "'goal'"),
     ({"job": "a", "goal": 1.0}, "'goal'"),
     ({"job": "a", "goal": 10**7}, "'goal'"),
-    ({"job": "a", "goal": 1, "leaf_fan_in": 0}, "'leaf_fan_in'"),
+    ({"job": "a", "goal": 1, "leaf_fan_in": -1}, "'leaf_fan_in'"),
+    ({"job": "a", "goal": 1, "leaf_fan_in": 1025}, "'leaf_fan_in'"),
     ({"job": "a", "goal": 1, "max_update_bytes": 1}, "'max_update_bytes'"),
     ({"job": "a", "goal": 1, "max_inflight": -1}, "'max_inflight'"),
     ({"job": "a", "goal": 1, "tenant": "Acme"}, "tenant"),
@@ -53,3 +54,18 @@ def test_invalid_jobs_name_the_field(body: object, needle: str) -> None:
     with pytest.raises(BadRequest) as info:
         JobSpec.from_request(body)
     assert needle in info.value.message and info.value.code == "bad_job"
+
+
+@pytest.mark.parametrize("leaf_fan_in, data_bytes, expected", [
+    (0, None, AUTO_FAN_IN[0]),  # no model yet
+    (0, 4 << 10, AUTO_FAN_IN[1]),  # small updates: as many as a leaf may take
+    (0, 40 << 10, AUTO_LEAF_BYTES // (40 << 10)),
+    (0, 400 << 10, AUTO_LEAF_BYTES // (400 << 10)),
+    (0, AUTO_LEAF_BYTES // 2, 2),
+    (0, 44_700_000, 2),  # a ResNet-18: the paper's I
+    (0, 1, AUTO_FAN_IN[1]),
+    (7, 4 << 10, 7),  # as set, whatever the model
+    (1, 44_700_000, 1),
+])
+def test_the_leaf_fan_in_in_use(leaf_fan_in: int, data_bytes: int | None, expected: int) -> None:
+    assert JobSpec("a", goal=10, leaf_fan_in=leaf_fan_in).fan_in_for(data_bytes) == expected

@@ -119,8 +119,9 @@ def calibrate_node(state: ClusterState, node: str, *, update_mb: float, step_sec
     # one round that never fills, abandoned (everything released) once calibration is over
     deadline = len(rates) * (step_seconds + 2) + 10
     gw = Gateway(gateway["http"])
+    # leaves of two (the paper's I): each pair's fold is reported within the step that sent it
     gw.create_job(job, 1_000_000, tenant="calibrate", round_deadline_s=deadline, min_updates=1_000_000,
-                  max_inflight=1_000_000, over_selection=1.0)
+                  max_inflight=1_000_000, over_selection=1.0, leaf_fan_in=2)
     gw.set_model(job, fmt.encode({"w": np.zeros(n, np.float32)}))
     blob = bytes(fmt.encode({"w": np.ones(n, np.float32)}))
     for rate in rates:

@@ -14,9 +14,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
 
-from lifl.cluster_types import NO_MODEL
+from lifl.cluster_types import NO_MODEL, Job
 from lifl.control.planner import BESTFIT, DEFAULT_ALPHA, POLICIES, Counters, Estimate, estimate, plan_warm
 from lifl.protocol import NodeStatus
 from lifl.state import ClusterState
@@ -79,25 +78,25 @@ class Controller:
         statuses = self.state.nodes()
         names = [n for n in self.state.job_names() if only is None or n in only]
         queues = {key: q for key, q in self._estimated_queues(statuses).items() if key[1] in names}
-        jobs: dict[str, Any] = {}
+        jobs: dict[str, Job] = {}
         for name in names:
             job = self.state.job(name)
             if job.version == NO_MODEL:
                 continue
-            jobs[name] = job.spec
+            jobs[name] = job
             shard = self.state.shard(name)
             for node, assigned in shard.assigned.items():  # demand already known: assigned, not yet arrived
                 waiting = max(0, assigned - shard.counts.get(node, 0))
                 queues[(node, name)] = max(queues.get((node, name), 0.0), float(waiting))
         warm: dict[str, dict[str, int]] = {}
         loads: dict[str, float] = {}
-        for name, spec in jobs.items():
-            per_node = {node: q for (node, job), q in queues.items() if job == name}
+        for name, job in jobs.items():
+            per_node = {node: q for (node, of), q in queues.items() if of == name}
             for node, q in per_node.items():
                 loads[node] = loads.get(node, 0.0) + q
-            for node, n in plan_warm(per_node, fan_in=spec.leaf_fan_in, reuse=self.reuse).items():
+            for node, n in plan_warm(per_node, fan_in=job.leaf_fan_in, reuse=self.reuse).items():
                 per_tenant = warm.setdefault(node, {})
-                per_tenant[spec.tenant] = per_tenant.get(spec.tenant, 0) + n
+                per_tenant[job.spec.tenant] = per_tenant.get(job.spec.tenant, 0) + n
         return warm, loads
 
     def _estimated_queues(self, statuses: dict[str, NodeStatus]) -> dict[tuple[str, str], float]:

@@ -126,7 +126,7 @@ class Loop:
         if self._closed:
             return
         self._posted.append(fn)
-        if not self._signalled:
+        if not self._signalled and self._thread is not threading.current_thread():  # the loop itself looks before it waits
             self._signalled = True
             try:
                 os.write(self._wake_w, b"x")

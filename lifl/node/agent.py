@@ -176,11 +176,15 @@ class JobRun:
     strategy_state: tuple[bytes, int] | None = None  # (key, version): the strategy's state after that version, if made here
 
     @cached_property
+    def leaf_fan_in(self) -> int:
+        return self.spec.fan_in_for(self.model_spec.data_bytes if self.model_spec else None)
+
+    @cached_property
     def sizes(self) -> JobSizes:
         """What aggregating its updates allocates (computed once: it encodes the model's header)."""
         assert self.model_spec is not None
         strategy = self.spec.strategy_spec
-        return JobSizes.of(self.model_spec, self.spec.leaf_fan_in, strategy_bytes(strategy, self.model_spec),
+        return JobSizes.of(self.model_spec, self.leaf_fan_in, strategy_bytes(strategy, self.model_spec),
                            self.spec.fixed_point_spec)
 
 
@@ -1041,7 +1045,7 @@ class Agent:
             self.metrics.arrived(job)
             if retained is not None:
                 self.retainer.keep_update(job, run.tenant, m.key, upload.round, upload.base, retained["client"], m.samples)
-            effects += self.trees.accepted(job, upload.round, upload.version, run.spec.leaf_fan_in,
+            effects += self.trees.accepted(job, upload.round, upload.version, run.leaf_fan_in,
                                            tree.Input(m.key, m.samples, 1, False))
             reply(Submitted(upload.round, self.uploads.counts.get(job, 0)))
         if refused:
@@ -2221,7 +2225,7 @@ class Agent:
         for name, run in self.jobs.items():
             r = self.trees.round_of(name)
             memory = self.store.ledger.usage(name)
-            jobs[name] = JobActivity(run.tenant.name, run.spec.leaf_fan_in, r.round if r else None,
+            jobs[name] = JobActivity(run.tenant.name, run.leaf_fan_in, r.round if r else None,
                                      self.uploads.counts.get(name, 0), *(at_work.get((name, role), 0) for role in ROLES),
                                      memory.working, memory.reserved)
         workers = self.board.workers.values()
