@@ -13,8 +13,9 @@ future and a handle per callback for nothing these processes use.
 - ``post(fn)``: from any thread, ``fn`` runs on the loop soon; ``call(fn)``: from another thread,
   run ``fn`` on the loop and wait for its result (its exception is raised in the caller).
 - ``offload(fn, done, pool=...)``: run ``fn`` (which blocks: Redis, disks, processes) on a pool,
-  then ``done(result, error)`` on the loop. Each pool has ``POOL_THREADS[pool]`` threads; work
-  beyond them waits its turn.
+  then ``done(result, error)`` on the loop. Each pool has a fixed number of threads
+  (``POOL_THREADS`` unless the loop is given others); work beyond them waits its turn.
+  ``start_pools`` creates them all at once (by default each is made when first needed).
 
 Callbacks must not block: whatever may, goes through ``offload``.
 """
@@ -53,7 +54,7 @@ class Timer:
 
 
 class Loop:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, pools: dict[str, int] | None = None) -> None:
         self.name = name
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -62,9 +63,11 @@ class Loop:
         self._signalled = False
         self._timers: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
-        self._pools = {pool: ThreadPoolExecutor(n, thread_name_prefix=f"{name}-{pool}") for pool, n in POOL_THREADS.items()}
+        self._pool_sizes = dict(pools or POOL_THREADS)
+        self._pools = {pool: ThreadPoolExecutor(n, thread_name_prefix=f"{name}-{pool}") for pool, n in self._pool_sizes.items()}
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._closed = False
 
     # -- readiness -----------------------------------------------------------------------------
     def watch(self, fileobj: Any, reader: Callable[[], None] | None, writer: Callable[[], None] | None = None) -> None:
@@ -121,7 +124,9 @@ class Loop:
 
     # -- other threads ---------------------------------------------------------------------------
     def post(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the loop soon (thread-safe)."""
+        """Run ``fn`` on the loop soon (thread-safe); nothing once the loop is closed."""
+        if self._closed:
+            return  # a pool's late completion: nobody is left to run it
         self._posted.append(fn)
         if not self._signalled:
             self._signalled = True
@@ -166,6 +171,20 @@ class Loop:
     def in_loop(self) -> bool:
         return self._thread is threading.current_thread()
 
+    @property
+    def running(self) -> bool:
+        """Whether ``run`` has started (on some thread) and not been stopped."""
+        return self._thread is not None and not self._stopped
+
+    def start_pools(self) -> None:
+        """Create every pool's threads now, so that the process's threads are a fixed set from
+        here on (each waits at a barrier until all of its pool's are up)."""
+        for pool, size in self._pool_sizes.items():
+            barrier = threading.Barrier(size + 1)
+            for _ in range(size):
+                self._pools[pool].submit(barrier.wait)
+            barrier.wait()
+
     # -- running ---------------------------------------------------------------------------------
     def run(self) -> None:
         """Serve until ``stop``; on the calling thread, which becomes the loop's."""
@@ -199,6 +218,8 @@ class Loop:
         self.post(self._halt)
 
     def close(self) -> None:
+        """After ``stop``: end the pools (work under way finishes, its completion is dropped)."""
+        self._closed = True
         for pool in self._pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
         self._selector.close()
