@@ -3,8 +3,13 @@
 The first 8 + N bytes (length and JSON header) go to a buffer that grows as they arrive
 (never to the size the prefix claims) and are validated against the job's model before
 anything is admitted; only then does the agent hand out a shared-memory object (reserving a
-slot of the round, checking the budgets), and every later byte is received directly into it. Floats are checked for NaN/Inf chunk by chunk while the
-bytes are still in cache. Any failure aborts the object, so nothing of a bad blob survives.
+slot of the round, checking the budgets), and every later byte is received directly into it.
+Floats are checked for NaN/Inf chunk by chunk while the bytes are still in cache. Any failure
+aborts the object, so nothing of a bad blob survives.
+
+Admission may be immediate (``admit`` returns the object) or under way (``admit`` returns None:
+an event loop asked the agent and goes on with other work): the sink is not ``ready`` for
+bytes until ``admitted`` hands it the object.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from lifl import format as fmt
-from lifl.errors import BadRequest, PayloadTooLarge, Unprocessable
+from lifl.errors import BadRequest, Internal, PayloadTooLarge, Unprocessable
 from lifl.kernels import FiniteChecker
 from lifl.store import MappingCache
 
@@ -91,7 +96,7 @@ class BlobSink:
         *,
         limit: int,
         spec: fmt.ModelSpec | None,
-        admit: Callable[[fmt.Layout], tuple[bytes, int]],
+        admit: Callable[[fmt.Layout], tuple[bytes, int] | None],
         mappings: MappingCache,
         layouts: LayoutCache,
         expected_size: int | None = None,
@@ -109,6 +114,7 @@ class BlobSink:
         self._header = bytearray()  # grows as the header's bytes arrive
         self._step = bytearray()  # where the next header bytes are received
         self._mm = None
+        self._admitting: tuple[bytearray, fmt.Layout] | None = None  # header and layout while admission is under way
         self._checker: FiniteChecker | None = None
         self.layout: fmt.Layout | None = None
         self.key: bytes | None = None
@@ -122,6 +128,11 @@ class BlobSink:
     @property
     def total(self) -> int | None:
         return self.layout.total_size if self.layout else None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the sink takes bytes now: not while the agent is admitting the blob."""
+        return self._admitting is None
 
     @property
     def done(self) -> bool:
@@ -170,6 +181,8 @@ class BlobSink:
         """Take bytes that are already in memory (e.g. read ahead with a request's headers)."""
         data = memoryview(data)
         while data:
+            if not self.ready:
+                raise Internal("the blob's bytes came before its admission was answered")
             if self.done:
                 raise BadRequest(f"{len(data)} bytes follow the end of the blob", code="trailing_bytes")
             view = self.buffer()
@@ -186,7 +199,18 @@ class BlobSink:
                 f"body has {self._expected} bytes but the blob's header declares {layout.total_size}",
                 code="length_mismatch",
             )
-        self.key, fd = self._admit(layout)
+        self._admitting = (header, layout)
+        admitted = self._admit(layout)
+        if admitted is not None:
+            self.admitted(*admitted)
+
+    def admitted(self, key: bytes, fd: int) -> None:
+        """The object the agent admitted the blob into (``fd``, which the sink closes): the
+        bytes received so far go into it, and the sink is ready for the rest."""
+        assert self._admitting is not None
+        header, layout = self._admitting
+        self._admitting = None
+        self.key = key
         self._layouts.remember(header, self._spec, self._partial, layout)  # admitted: worth keeping
         try:
             self._mm = self._mappings.map_fd(fd, writable=True)

@@ -13,6 +13,7 @@ from conftest import OPERATOR_TOKEN, RunningNode, wait_for
 from lifl import format as fmt
 from lifl import kernels
 from lifl.auth import OPERATOR, Principal
+from lifl.net.loop import Loop
 
 MODEL = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.zeros(4, np.float32)}
 UPDATE = fmt.encode({"w": np.ones((3, 4), np.float32), "b": np.ones(4, np.float32)})
@@ -232,14 +233,15 @@ def test_header_length_prefix_is_little_endian_u64() -> None:
 class _BrokenService:
     """Just enough of GatewayService for GET /v1/jobs to hit a bug."""
 
-    def authenticate(self, authorization: str | None, certificate: dict | None) -> Principal:
-        return Principal(OPERATOR)
+    def __init__(self) -> None:
+        self.loop = Loop("broken gateway")
+        self.open_metrics = False
+
+    def identify(self, authorization: str | None, certificate: dict | None, done) -> None:
+        done(Principal(OPERATOR), None)
 
     def job_names(self, caller: Principal) -> list[str]:
         raise RuntimeError("a bug")
-
-    def close_thread(self) -> None:
-        pass
 
 
 def test_unexpected_error_is_a_logged_500_and_the_server_goes_on(capfd: pytest.CaptureFixture[str]) -> None:
