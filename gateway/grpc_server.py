@@ -189,7 +189,7 @@ class GrpcConnection(ConnectionProtocol):
                     break
                 self._step()
             else:
-                self.conn.start_reading()  # more may be buffered: after the others' turn
+                self.conn.start_reading(at_once=True)  # the rest after the others' turn
         except Wait:
             pass
         except PeerGone:
@@ -319,7 +319,7 @@ class GrpcConnection(ConnectionProtocol):
         """``call``'s blob may take bytes again (or ``call`` ended): go on reading."""
         if self._waiting_for is call and not self._closing:
             self._waiting_for = None
-            self.conn.start_reading()
+            self.conn.start_reading(at_once=True)
 
     def _handle(self, events: list[h2.Event]) -> None:
         for ev in events:

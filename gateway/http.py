@@ -83,6 +83,9 @@ _CHUNK_SIZE_LINE = re.compile(
     rb"([0-9A-Fa-f]{1,16})(?:[ \t]*;[ \t]*[" + _TOKEN_BYTES + rb"]+(?:[ \t]*=[ \t]*(?:[" + _TOKEN_BYTES + rb"]+|" + _QUOTED + rb"))?)*"
 )
 _QUERY_LIMIT = re.compile(r"[0-9]{1,5}")
+# Every field line of a head at once (each with its CRLF): what parse_field_line checks line by
+# line, so that the usual head takes one match; a head it does not match gets the lines' own errors.
+_FIELD_LINES = re.compile(f"(?:[{_TCHAR}]+:[\\t\\x20-\\x7e\\x80-\\xff]*\\r\\n)*")
 _SINGLETONS = ("content-length", "transfer-encoding", "host")  # fields that must not repeat
 
 
@@ -110,6 +113,8 @@ def parse_head(head: bytes) -> RequestHead:
     start = 0
     while text.startswith("\r\n", start):  # empty lines before a request line are ignored (RFC 9112, 2.2)
         start += 2
+    fields_start = text.find("\r\n", start) + 2
+    well_formed = _FIELD_LINES.fullmatch(text, fields_start, len(text) - 2) is not None
     lines = text[start:-4].split("\r\n")
     if len(lines) - 1 > MAX_HEADER_FIELDS:
         raise HeadTooLarge(f"the request has more than {MAX_HEADER_FIELDS} header fields", code="too_many_headers")
@@ -121,7 +126,11 @@ def parse_head(head: bytes) -> RequestHead:
     method, target, version = parts
     headers: dict[str, str] = {}
     for line in lines[1:]:
-        name, value = parse_field_line(line)
+        if well_formed:
+            name, _, value = line.partition(":")
+            value = value.strip(_OWS)
+        else:
+            name, value = parse_field_line(line)
         key = name.lower()
         if key not in headers:
             headers[key] = value
@@ -664,9 +673,11 @@ class HttpConnection(ConnectionProtocol):
             self._refuse(e)
 
     def _read_body(self, step: Callable[[], None]) -> None:
+        """Read the body with ``step``, starting now (its bytes may be in, or it may have none).
+        An exchange is sequential: whatever called this is done with the connection's state."""
         self.conn.set_phase(BODY)
         self._step = step
-        self.conn.start_reading()
+        self.conn.read_now()
 
     def _read_json(self) -> None:
         req, route = self.request, self.route
@@ -716,7 +727,7 @@ class HttpConnection(ConnectionProtocol):
         if error is not None:
             self._refuse(error)
         else:
-            self.conn.start_reading()
+            self.conn.read_now()  # the rest of the blob may be all in already
 
     def _receive_blob(self) -> None:
         """The body, straight into the blob's shared memory (its header first, into the sink's

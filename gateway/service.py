@@ -79,6 +79,9 @@ PRIVACY_LOOKBACK = 100  # rounds searched for the latest epsilon recorded (aband
 
 
 class GatewayMetrics:
+    """The gateway's Prometheus metrics; the hot path's label sets are looked up once
+    (``labels`` takes a lock and builds a key on every call)."""
+
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.arrivals = Counter("lifl_update_arrivals", "Updates accepted", ["job", "protocol"], registry=r)
@@ -89,6 +92,15 @@ class GatewayMetrics:
             "lifl_ingest_seconds", "From an update's first byte until it is acknowledged in shared memory",
             ["protocol"], registry=r, buckets=(1e-3, 5e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
         )
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, remembered (the loop's thread; a race only repeats a lookup)."""
+        key = (id(metric), *labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
 
 @dataclass
@@ -215,7 +227,7 @@ class Ingest:
             raise agent_unavailable("it restarted while the blob was received")
         self.state = self.FINISHING
         m = self.service.metrics
-        m.bytes_in.labels(self.protocol).inc(self.sink.total)
+        m.child(m.bytes_in, self.protocol).inc(self.sink.total)
 
         def answered(result: dict[str, Any]) -> Callable[[Reply | None, BaseException | None], None]:
             def then(reply: Reply | None, error: BaseException | None) -> None:
@@ -230,8 +242,8 @@ class Ingest:
                     done({"version": reply[0].version}, None)
                     return
                 if self.kind == "update":
-                    m.arrivals.labels(self.job, self.protocol).inc()
-                    m.ingest.labels(self.protocol).observe(time.perf_counter() - self.started)
+                    m.child(m.arrivals, self.job, self.protocol).inc()
+                    m.child(m.ingest, self.protocol).observe(time.perf_counter() - self.started)
                 done(result, None)
 
             return then
@@ -342,21 +354,70 @@ class JobCache:
     """Jobs as this gateway last read them, for the checks that come before an upload is
     admitted. A job's spec and its model's spec never change once set (its tenant, limits,
     strategy, tensors): what is decided from them holds. Its version and round do change: a
-    check that fails on them is made again on a fresh read (``_Recheck``) before it refuses,
-    and one that passes never accepts anything, since the agent's admission decides from Redis.
+    check that fails on them is made again on a fresh read (``_Recheck``) before it refuses
+    (an update trained from a version newer than the cached one goes on to the agent), and
+    one that passes never accepts anything, since the agent's admission decides from Redis.
     The loop's alone: no lock."""
 
     def __init__(self, max_entries: int = JOB_CACHE_ENTRIES) -> None:
         self._jobs: dict[str, Job] = {}
+        self._staleness: dict[str, int] = {}  # the strategy's max_staleness (its spec is parsed on every access)
         self._max = max_entries
 
     def get(self, name: str) -> Job | None:
         return self._jobs.get(name)
 
     def put(self, job: Job) -> None:
-        if len(self._jobs) >= self._max and job.spec.job not in self._jobs:
+        name = job.spec.job
+        if len(self._jobs) >= self._max and name not in self._jobs:
             self._jobs.clear()
-        self._jobs[job.spec.job] = job
+            self._staleness.clear()
+        self._jobs[name] = job
+        self._staleness[name] = job.spec.strategy_spec.max_staleness
+
+    def max_staleness(self, job: Job) -> int:
+        """How many versions stale the job's updates may be (of a job read through the cache)."""
+        return self._staleness[job.spec.job]
+
+
+class RefusalCounts:
+    """Refusals of updates counted in their round's accounting in Redis, on the pool: one call
+    per job at a time (the job's round read once), with every refusal of that job that came
+    meanwhile, as the agent batches its admissions: refusals come in bursts (a round fills up
+    and every client that tries next is told so)."""
+
+    def __init__(self, loop: Loop, state: ClusterState, log: Callable[[Any, BaseException | None], None]) -> None:
+        self.loop, self.state, self._log = loop, state, log
+        self._waiting: dict[str, list[tuple[str, Callable[[], None]]]] = {}
+        self._counting: set[str] = set()  # jobs with a call on the pool
+
+    def add(self, job: str, code: str, then: Callable[[], None]) -> None:
+        """Count ``code`` in ``job``'s round, then ``then()`` on the loop."""
+        self._waiting.setdefault(job, []).append((code, then))
+        if job not in self._counting:
+            self._count(job)
+
+    def _count(self, job: str) -> None:
+        items = self._waiting.pop(job, [])
+        if not items:
+            return
+        self._counting.add(job)
+
+        def count() -> None:
+            try:
+                round_id = self.state.job(job).round
+            except NotFound:
+                return  # no such job: nothing to account them to
+            self.state.count_rejections(job, [(round_id, code) for code, _ in items])
+
+        def counted(_: Any, error: BaseException | None) -> None:
+            self._counting.discard(job)
+            self._log(None, error)
+            for _, then in items:
+                then()
+            self._count(job)  # what came meanwhile
+
+        self.loop.offload(count, counted)
 
 
 class GatewayService:
@@ -379,6 +440,7 @@ class GatewayService:
         self.layouts = LayoutCache()
         self.metrics = GatewayMetrics()
         self.jobs = JobCache()
+        self.refusals = RefusalCounts(self.loop, state, self._logged("counting refusals"))
         self._forwarder = AgentLink(self.loop, agent_socket, "forwarder", self._on_push)
         self._duties: list[Timer] = []
         self._token_refresh: Timer | None = None
@@ -819,10 +881,12 @@ class GatewayService:
                     raise _Recheck(job_name)
                 raise Conflict(f"job {meta.job!r} has no model yet", code="no_model")
             stale = job.version - meta.base_version
-            if not 0 <= stale <= job.spec.strategy_spec.max_staleness:
+            allowed = self.jobs.max_staleness(job)
+            if stale < 0 and not fresh:
+                pass  # trained from a version the cache has not seen yet: the agent's admission decides
+            elif not 0 <= stale <= allowed:
                 if not fresh:
                     raise _Recheck(job_name)
-                allowed = job.spec.strategy_spec.max_staleness
                 raise Conflict(
                     f"update was trained from version {meta.base_version}, the current version is {job.version}"
                     + (f" (this job takes updates at most {allowed} versions stale)" if allowed else ""),
@@ -944,23 +1008,12 @@ class GatewayService:
     def count_rejection(self, job: str, protocol: str, code: str, *, counted_by_agent: bool,
                         then: Callable[[], None] = _nothing) -> None:
         """Count an update refused here (on the loop), and in the round's accounting in Redis
-        (on the pool) unless the agent does; then ``then()`` on the loop."""
+        (RefusalCounts) unless the agent does; then ``then()`` on the loop."""
         self.metrics.rejected.labels(protocol, code).inc()
         if counted_by_agent:
-            then()
-            return  # the agent's abort records it in the round's accounting
-
-        def count() -> None:
-            try:
-                self.state.count(job, self.state.job(job).round, f"rejected.{code}")
-            except LiflError:
-                pass  # no such job: nothing to account it to
-
-        def counted(_: Any, error: BaseException | None) -> None:
-            self._logged("counting a refusal")(None, error)
-            then()
-
-        self.loop.offload(count, counted)
+            then()  # the agent's abort records it in the round's accounting
+        else:
+            self.refusals.add(job, code, then)
 
     def metrics_text(self, principal: Principal | None) -> bytes:
         """The gateway's and the agent's metrics; ``principal`` is None where metrics are open."""

@@ -177,6 +177,7 @@ class Conn:
         self._waiting_since: float | None = None  # in BODY: when the current wait for bytes began
         self._charged = 0.0  # in BODY: up to when waiting has been charged to the meter
         self._reading = False  # the protocol wants readable()
+        self._read_watch = False  # the loop watches for readability (it may while not _reading: see pause_reading)
         self._read_wants_write = False  # TLS: a read must wait for the socket to be writable
         self._watched = (False, False)
         self._out: deque[memoryview | _File | _Then] = deque()
@@ -243,19 +244,29 @@ class Conn:
                 f"after {limits.body_grace:g} s) or stopped for {limits.idle_timeout:g} s")
 
     # -- reading --------------------------------------------------------------------------------
-    def start_reading(self) -> None:
-        """Have the protocol's ``readable`` called whenever bytes come, starting now (bytes may
-        be waiting already: in the read-ahead buffer, in TLS's, or in the socket's)."""
+    def start_reading(self, *, at_once: bool = False) -> None:
+        """Have the protocol's ``readable`` called whenever bytes come, from now on; soon in any
+        case if ``at_once`` (the protocol has work that needs no byte), or if some may be waiting
+        already (in the read-ahead buffer, or decrypted in TLS's: epoll sees neither)."""
         self._reading = True
-        self._rewatch()
-        self.loop.post(self._readable)
+        if not self._read_watch:
+            self._read_watch = True
+            self._rewatch()
+        if at_once or self.inbuf or (self.tls and self.sock.pending()):  # type: ignore[attr-defined]
+            self.loop.post(self._readable)
+
+    def read_now(self) -> None:
+        """``start_reading``, and call the protocol's ``readable`` now rather than on a later turn
+        of the loop (for a protocol whose state allows it to run inside its own callbacks)."""
+        self.start_reading()
+        self._readable()
 
     def pause_reading(self) -> None:
         """Read nothing until ``start_reading``: the gateway is busy with what came (its time is
-        not charged to the peer)."""
+        not charged to the peer). The loop stops watching the socket only if it becomes readable
+        meanwhile (most pauses end before: a change of what epoll watches is a system call)."""
         self._reading = False
         self._stop_waiting()
-        self._rewatch()
 
     def fill(self, most: int = READ_AHEAD) -> int:
         """Read up to ``most`` more bytes into ``inbuf``; how many came (at least one). Wait if
@@ -325,7 +336,12 @@ class Conn:
         self._waiting_since = None
 
     def _readable(self) -> None:
-        if self.closed or not self._reading:
+        if self.closed:
+            return
+        if not self._reading:
+            if self._read_watch:  # bytes came while paused: stop watching until start_reading
+                self._read_watch = False
+                self._rewatch()
             return
         self._read_wants_write = False
         if self.protocol is not None:
@@ -483,7 +499,7 @@ class Conn:
         if self.closed:
             return
         writing = bool(self._out) or self._tls_pending is not None or self._read_wants_write
-        wanted = (self._reading, writing)
+        wanted = (self._read_watch, writing)
         if wanted != self._watched:
             self._watched = wanted
             self.loop.watch(self.sock, self._readable if wanted[0] else None, self._writable if wanted[1] else None)
@@ -508,7 +524,7 @@ class Conn:
         """Close once what is queued is sent, or after ``timeout`` s at the latest; read nothing more."""
         if self.closed:
             return
-        self._reading = False
+        self.pause_reading()
         self.set_phase(CLOSING)
         self._close_by = self._since + timeout
         self.write([], then=self.close)

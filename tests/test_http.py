@@ -226,6 +226,20 @@ def test_surplus_update_of_a_full_round_is_refused(node: RunningNode) -> None:
     wait_for(lambda: node.json("GET", "/v1/jobs/f")[1]["version"] == 1, what="version 1")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("framing", [b"Content-Length: 0\r\n\r\n", b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"],
+                         ids=["length-0", "chunked-empty"])
+def test_an_empty_json_body_is_answered_without_the_connection_ending(node: RunningNode, framing: bytes) -> None:
+    """A body with no bytes needs none from the socket: it is answered while the client waits."""
+    host, port = node.http.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + OPERATOR_TOKEN.encode() + b"\r\n" + framing)
+        status, body = read_response(s)
+        assert (status, body["error"]["code"]) == (400, "bad_job")
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # and the connection goes on
+        assert read_response(s)[0] == 200
+
+
 def test_header_length_prefix_is_little_endian_u64() -> None:
     assert struct.unpack("<Q", UPDATE[:8])[0] + 8 < len(UPDATE)
 

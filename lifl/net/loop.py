@@ -59,6 +59,7 @@ class Loop:
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._selector.register(self._wake_r, selectors.EVENT_READ, (self._woken, None))
+        self._watching: dict[int, tuple[int, Any, Any]] = {}  # fd -> what is watched (the loop's own fds aside)
         self._posted: deque[Callable[[], None]] = deque()
         self._signalled = False
         self._timers: list[tuple[float, int, Timer]] = []
@@ -72,24 +73,31 @@ class Loop:
     # -- readiness -----------------------------------------------------------------------------
     def watch(self, fileobj: Any, reader: Callable[[], None] | None, writer: Callable[[], None] | None = None) -> None:
         """Call ``reader`` when ``fileobj`` is readable and ``writer`` when writable (None: not
-        that); calling it again changes what is watched."""
+        that); calling it again changes what is watched. Unwatch a file before closing it."""
         events = (selectors.EVENT_READ if reader else 0) | (selectors.EVENT_WRITE if writer else 0)
-        try:
-            key = self._selector.get_key(fileobj)
-        except KeyError:
+        fd = fileobj if isinstance(fileobj, int) else fileobj.fileno()
+        current = self._watching.get(fd)  # not the selector's get_key: its miss formats the file's repr
+        if current is None:
             if events:
                 self._selector.register(fileobj, events, (reader, writer))
+                self._watching[fd] = (events, reader, writer)
             return
         if not events:
             self._selector.unregister(fileobj)
-        elif key.events != events or key.data != (reader, writer):
+            del self._watching[fd]
+        elif current != (events, reader, writer):
             self._selector.modify(fileobj, events, (reader, writer))
+            self._watching[fd] = (events, reader, writer)
 
     def unwatch(self, fileobj: Any) -> None:
+        fd = fileobj if isinstance(fileobj, int) else fileobj.fileno()
+        if fd >= 0 and fd not in self._watching:
+            return  # (a closed file has no fd: the selector finds it by identity)
         try:
-            self._selector.unregister(fileobj)
+            key = self._selector.unregister(fileobj)
         except (KeyError, ValueError):
-            pass
+            return
+        self._watching.pop(key.fd, None)
 
     # -- time ------------------------------------------------------------------------------------
     def later(self, delay: float, fn: Callable[[], None]) -> Timer:
@@ -128,6 +136,8 @@ class Loop:
         if self._closed:
             return  # a pool's late completion: nobody is left to run it
         self._posted.append(fn)
+        if self._thread is threading.current_thread():
+            return  # the loop runs what was posted before it waits again: no wake-up needed
         if not self._signalled:
             self._signalled = True
             try:
