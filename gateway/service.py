@@ -408,7 +408,7 @@ class RefusalCounts:
                 round_id = self.state.job(job).round
             except NotFound:
                 return  # no such job: nothing to account them to
-            self.state.count_rejections(job, [(round_id, code) for code, _ in items])
+            self.state.run(self.state.count_call(job, [(round_id, f"rejected.{code}", 1) for code, _ in items]))
 
         def counted(_: Any, error: BaseException | None) -> None:
             self._counting.discard(job)
@@ -665,12 +665,13 @@ class GatewayService:
         queued = 0
         nodes: dict[str, dict[str, Any]] = {}
         for node, status in self.state.nodes().items():
-            counts = status.get("jobs", {}).get(name, {})
+            activity = status.jobs.get(name)
+            at_work = {role: activity.at_work(role) if activity else 0 for role in ROLES}
             for role in ROLES:
-                aggregators[role] += counts.get(role, 0)
-            queued += counts.get("queued", 0)
-            nodes[node] = {"updates": shard.counts.get(node, 0), "queued": counts.get("queued", 0),
-                           "aggregators": {role: counts.get(role, 0) for role in ROLES}}
+                aggregators[role] += at_work[role]
+            node_queued = activity.queued if activity else 0
+            queued += node_queued
+            nodes[node] = {"updates": shard.counts.get(node, 0), "queued": node_queued, "aggregators": at_work}
         current = shard.round == job.round
         return {
             "job": name,
@@ -722,7 +723,7 @@ class GatewayService:
             raise BadRequest("a query must be a JSON object with a 'workload'", code="bad_query")
         if internal := sorted(set(body) & {"scope", "rounds"}):
             raise BadRequest(f"query field(s) {', '.join(internal)} are set between nodes only", code="bad_query")
-        answer = self.agent.call(Query(name, body))[0].body
+        answer = self.agent.call(Query(name, body))[0].to_json()
         if "partial" not in answer:
             return answer
         from lifl.flstore import workloads  # numpy only, on the first split query
@@ -733,7 +734,7 @@ class GatewayService:
                                        answer["params"])
         except (OSError, LiflError, http.client.HTTPException, ValueError) as e:
             print(f"lifl gateway: a split query of {name!r} reads every update here instead: {e}", file=sys.stderr)
-            return self.agent.call(Query(name, {**body, "scope": "gather"}))[0].body
+            return self.agent.call(Query(name, {**body, "scope": "gather"}))[0].to_json()
         data = {k: sum(a["data"][k] for a in (answer, *parts)) for k in answer["data"]}
         data["bytes_between_nodes"] = sum(p.pop("_bytes") for p in parts)
         final = {k: v for k, v in answer.items() if k not in ("partial", "peers", "params", "rounds")}
@@ -766,7 +767,7 @@ class GatewayService:
         self.authorized_job(principal, Action.INTERNAL, name)
         if not isinstance(body, dict) or body.get("scope") != "node":
             raise BadRequest("a peer's query asks for this node's part (scope 'node')", code="bad_query")
-        return self.agent.call(Query(name, body))[0].body
+        return self.agent.call(Query(name, body))[0].to_json()
 
     def retention(self, principal: Principal, name: str) -> dict[str, Any]:
         """The job's retention policy and, summed over the nodes, what it keeps and how queries fare."""
@@ -777,7 +778,7 @@ class GatewayService:
         totals = {"hits": 0, "misses": 0, "evictions": 0, "fetch_back_bytes": 0, "pending_writes": 0}
         retained = {"model": 0, "update": 0}
         for status in self.state.nodes().values():
-            stats = status.get("retention", {}).get(name)
+            stats = status.retention.get(name)
             if not stats:
                 continue
             for k in totals:

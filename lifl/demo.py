@@ -31,6 +31,7 @@ import numpy as np
 from lifl import procstat
 from lifl.client import Gateway, from_blob, to_blob
 from lifl.node.supervisor import Node, NodeConfig
+from lifl.protocol import ROLES
 from lifl.state import ClusterState
 from lifl.models import MODELS, make_model
 from lifl.workload import evaluate, load_digits_split, wait_ready, worker_shares
@@ -129,10 +130,11 @@ class Monitor:
             busy = alive - float(roles.get("idle", 0))
             return Sample(time.monotonic() - self.t0, arrivals, int(busy), int(alive), float("nan"), float("nan"))
         assert self.state is not None
-        status = self.state.nodes().get(self.node.config.node, {})
-        busy = sum(v for k, v in status.get("jobs", {}).get(JOB, {}).items() if k in ("leaf", "middle", "top"))
+        status = self.state.nodes().get(self.node.config.node)
+        job = status.jobs.get(JOB) if status is not None else None
+        busy = sum(job.at_work(role) for role in ROLES) if job is not None else 0
         pids = self.node.pids()
-        return Sample(time.monotonic() - self.t0, arrivals, busy, status.get("instances", {}).get("total", 0),
+        return Sample(time.monotonic() - self.t0, arrivals, busy, status.instances.total if status is not None else 0,
                       self.cpu_seconds(), procstat.pss_mb(pids["agent"] + pids["gateway"] + pids["aggregators"]))
 
 

@@ -103,7 +103,7 @@ class ModelSpec:
     def __contains__(self, name: object) -> bool:
         return name in self._by_name
 
-    @property
+    @cached_property
     def data_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 

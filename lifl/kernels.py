@@ -14,7 +14,9 @@ from lifl.format import Layout, ModelSpec
 
 
 def _ptr(ctype: str, array: np.ndarray) -> Any:
-    return ffi.cast(ctype, array.ctypes.data)
+    """A C pointer into ``array``'s memory (``ctype`` its element type): cffi reads the buffer,
+    with none of numpy's ctypes machinery (several microseconds per array, per call)."""
+    return ffi.from_buffer(ctype, array)
 
 
 def address(buffer: Any) -> tuple[int, Any]:
@@ -38,7 +40,7 @@ class FiniteChecker:
         self._dtype = np.array([e.spec.dtype.code for e in layout.entries], np.int32)
         self._bad_tensor = ffi.new("int32_t *")
         self._bad_elem = ffi.new("int64_t *")
-        self._args = (len(self._begin), _ptr("int64_t *", self._begin), _ptr("int64_t *", self._end), _ptr("int32_t *", self._dtype))
+        self._args = (len(self._begin), _ptr("int64_t[]", self._begin), _ptr("int64_t[]", self._end), _ptr("int32_t[]", self._dtype))
         self.cursor = start
 
     def check(self, buffer: Any, upto: int) -> None:
@@ -70,6 +72,7 @@ class TensorTable:
         self.offsets = np.array([layout.data_start + e.begin for e in entries], np.uint64)
         self.dtypes = np.array([e.spec.dtype.code for e in entries], np.int32)
         self.numel = np.array([t.numel for t in spec.tensors], np.uint64)
+        self.c_dtypes, self.c_numel = _ptr("int32_t[]", self.dtypes), _ptr("uint64_t[]", self.numel)  # made once
 
 
 class Tensors:
@@ -80,6 +83,7 @@ class Tensors:
         self.pointers = table.offsets + np.uint64(base)
         self.dtypes = table.dtypes
         self.numel = table.numel
+        self.table = table
 
     @classmethod
     def of(cls, buffer: Any, layout: Layout, spec: ModelSpec) -> Tensors:
@@ -99,13 +103,13 @@ def fold(acc: Tensors, inputs: Sequence[tuple[Tensors, int]], *, init: bool, fra
     max_abs = np.zeros(len(inputs), np.float64)
     if not inputs:
         return max_abs
-    pointers = np.stack([t.pointers for t, _ in inputs])
-    dtypes = np.stack([t.dtypes for t, _ in inputs])
+    pointers = np.concatenate([t.pointers for t, _ in inputs])  # row-major: input by input, tensor by tensor
+    dtypes = np.concatenate([t.dtypes for t, _ in inputs])
     weights = np.array([w for _, w in inputs], np.int64)
     rc = lib.lifl_fold(
-        len(acc.numel), _ptr("uint64_t *", acc.numel), _ptr("int32_t *", acc.dtypes), _ptr("void *const *", acc.pointers),
-        len(inputs), _ptr("int32_t *", dtypes), _ptr("void *const *", pointers), _ptr("int64_t *", weights), int(init),
-        frac_bits, _ptr("double *", max_abs),
+        len(acc.numel), acc.table.c_numel, acc.table.c_dtypes, _ptr("void *[]", acc.pointers),
+        len(inputs), _ptr("int32_t[]", dtypes), _ptr("void *[]", pointers), _ptr("int64_t[]", weights), int(init),
+        frac_bits, _ptr("double[]", max_abs),
     )
     if rc:
         raise Internal("fold received tensors whose dtypes do not match their accumulators")
@@ -116,8 +120,8 @@ def finalize(out: Tensors, acc: Tensors, total: int, *, frac_bits: int = 0) -> N
     """out = acc / total in the model's dtypes, rounding once per element (fixed-point sums:
     acc / (total * 2^frac_bits))."""
     rc = lib.lifl_finalize(
-        len(out.numel), _ptr("uint64_t *", out.numel), _ptr("int32_t *", out.dtypes), _ptr("void *const *", out.pointers),
-        _ptr("int32_t *", acc.dtypes), _ptr("void *const *", acc.pointers), int(total), frac_bits,
+        len(out.numel), out.table.c_numel, out.table.c_dtypes, _ptr("void *[]", out.pointers),
+        acc.table.c_dtypes, _ptr("void *[]", acc.pointers), int(total), frac_bits,
     )
     if rc:
         raise Internal(f"finalize failed (total weight {total})")

@@ -15,7 +15,6 @@ request's, so a peer may keep many requests in flight on one connection.
 from __future__ import annotations
 
 import array
-import json
 import os
 import socket
 import struct
@@ -24,6 +23,8 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
+
+import orjson
 
 from lifl import errors
 from lifl.protocol import Message, decode
@@ -35,7 +36,8 @@ RECEIVE_BYTES = 1 << 18
 
 
 def encode_frame(message: dict[str, Any], nfds: int) -> bytes:
-    body = json.dumps({**message, "nfds": nfds} if nfds else message, separators=(",", ":")).encode()
+    # orjson: a tenth of the json module's time, on a path every update takes several times
+    body = orjson.dumps({**message, "nfds": nfds} if nfds else message, option=orjson.OPT_NON_STR_KEYS)
     return _LEN.pack(len(body)) + body
 
 
@@ -51,7 +53,7 @@ def next_frame(buf: bytearray, fds: deque[int]) -> tuple[dict[str, Any], list[in
     body = bytes(buf[_LEN.size : _LEN.size + n])
     del buf[: _LEN.size + n]
     try:
-        message = json.loads(body)
+        message = orjson.loads(body)
     except ValueError:
         raise errors.BadRequest("control message is not JSON", code="bad_message") from None
     if not isinstance(message, dict):

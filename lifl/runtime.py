@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import mmap
 import os
@@ -41,7 +42,8 @@ from lifl.keys.transport import KeyEndpoint
 from lifl.errors import LiflError
 from lifl.fixedpoint import FixedPoint
 from lifl.protocol import (
-    QUERY_ROLE, Alloc, Attach, CancelTask, Done, Failed, Folded, Handoff, InstallResult, Invoke, Ready, StrategyInputs,
+    QUERY_ROLE, Alloc, Attach, CancelTask, Done, Failed, Finished, Folded, InstallResult, Invoke, Ready, StrategyInputs,
+    StrategyWork, input_fields,
 )
 from lifl.rpc import Client, Connection
 from lifl.store import MappingCache, object_name
@@ -81,6 +83,18 @@ class Context:
         self._stash: dict[int, deque[KeyMessage]] = defaultdict(deque)  # messages for later tasks
         self._seen: dict[int, set[bytes]] = defaultdict(set)  # keys a task's run was given
         self._layouts: dict[bytes, fmt.Layout] = {}
+        self._scratch: dict[int, list[tuple[bytes, mmap.mmap]]] = defaultdict(list)  # accumulators given ahead, by task
+        self._finish: dict[int, Finished] = {}  # a task's hand-off, sent with its statistics when it returns
+
+    def invoked(self, push: Invoke, fds: list[int]) -> None:
+        """Take what an invocation brings along: the inputs known at its start (as if their key
+        messages had come) and an accumulator for its first fold."""
+        for record in push.inputs:
+            key, samples, updates, partial, sent_ns = input_fields(record)
+            self._stash[push.task].append(KeyMessage(dest=self.instance_id, task=push.task, key=key, samples=samples,
+                                                     count=updates, partial=partial, sent_ns=sent_ns))
+        if push.scratch and fds:
+            self._scratch[push.task].append((push.scratch, self.mappings.map_fd(fds[0], writable=True)))
 
     # -- inputs ------------------------------------------------------------------------------
     def receive(self, inv: Invocation) -> list[KeyMessage]:
@@ -110,6 +124,8 @@ class Context:
     def run_ended(self, task: int) -> None:
         """A run of the task ended: if the task runs again here, it is sent its inputs anew."""
         self._seen.pop(task, None)
+        self._scratch.pop(task, None)  # the agent lets go of what it did not use
+        self._finish.pop(task, None)
 
     def _next(self, task: int) -> KeyMessage:
         while True:
@@ -146,21 +162,40 @@ class Context:
         return layout
 
     def accumulator(self, inv: Invocation, header: bytes, data_bytes: int) -> tuple[bytes, mmap.mmap]:
-        """A new writable object holding ``header`` followed by ``data_bytes`` of tensor data."""
-        reply, fds = self.client.call(Alloc(task=inv.task, size=len(header) + data_bytes))
+        """A new writable object holding ``header`` followed by ``data_bytes`` of tensor data: one
+        the agent gave ahead if it is of that size, else one asked for now."""
+        size = len(header) + data_bytes
+        given = self._scratch[inv.task]
+        for i, (key, mm) in enumerate(given):
+            if len(mm) == size:
+                del given[i]
+                break
+        else:
+            reply, fds = self.client.call(Alloc(task=inv.task, size=size))
+            key, mm = reply.key, self._mapped(fds)
+        mm[: len(header)] = header
+        return key, mm
+
+    def _mapped(self, fds: list[int]) -> mmap.mmap:
         try:
-            mm = self.mappings.map_fd(fds[0], writable=True)
+            return self.mappings.map_fd(fds[0], writable=True)
         finally:
             for fd in fds:
                 os.close(fd)
-        mm[: len(header)] = header
-        return reply.key, mm
 
     # -- progress and results ------------------------------------------------------------------
-    def folded(self, inv: Invocation, keys: list[bytes], updates: int, seconds: float, state: bytes) -> None:
+    def folded(self, inv: Invocation, keys: list[bytes], updates: int, seconds: float, state: bytes,
+               next_size: int = 0) -> None:
         """These inputs (and the previous accumulator) are summed up in the accumulator ``state``:
-        their objects may go, and if this instance dies the task runs again from ``state``."""
-        self.client.call(Folded(task=inv.task, keys=keys, updates=updates, seconds=seconds, state=state))
+        their objects may go, and if this instance dies the task runs again from ``state``.
+        ``next_size``: the size of the accumulator the next fold will want, given with the answer."""
+        reply, fds = self.client.call(Folded(task=inv.task, keys=keys, updates=updates, seconds=seconds, state=state,
+                                             next_size=next_size))
+        if reply.key and fds:
+            self._scratch[inv.task].append((reply.key, self._mapped(fds)))
+        else:
+            for fd in fds:
+                os.close(fd)
 
     def announce(self, inv: Invocation, key: bytes) -> None:
         """Tell the parent, if this task knows it, that its input will be ``key`` (a
@@ -171,28 +206,32 @@ class Context:
                 self.channel.try_send(KeyMessage(dest=inv.parent[0], task=inv.parent[1], kind=KIND_PREPARE, key=key,
                                                  src=self.instance_id))
 
-    def forward(self, inv: Invocation, key: bytes, samples: int, updates: int, partial: bool,
-                agg_seconds: float = 0.0) -> None:
+    def forward(self, inv: Invocation, key: bytes, samples: int, updates: int, partial: bool, agg_seconds: float = 0.0,
+                folded: tuple[list[bytes], bytes, float] | None = None) -> None:
         """Pass the task's result on to its parent, wherever that is: to where it ran when this
-        task started, first (the parent may read the object before the agent seals it), then to
-        where the agent says if that is elsewhere (the parent moved). ``agg_seconds``, the time
-        the task spent folding, travels in the message (the key channel's metrics count it)."""
-        sent_ns = now_ns()
+        task started, at once (the parent may read the object before the agent seals it); the
+        agent hears of it, and sends it elsewhere if the parent moved, with the task's statistics
+        once the handler returns. ``folded``: the last fold, reported with it (the keys it summed
+        up, its accumulator, its seconds). ``agg_seconds``, the time the task spent folding,
+        travels in the message (the key channel's metrics count it)."""
+        sent_to: list[int] = []
+        if inv.parent[0]:
+            with contextlib.suppress(OSError):  # it has gone: the agent routes the key
+                self.channel.send(KeyMessage(dest=inv.parent[0], task=inv.parent[1], key=key, samples=samples, count=updates,
+                                             partial=partial, src=self.instance_id, sent_ns=now_ns(),
+                                             agg_us=round(agg_seconds * 1e6)))
+                sent_to = list(inv.parent)
+        keys, state, seconds = folded or ([], b"", 0.0)
+        self._finish[inv.task] = Finished(task=inv.task, key=key, samples=samples, updates=updates, partial=partial,
+                                          folded=keys, fold_state=state, fold_seconds=seconds, sent_to=sent_to)
 
-        def send(instance: int, task: int) -> None:
-            self.channel.send(KeyMessage(dest=instance, task=task, key=key, samples=samples, count=updates,
-                                         partial=partial, src=self.instance_id, sent_ns=sent_ns,
-                                         agg_us=round(agg_seconds * 1e6)))
-
-        early = inv.parent
-        if early[0]:
-            try:
-                send(*early)
-            except OSError:
-                early = (0, 0)  # it has gone: the agent routes the key
-        route, _ = self.client.call(Handoff(task=inv.task, key=key, samples=samples, updates=updates, partial=partial))
-        if route.instance and (route.instance, route.task) != early:
-            send(route.instance, route.task)
+    def finish(self, inv: Invocation, stats: dict[str, Any]) -> None:
+        """The task returned: its hand-off and statistics in one push, or Done (the top, a query)."""
+        handoff = self._finish.pop(inv.task, None)
+        if handoff is None:
+            self.client.call(Done(task=inv.task, stats=stats))
+        else:
+            self.client.push(dataclasses.replace(handoff, stats=stats))
 
     def install(self, inv: Invocation, key: bytes, samples: int, updates: int, *, state: bytes = b"",
                 report: dict[str, Any] | None = None) -> int:
@@ -202,11 +241,11 @@ class Context:
                                                   report=report or {}))
         return reply.version
 
-    def strategy_inputs(self, inv: Invocation, updates: int) -> dict[str, Any]:
+    def strategy_inputs(self, inv: Invocation, updates: int) -> StrategyWork:
         """What the top's strategy reads besides the round's sum (``lifl.protocol.StrategyInputs``):
-        object keys (hex) of the current model, the strategy's state and the round's updates."""
+        object keys of the current model, the strategy's state and the round's updates."""
         reply, _ = self.client.call(StrategyInputs(task=inv.task, updates=updates))
-        return dict(reply.body)
+        return reply
 
 
 Handler = Callable[[Invocation, Context], dict[str, Any]]
@@ -224,11 +263,18 @@ def serve(ctx: Context, handler: Handler, finished: Callable[[Invocation, dict[s
     specs: dict[str, tuple[fmt.ModelSpec, StrategySpec, FixedPoint | None]] = {}
     while True:
         try:
-            push, _ = ctx.client.next_push()
+            push, fds = ctx.client.next_push()
         except (EOFError, ConnectionError):
             return
         if not isinstance(push, Invoke):
+            for fd in fds:
+                os.close(fd)
             continue  # a cancellation for a task that already finished
+        try:
+            ctx.invoked(push, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
         if push.role == QUERY_ROLE:
             if not _serve_query(ctx, push.task):
                 return
@@ -244,7 +290,7 @@ def serve(ctx: Context, handler: Handler, finished: Callable[[Invocation, dict[s
                          (push.parent_instance, push.parent_task), strategy_spec, fixed_point)
         try:
             stats = handler(inv, ctx)
-            ctx.client.call(Done(task=inv.task, stats=stats))
+            ctx.finish(inv, stats)
             if finished is not None:
                 finished(inv, stats)
         except TaskCancelled:

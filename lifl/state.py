@@ -32,6 +32,7 @@ import json
 import math
 import secrets
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
@@ -43,6 +44,7 @@ from lifl.errors import Conflict, Forbidden, NotFound, Overloaded, Unavailable
 from lifl.format import ModelSpec
 from lifl.flstore.retention import RetentionPolicy
 from lifl.jobs import JobSpec
+from lifl.protocol import NodeStatus, record_from_json, record_json
 
 TENANT_UID_BASE = 610000  # tenants' functions run as uid/gid TENANT_UID_BASE + n
 HISTORY = 10000  # rounds kept per job
@@ -72,41 +74,77 @@ local function forget(owners, lease)
 end
 """
 
-# KEYS: job, leases, shard, lease owners. ARGV: base version, lease ('' for none), node, client
-# ('' for any). -> {status, version, round}. A client whose update of the round was counted gets
-# -6. A lease that is not the client's is ignored. The slot is also counted against the node
-# whose gateway receives the update, so that the slots of a node that dies with uploads in
-# progress can be given back.
+# The round's update records (a hash of their own, dropped with the round, so that the shard,
+# read whole by every duty, stays as small as the number of nodes): 'client.<id>' for each
+# client whose update was counted (the node that took it), and, for idempotent batches, each
+# upload's token ('' for none): an admission records its slot as 'slot.<token>' (the node) and
+# an acceptance its outcome as 'acc.<token>' ('<status>:<accepted>'), so a batch sent again
+# because its answer was lost (the connection broke after the script ran) finds what it did and
+# does nothing twice.
+
+# KEYS: job, leases, shard, lease owners, excluded, updates. ARGV: node, then (token, base version, lease
+# ('' for none), client ('' for any)) for each update arriving at that node. -> {status, version,
+# round} for each, in order: a batch of admissions costs one call, each checked and counted as if
+# alone. A client whose update of the round was counted gets -6. A lease that is not the
+# client's is ignored. The slot is also counted against the node whose gateway receives the
+# update, so that the slots of a node that dies with uploads in progress can be given back.
 _RESERVE = _NOW + _LEASES + """
 local h = KEYS[1]
-if redis.call('EXISTS', h) == 0 then return {-1, 0, 0} end
-local v, r = field(h, 'version'), field(h, 'round')
-if v < 0 then return {-2, v, r} end
-local base = tonumber(ARGV[1])
-if base > v or v - base > (field(h, 'max_staleness') or 0) then return {-3, v, r} end
-if field(h, 'closed') == 1 then return {closed_status(h), v, r} end
-if ARGV[4] ~= '' and redis.call('HEXISTS', KEYS[3], 'client.' .. ARGV[4]) == 1 then return {-6, v, r} end
-if ARGV[4] ~= '' and redis.call('SISMEMBER', KEYS[5], ARGV[4]) == 1 then return {-7, v, r} end
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms())
-if ARGV[2] ~= '' and owns(KEYS[4], ARGV[2], ARGV[4]) then
-  redis.call('ZREM', KEYS[2], ARGV[2])
-  forget(KEYS[4], ARGV[2])
+local function reserve(token, base, lease, node, client)
+  if redis.call('EXISTS', h) == 0 then return {-1, 0, 0} end
+  local v, r = field(h, 'version'), field(h, 'round')
+  if v < 0 then return {-2, v, r} end
+  if token ~= '' and redis.call('HEXISTS', KEYS[6], 'slot.' .. token) == 1 then return {0, v, r} end  -- sent again
+  if base > v or v - base > (field(h, 'max_staleness') or 0) then return {-3, v, r} end
+  if field(h, 'closed') == 1 then return {closed_status(h), v, r} end
+  if client ~= '' and redis.call('HEXISTS', KEYS[6], 'client.' .. client) == 1 then return {-6, v, r} end
+  if client ~= '' and redis.call('SISMEMBER', KEYS[5], client) == 1 then return {-7, v, r} end
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms())
+  if lease ~= '' and owns(KEYS[4], lease, client) then
+    redis.call('ZREM', KEYS[2], lease)
+    forget(KEYS[4], lease)
+  end
+  if field(h, 'reserved') >= field(h, 'goal') then return {-4, v, r} end
+  redis.call('HINCRBY', h, 'reserved', 1)
+  redis.call('HINCRBY', KEYS[3], 'inflight.' .. node, 1)
+  if token ~= '' then redis.call('HSET', KEYS[6], 'slot.' .. token, node) end
+  return {0, v, r}
 end
-if field(h, 'reserved') >= field(h, 'goal') then return {-4, v, r} end
-redis.call('HINCRBY', h, 'reserved', 1)
-redis.call('HINCRBY', KEYS[3], 'inflight.' .. ARGV[3], 1)
-return {0, v, r}
+local out = {}
+for i = 2, #ARGV, 4 do
+  local status = reserve(ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], ARGV[1], ARGV[i + 3])
+  out[#out + 1] = status[1]
+  out[#out + 1] = status[2]
+  out[#out + 1] = status[3]
+end
+return out
 """
 
-# KEYS: job, shard. ARGV: round, node. An upload gave its slot back (refused, aborted, lost).
+# KEYS: job, shard, updates. ARGV: node, then (token, round, counter ('' for none)) for each upload
+# that gives its slot back (refused, aborted, lost): the slot goes, once, and the refusal is
+# counted then. A token names its slot (tokens live as long as their round: the round given is not
+# needed); an upload without one gives back a slot of its round on that node. -> how many went back.
 _UNRESERVE = """
-if tonumber(redis.call('HGET', KEYS[1], 'round')) ~= tonumber(ARGV[1]) then return 0 end
-redis.call('HINCRBY', KEYS[1], 'reserved', -1)
-redis.call('HINCRBY', KEYS[2], 'inflight.' .. ARGV[2], -1)
-return 1
+local given = 0
+for i = 2, #ARGV, 3 do
+  local token = ARGV[i]
+  local back
+  if token ~= '' then
+    back = redis.call('HDEL', KEYS[3], 'slot.' .. token) == 1
+  else
+    back = tonumber(redis.call('HGET', KEYS[1], 'round')) == tonumber(ARGV[i + 1])
+  end
+  if back then
+    redis.call('HINCRBY', KEYS[1], 'reserved', -1)
+    redis.call('HINCRBY', KEYS[2], 'inflight.' .. ARGV[1], -1)
+    if ARGV[i + 2] ~= '' then redis.call('HINCRBY', KEYS[1], ARGV[i + 2], 1) end
+    given = given + 1
+  end
+end
+return given
 """
 
-# KEYS: job, leases, shard, lease owners. ARGV: lease id, ttl ms, max leases, client.
+# KEYS: job, leases, shard, lease owners, excluded, updates. ARGV: lease id, ttl ms, max leases, client.
 # -> {status, version, round, lease}. A client holds at most one lease: asking again renews and
 # returns the one it holds. A client whose update of the round was counted gets -6.
 _TAKE_LEASE = _NOW + _LEASES + """
@@ -115,7 +153,7 @@ if redis.call('EXISTS', h) == 0 then return {-1, 0, 0, ''} end
 local v, r = field(h, 'version'), field(h, 'round')
 if v < 0 then return {-2, v, r, ''} end
 if field(h, 'closed') == 1 then return {closed_status(h), v, r, ''} end
-if redis.call('HEXISTS', KEYS[3], 'client.' .. client) == 1 then return {-6, v, r, ''} end
+if redis.call('HEXISTS', KEYS[6], 'client.' .. client) == 1 then return {-6, v, r, ''} end
 if redis.call('SISMEMBER', KEYS[5], client) == 1 then return {-7, v, r, ''} end
 local now = now_ms()
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
@@ -155,11 +193,16 @@ forget(KEYS[2], ARGV[1])
 return redis.call('ZREM', KEYS[1], ARGV[1])
 """
 
-# KEYS: job. ARGV: round, field, delta. Counts only for the round it was meant for.
+# KEYS: job. ARGV: (round, field, delta) for each count. Counts only for the round it was meant for.
 _COUNT = """
-if tonumber(redis.call('HGET', KEYS[1], 'round')) ~= tonumber(ARGV[1]) then return 0 end
-redis.call('HINCRBY', KEYS[1], ARGV[2], ARGV[3])
-return 1
+local counted = 0
+for i = 1, #ARGV, 3 do
+  if tonumber(redis.call('HGET', KEYS[1], 'round')) == tonumber(ARGV[i]) then
+    redis.call('HINCRBY', KEYS[1], ARGV[i + 1], ARGV[i + 2])
+    counted = counted + 1
+  end
+end
+return counted
 """
 
 # Freezes the round: no more updates; each node's count becomes final. (Lua, shared)
@@ -176,31 +219,56 @@ local function finalize(h, s)
 end
 """
 
-# KEYS: job, shard. ARGV: round, node, job name, client ('' for any): one update per client and round.
-# An acknowledged update, counted once for the whole round, on the node that took it; the one
-# that meets the goal closes the round. -> {status, accepted}: 1 closed it, 0 counted,
-# -1 another round, -5 closed, -6 this node was declared dead for this round, -7 the client's
-# update of this round was counted already (its slot is given back).
+# KEYS: job, shard, updates. ARGV: node, job name, then (token, round, client ('' for any)) for each update
+# that arrived whole at that node; one update per client and round. Each is an acknowledged
+# update, counted once for the whole round, on the node that took it; the one that meets the
+# goal closes the round (and the batch's later ones find it closed). -> {status, accepted} for
+# each: 1 closed it, 0 counted, -1 another round, -5 closed, -6 this node was declared dead for
+# this round, -7 the client's update of this round was counted already (its slot is given back).
+# An update whose token was accepted already gets the same answer again.
 _ACCEPT = _NOW + _FINALIZE + """
-local h, s = KEYS[1], KEYS[2]
-if field(h, 'round') ~= tonumber(ARGV[1]) then return {-1, 0} end
-if field(h, 'closed') == 1 then return {-5, 0} end
-if redis.call('HEXISTS', s, 'dead.' .. ARGV[2]) == 1 then return {-6, 0} end
-if ARGV[4] ~= '' and redis.call('HSETNX', s, 'client.' .. ARGV[4], ARGV[2]) == 0 then
-  redis.call('HINCRBY', h, 'reserved', -1)
-  redis.call('HINCRBY', s, 'inflight.' .. ARGV[2], -1)
-  return {-7, 0}
+local h, s, t, node = KEYS[1], KEYS[2], KEYS[3], ARGV[1]
+local function decided(token, status, accepted)
+  if token ~= '' then
+    redis.call('HDEL', t, 'slot.' .. token)
+    redis.call('HSET', t, 'acc.' .. token, status .. ':' .. accepted)
+  end
+  return status, accepted
 end
-local accepted = redis.call('HINCRBY', h, 'accepted', 1)
-redis.call('HINCRBY', s, 'count.' .. ARGV[2], 1)
-redis.call('HINCRBY', s, 'inflight.' .. ARGV[2], -1)
-redis.call('HSETNX', s, 'first_ms', now_ms())
-if accepted >= field(h, 'goal') then
-  finalize(h, s)
-  redis.call('PUBLISH', '""" + EVENTS + """', ARGV[3])
-  return {1, accepted}
+local function accept(token, round, client)
+  if token ~= '' then
+    local prior = redis.call('HGET', t, 'acc.' .. token)
+    if prior then
+      local colon = string.find(prior, ':', 1, true)
+      return tonumber(string.sub(prior, 1, colon - 1)), tonumber(string.sub(prior, colon + 1))
+    end
+  end
+  if field(h, 'round') ~= round then return -1, 0 end
+  if field(h, 'closed') == 1 then return -5, 0 end
+  if redis.call('HEXISTS', s, 'dead.' .. node) == 1 then return -6, 0 end
+  if client ~= '' and redis.call('HSETNX', t, 'client.' .. client, node) == 0 then
+    redis.call('HINCRBY', h, 'reserved', -1)
+    redis.call('HINCRBY', s, 'inflight.' .. node, -1)
+    return decided(token, -7, 0)
+  end
+  local accepted = redis.call('HINCRBY', h, 'accepted', 1)
+  redis.call('HINCRBY', s, 'count.' .. node, 1)
+  redis.call('HINCRBY', s, 'inflight.' .. node, -1)
+  redis.call('HSETNX', s, 'first_ms', now_ms())
+  if accepted >= field(h, 'goal') then
+    finalize(h, s)
+    redis.call('PUBLISH', '""" + EVENTS + """', ARGV[2])
+    return decided(token, 1, accepted)
+  end
+  return decided(token, 0, accepted)
 end
-return {0, accepted}
+local out = {}
+for i = 3, #ARGV, 3 do
+  local status, accepted = accept(ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2])
+  out[#out + 1] = status
+  out[#out + 1] = accepted
+end
+return out
 """
 
 # KEYS: job, shard. ARGV: round, min updates, job name. Closes the round at its deadline:
@@ -239,7 +307,7 @@ redis.call('HSET', s, 'delivered.' .. ARGV[2], ARGV[3])
 return 1
 """
 
-# KEYS: job, shard. ARGV: round, dead node, job name.
+# KEYS: job, shard, updates. ARGV: round, dead node, job name.
 # A node died (or restarted) during the round: what it acknowledged and had not delivered to
 # the top is lost (recorded per node); while the round is open its slots reopen. If it hosted
 # the top, every partial delivered there is gone too: the epoch moves on and the survivors
@@ -280,6 +348,10 @@ if inflight > 0 then  -- its uploads in progress died with it
   redis.call('HINCRBY', h, 'reserved', -inflight)
   redis.call('HSET', s, 'inflight.' .. node, 0)
 end
+local tokens = redis.call('HGETALL', KEYS[3])
+for i = 1, #tokens, 2 do  -- their slots too: a fenced node giving one back gives back nothing
+  if string.sub(tokens[i], 1, 5) == 'slot.' and tokens[i + 1] == node then redis.call('HDEL', KEYS[3], tokens[i]) end
+end
 local remaining = 0
 local all = redis.call('HGETALL', s)
 for i = 1, #all, 2 do
@@ -289,7 +361,7 @@ redis.call('PUBLISH', '""" + EVENTS + """', ARGV[3])
 return {1, remaining, closed and 1 or 0, top_lost}
 """
 
-# KEYS: job, leases, history, shard, assignments, lease owners. ARGV: round expected, new version, model key
+# KEYS: job, leases, history, shard, assignments, lease owners, updates. ARGV: round expected, new version, model key
 # ('' keeps it), node, summary json ('' records nothing), model spec json ('' keeps it),
 # history length, job name. -> opening time (ms), or -1.
 _NEXT_ROUND = _NOW + """
@@ -304,7 +376,7 @@ redis.call('HSET', h, 'version', ARGV[2], 'round', next_round, 'round_opened', n
            'reserved', 0, 'accepted', 0, 'aggregated', 0)
 if ARGV[3] ~= '' then redis.call('HSET', h, 'model_key', ARGV[3], 'model_node', ARGV[4]) end
 if ARGV[6] ~= '' then redis.call('HSET', h, 'model_spec', ARGV[6]) end
-redis.call('DEL', KEYS[2], KEYS[4], KEYS[5], KEYS[6])
+redis.call('DEL', KEYS[2], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
 redis.call('HSET', KEYS[4], 'round', next_round, 'epoch', 0)
 if ARGV[5] ~= '' then
   redis.call('HSET', h, 'last_round', ARGV[5])
@@ -424,6 +496,12 @@ def shard_key(name: str) -> str:
     return f"lifl:job:{name}:shard"
 
 
+def updates_key(name: str) -> str:
+    """The current round's records of its updates: upload tokens (see the admission and
+    acceptance scripts) and the clients whose update was counted. Dropped with the round."""
+    return f"lifl:job:{name}:updates"
+
+
 def assignments_key(name: str) -> str:
     return f"lifl:job:{name}:assign"
 
@@ -465,6 +543,7 @@ REDIS_COMMAND_TIMEOUT = 10.0  # seconds: a stopped (not dead) server must not ha
 REDIS_RETRY_AFTER = 2.0  # seconds a client is told to wait
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 def _unavailable_when_unreachable(method: F) -> F:
@@ -485,6 +564,35 @@ def dependency_errors(cls: type) -> type:
         if callable(member) and not name.startswith("_") and name != "events":
             setattr(cls, name, _unavailable_when_unreachable(member))
     return cls
+
+
+@dataclass(frozen=True)
+class ScriptCall:
+    """One of the state's scripts with its keys and arguments, to run blocking (``ClusterState.run``)
+    or from an event loop (``lifl.net.resp``)."""
+
+    script: Any  # a redis-py Script: its text and SHA-1
+    keys: list[str]
+    args: list[Any]
+
+
+def reserved(raw: list[Any]) -> list[tuple[int, int, int]]:
+    """(status, version, round) of each admission of a ``reserve_call``."""
+    return [(int(raw[i]), int(raw[i + 1]), int(raw[i + 2])) for i in range(0, len(raw), 3)]
+
+
+def accepted(raw: list[Any]) -> list[tuple[int, int]]:
+    """(status, accepted so far) of each update of an ``accept_call``."""
+    return [(int(raw[i]), int(raw[i + 1])) for i in range(0, len(raw), 2)]
+
+
+def retained_index(name: str, kept: list[tuple[int, dict[str, Any]]]) -> list[tuple[Any, ...]]:
+    """The commands that index retained client updates, each (round, where it lives)."""
+    commands: list[tuple[Any, ...]] = []
+    for round_id, meta in kept:
+        commands.append(("HSET", retained_key(name, round_id), meta["client"], json.dumps(meta, sort_keys=True)))
+        commands.append(("ZADD", retained_rounds_key(name), round_id, str(round_id)))
+    return commands
 
 
 @dependency_errors
@@ -511,7 +619,7 @@ class ClusterState:
         self._assign = r.register_script(_ASSIGN)
         self._set_plan = r.register_script(_SET_PLAN)
         self._lead = r.register_script(_LEAD)
-        self._specs: dict[str, ModelSpec] = {}
+        self._specs: dict[str, Any] = {}  # parsed JobSpecs and ModelSpecs, by their text
 
     def ping(self) -> None:
         self.redis.ping()
@@ -539,7 +647,7 @@ class ClusterState:
         if not h or "version" not in h:
             raise NotFound(f"job {name!r} does not exist", code="no_such_job")
         return Job(
-            spec=JobSpec.from_json(h["spec"]),
+            spec=self._parsed(h["spec"], JobSpec.from_json),
             version=int(h["version"]),
             round=int(h["round"]),
             round_opened=int(h["round_opened"]) / 1000,
@@ -557,15 +665,17 @@ class ClusterState:
         )
 
     def _model_spec(self, text: str) -> ModelSpec | None:
-        """Parsed once per distinct spec (it never changes once a job's model is set)."""
-        if not text:
-            return None
-        spec = self._specs.get(text)
-        if spec is None:
-            if len(self._specs) > 256:
+        return self._parsed(text, lambda t: ModelSpec.from_json(json.loads(t))) if text else None
+
+    def _parsed(self, text: str, parse: Callable[[str], T]) -> T:
+        """A job's spec or model spec, parsed once per distinct text (neither changes once set;
+        the cluster's hot paths read jobs often)."""
+        value = self._specs.get(text)
+        if value is None:
+            if len(self._specs) > 1024:
                 self._specs.clear()
-            spec = self._specs[text] = ModelSpec.from_json(json.loads(text))
-        return spec
+            value = self._specs[text] = parse(text)
+        return value
 
     def job_names(self, tenant: str | None = None) -> list[str]:
         """Every job's name, or those of ``tenant``."""
@@ -634,63 +744,55 @@ class ClusterState:
         return sorted(self.redis.smembers(excluded_key(name)))
 
     # -- rounds ---------------------------------------------------------------------------------
-    def reserve(self, name: str, base_version: int, node: str, lease: str = "", client: str = "") -> tuple[int, int, int]:
+    # The round's hot path (admission, acceptance, slots, counters) is built as ``ScriptCall``s
+    # that either run here, blocking (redis-py), or from an event loop (``lifl.net.resp``, the
+    # agent's way): the same scripts, keys and arguments, the same parsing of their answers.
+    def reserve(self, name: str, base_version: int, node: str, lease: str = "", client: str = "",
+                token: str = "") -> tuple[int, int, int]:
         """Take one of the round's ``goal`` slots for ``client``'s update arriving at ``node``:
-        (status, version, round)."""
-        status, version, round_id = self._reserve(
-            keys=[job_key(name), leases_key(name), shard_key(name), lease_owners_key(name), excluded_key(name)],
-            args=[base_version, lease, node, client])
-        return int(status), int(version), int(round_id)
+        (status, version, round). ``token``: the upload's, so that sending this again is harmless."""
+        return self.reserve_many(name, node, [(token, base_version, lease, client)])[0]
 
-    def unreserve(self, name: str, round_id: int, node: str) -> bool:
+    def reserve_many(self, name: str, node: str, items: list[tuple[str, int, str, str]]) -> list[tuple[int, int, int]]:
+        """``reserve`` for each (token, base version, lease, client) of updates arriving at
+        ``node``, in one script (each checked and counted as if alone)."""
+        return reserved(self.run(self.reserve_call(name, node, items)))
+
+    def reserve_call(self, name: str, node: str, items: list[tuple[str, int, str, str]]) -> ScriptCall:
+        return ScriptCall(self._reserve, [job_key(name), leases_key(name), shard_key(name), lease_owners_key(name),
+                                          excluded_key(name), updates_key(name)], [node, *[x for item in items for x in item]])
+
+    def unreserve(self, name: str, round_id: int, node: str, token: str = "") -> bool:
         """Give back the slot of an upload that will not be accepted."""
-        return bool(self._unreserve(keys=[job_key(name), shard_key(name)], args=[round_id, node]))
+        return self.give_back(name, node, [(token, round_id, "")]) == 1
 
-    def reserve_many(self, name: str, node: str, items: list[tuple[int, str, str]]) -> list[tuple[int, int, int]]:
-        """``reserve`` for each (base version, lease, client) of updates arriving at ``node``, in
-        one round trip (each a script of its own: the counters stay in the scripts)."""
-        keys = [job_key(name), leases_key(name), shard_key(name), lease_owners_key(name), excluded_key(name)]
-        pipe = self.redis.pipeline(transaction=False)
-        for base, lease, client in items:
-            self._reserve(keys=keys, args=[base, lease, node, client], client=pipe)
-        return [(int(status), int(version), int(round_id)) for status, version, round_id in pipe.execute()]
+    def give_back(self, name: str, node: str, refused: list[tuple[str, int, str]]) -> int:
+        """Uploads that will not be accepted, each (token, round, reason): their slots go back
+        and the refusals are counted (``rejected.<reason>``; no reason: not counted); how many
+        slots went back (a token's goes back once)."""
+        return int(self.run(self.give_back_call(name, node, refused)))
 
-    def unreserve_many(self, name: str, node: str, rounds: list[int]) -> None:
-        """``unreserve`` the slot of each upload (of the round given) that will not be accepted."""
-        pipe = self.redis.pipeline(transaction=False)
-        for round_id in rounds:
-            self._unreserve(keys=[job_key(name), shard_key(name)], args=[round_id, node], client=pipe)
-        pipe.execute()
+    def give_back_call(self, name: str, node: str, refused: list[tuple[str, int, str]]) -> ScriptCall:
+        args: list[Any] = [node]
+        for token, round_id, reason in refused:
+            args += [token, round_id, f"rejected.{reason}" if reason else ""]
+        return ScriptCall(self._unreserve, [job_key(name), shard_key(name), updates_key(name)], args)
 
-    def give_back(self, name: str, node: str, refused: list[tuple[int, str]]) -> None:
-        """Uploads that will not be accepted, each (round, reason): their slots go back and the
-        refusals are counted (``rejected.<reason>``)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for round_id, reason in refused:
-            self._unreserve(keys=[job_key(name), shard_key(name)], args=[round_id, node], client=pipe)
-            self._count(keys=[job_key(name)], args=[round_id, f"rejected.{reason}", 1], client=pipe)
-        pipe.execute()
+    def count_call(self, name: str, counts: list[tuple[int, str, int]]) -> ScriptCall:
+        """Add to counters of rounds of the job, each (round, field, delta): rejected.<code>,
+        aggregated (counted only while that round is the current one)."""
+        return ScriptCall(self._count, [job_key(name)], [x for count in counts for x in count])
 
-    def count_rejections(self, name: str, refused: list[tuple[int, str]]) -> None:
-        """Count refusals of arrived updates, each (round, code)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for round_id, code in refused:
-            self._count(keys=[job_key(name)], args=[round_id, f"rejected.{code}", 1], client=pipe)
-        pipe.execute()
-
-    def count_aggregated(self, counts: dict[tuple[str, int], int]) -> None:
-        """Add to the ``aggregated`` counter of each (job, round)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for (name, round_id), n in counts.items():
-            self._count(keys=[job_key(name)], args=[round_id, "aggregated", n], client=pipe)
-        pipe.execute()
+    def run(self, call: ScriptCall) -> Any:
+        """Run a script call here (blocking)."""
+        return call.script(keys=call.keys, args=call.args)
 
     def take_lease(self, spec: JobSpec, client: str) -> tuple[str, int, int]:
         """``client``'s lease for training in the current round, bound to it: (lease id, version,
         round); the one it holds already, renewed, if any; raises if refused."""
         limit = math.ceil(spec.goal * spec.over_selection)
         keys = [job_key(spec.job), leases_key(spec.job), shard_key(spec.job), lease_owners_key(spec.job),
-                excluded_key(spec.job)]
+                excluded_key(spec.job), updates_key(spec.job)]
         status, version, round_id, lease = self._take_lease(
             keys=keys, args=[secrets.token_hex(12), int(spec.lease_ttl_s * 1000), limit, client])
         if status != RESERVE_OK:
@@ -712,31 +814,32 @@ class ClusterState:
 
     def count(self, name: str, round_id: int, field: str, delta: int = 1) -> bool:
         """Add to a counter of round ``round_id`` (aggregated, rejected.<code>)."""
-        return bool(self._count(keys=[job_key(name)], args=[round_id, field, delta]))
+        return bool(self.run(self.count_call(name, [(round_id, field, delta)])))
 
-    def accept(self, name: str, round_id: int, node: str, client: str = "") -> tuple[int, int]:
+    def accept(self, name: str, round_id: int, node: str, client: str = "", token: str = "") -> tuple[int, int]:
         """Count ``client``'s arrived update of round ``round_id`` on ``node``: (status, accepted so
         far); ACCEPT_CLOSED_ROUND when it met the goal and closed the round."""
-        status, accepted = self._accept(keys=[job_key(name), shard_key(name)], args=[round_id, node, name, client])
-        return int(status), int(accepted)
+        return self.accept_many(name, node, [(token, round_id, client, None)])[0]
 
-    def accept_many(self, name: str, node: str, items: list[tuple[int, str, dict[str, Any] | None]]) -> list[tuple[int, int]]:
-        """``accept`` for each (round, client, retained) of updates that arrived at ``node``, in
-        one round trip; then, for those accepted and ``retained`` (where the update lives, see
+    def accept_many(self, name: str, node: str, items: list[tuple[str, int, str, dict[str, Any] | None]]
+                    ) -> list[tuple[int, int]]:
+        """``accept`` for each (token, round, client, retained) of updates that arrived at ``node``,
+        in one script; then, for those accepted and ``retained`` (where the update lives, see
         ``record_retained``), the retention index (a second round trip, only when there are some)."""
-        keys = [job_key(name), shard_key(name)]
-        pipe = self.redis.pipeline(transaction=False)
-        for round_id, client, _ in items:
-            self._accept(keys=keys, args=[round_id, node, name, client], client=pipe)
-        results = [(int(status), int(accepted)) for status, accepted in pipe.execute()]
-        kept = [(round_id, meta) for (round_id, _, meta), (status, _) in zip(items, results) if status >= 0 and meta]
-        if kept:
+        results = accepted(self.run(self.accept_call(name, node, [(token, round_id, client)
+                                                                  for token, round_id, client, _ in items])))
+        index = retained_index(name, [(round_id, meta) for (_, round_id, _, meta), (status, _) in zip(items, results)
+                                      if status >= 0 and meta])
+        if index:
             pipe = self.redis.pipeline(transaction=False)
-            for round_id, meta in kept:
-                pipe.hset(retained_key(name, round_id), meta["client"], json.dumps(meta, sort_keys=True))
-                pipe.zadd(retained_rounds_key(name), {str(round_id): round_id})
+            for command in index:
+                pipe.execute_command(*command)
             pipe.execute()
         return results
+
+    def accept_call(self, name: str, node: str, items: list[tuple[str, int, str]]) -> ScriptCall:
+        return ScriptCall(self._accept, [job_key(name), shard_key(name), updates_key(name)],
+                          [node, name, *[x for item in items for x in item]])
 
     def close_round(self, name: str, round_id: int, min_updates: int) -> int:
         """Close round ``round_id`` at its deadline: CLOSE_FINAL (finishes with what arrived),
@@ -754,7 +857,7 @@ class ClusterState:
         return int(self._delivered(keys=[job_key(name), shard_key(name)], args=[round_id, node, epoch]))
 
     def node_lost(self, name: str, round_id: int, node: str) -> Loss:
-        status, remaining, closed, top_lost = self._node_lost(keys=[job_key(name), shard_key(name)],
+        status, remaining, closed, top_lost = self._node_lost(keys=[job_key(name), shard_key(name), updates_key(name)],
                                                               args=[round_id, node, name])
         return Loss(int(status) == 1, int(remaining), bool(closed), bool(top_lost))
 
@@ -764,7 +867,7 @@ class ClusterState:
         returns its opening time (s), or -1 if the round had moved on already."""
         opened = self._next_round(
             keys=[job_key(name), leases_key(name), history_key(name), shard_key(name), assignments_key(name),
-                  lease_owners_key(name)],
+                  lease_owners_key(name), updates_key(name)],
             args=[round_id, version, key, node, json.dumps(summary) if summary else "",
                   json.dumps(spec.to_json()) if spec else "", HISTORY, name],
         )
@@ -804,13 +907,13 @@ class ClusterState:
         self.redis.hsetnx("lifl:tenants", tenant, candidate)
         return int(self.redis.hget("lifl:tenants", tenant))
 
-    def publish_node(self, node: str, status: dict[str, Any], ttl: int = NODE_TTL) -> None:
+    def publish_node(self, node: str, status: NodeStatus, ttl: int = NODE_TTL) -> None:
         """A node agent's status; its presence is the node's liveness."""
-        self.redis.set(f"lifl:node:{node}", json.dumps(status), ex=ttl)
+        self.redis.set(f"lifl:node:{node}", json.dumps(record_json(status)), ex=ttl)
 
-    def nodes(self) -> dict[str, dict[str, Any]]:
+    def nodes(self) -> dict[str, NodeStatus]:
         """Live nodes' statuses."""
-        return self._scan_json("lifl:node:*")
+        return {node: record_from_json(NodeStatus, status) for node, status in self._scan_json("lifl:node:*").items()}
 
     def publish_gateway(self, node: str, addresses: dict[str, str], ttl: int = NODE_TTL) -> None:
         """Where clients and other gateways reach a node's gateway."""

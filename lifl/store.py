@@ -62,6 +62,11 @@ def object_name(node: str, tenant: str, key: bytes) -> str:
     return f"/lifl-{node}-{tenant}-{key.hex()}"
 
 
+def _path(name: str) -> str:
+    """The file of a shared-memory name (a string: this is on the hot path)."""
+    return "/dev/shm" + name
+
+
 def node_prefix(node: str) -> str:
     return f"lifl-{node}-"
 
@@ -96,7 +101,10 @@ class Segment:
 
 
 class ObjectStore:
-    """The agent's side: creation, reference counting, recycling and destruction."""
+    """The agent's side: creation, reference counting, recycling and destruction. It belongs to
+    the agent's event loop (one thread), so it takes no lock. Holders and pooled buffers are
+    indexed, so that letting a holder go or taking a buffer costs the same however many
+    objects the node keeps."""
 
     def __init__(self, node: str, capacity: int, pool_limit: int) -> None:
         self.node = node
@@ -104,9 +112,10 @@ class ObjectStore:
         self.pool_limit = pool_limit
         self.ledger = MemoryLedger(capacity)
         self._objects: dict[bytes, Segment] = {}
+        self._held: dict[Hashable, set[bytes]] = {}  # holder -> keys of the objects it holds
         self._pool: OrderedDict[int, Segment] = OrderedDict()  # inode -> free segment, oldest first
+        self._pool_shapes: dict[tuple[str, int], OrderedDict[int, Segment]] = {}  # (tenant, size) -> free segments
         self._pool_seq = 0
-        self._lock = threading.RLock()
         self.pooled_bytes = 0
         self.recycled = 0
         self.created = 0
@@ -122,13 +131,12 @@ class ObjectStore:
     def admit(self, tenant: Tenant, size: int, holder: Hashable, owner: RoundOf, kind: str, sizes: JobSizes) -> Segment:
         """The object of an admitted input of ``owner`` (a client update or another node's
         partial), created only once what aggregating it needs is reserved; raises ``Overloaded``."""
-        with self._lock:
-            self._evicting(lambda: self.ledger.reserve(owner, kind, sizes, size, time.monotonic()))
-            try:
-                return self.create(tenant, size, holder, affinity="gateway", owner=owner)
-            except LiflError:
-                self.ledger.withdraw(owner, kind, unused=size)
-                raise
+        self._evicting(lambda: self.ledger.reserve(owner, kind, sizes, size, time.monotonic()))
+        try:
+            return self.create(tenant, size, holder, affinity="gateway", owner=owner)
+        except LiflError:
+            self.ledger.withdraw(owner, kind, unused=size)
+            raise
 
     def _evicting(self, check: Callable[[], object]) -> None:
         """Run an admission check; while it finds memory short, retained objects go first."""
@@ -142,13 +150,11 @@ class ObjectStore:
 
     def withdraw(self, owner: RoundOf, kind: str) -> None:
         """An admitted input will not be aggregated: its round gives back what it reserved for it."""
-        with self._lock:
-            self.ledger.withdraw(owner, kind)
+        self.ledger.withdraw(owner, kind)
 
     def release_round(self, owner: RoundOf) -> None:
         """The round is over here: what it reserved and did not allocate is free again."""
-        with self._lock:
-            self.ledger.release_round(owner)
+        self.ledger.release_round(owner)
 
     # -- creation -------------------------------------------------------------------------
     def create(self, tenant: Tenant, size: int, holder: Hashable, affinity: Hashable = None, *,
@@ -160,27 +166,30 @@ class ObjectStore:
         before the round ends (a re-run of a crashed task allocates it again)."""
         if size <= 0:
             raise Internal(f"object size must be positive, got {size}")
-        with self._lock:
-            self._evicting(lambda: self.ledger.check_object(owner, size))
-            seg = self._take_pooled(tenant, size, affinity)
-            if seg is None:
-                self._make_room(size)
-                seg = self._new_segment(tenant, size)
-            seg.affinity = affinity
-            drawn = self.ledger.add_object(owner, size)
-            seg.owner, seg.refund = owner, drawn if scratch else 0
-            seg.key = self._fresh_key(tenant, seg)
-            seg.holders[holder] += 1
-            self._objects[seg.key] = seg
-            return seg
+        self._evicting(lambda: self.ledger.check_object(owner, size))
+        seg = self._take_pooled(tenant, size, affinity)
+        if seg is None:
+            self._make_room(size)
+            seg = self._new_segment(tenant, size)
+        seg.affinity = affinity
+        drawn = self.ledger.add_object(owner, size)
+        seg.owner, seg.refund = owner, drawn if scratch else 0
+        seg.key = self._fresh_key(tenant, seg)
+        self._objects[seg.key] = seg
+        self._hold(seg, holder)
+        return seg
 
     def _fresh_key(self, tenant: Tenant, seg: Segment) -> bytes:
         while True:
             key = secrets.token_bytes(KEY_BYTES)
             name = object_name(self.node, tenant.name, key)
-            if key in self._objects or os.path.exists(SHM_DIR / name[1:]):
+            if key in self._objects:
                 continue
-            os.rename(SHM_DIR / seg.name[1:], SHM_DIR / name[1:])
+            try:  # a name taken already (a leftover, or 2^-128 bad luck) is never overwritten
+                os.link(_path(seg.name), _path(name))
+            except FileExistsError:
+                continue
+            os.unlink(_path(seg.name))
             seg.name = name
             return key
 
@@ -201,23 +210,38 @@ class ObjectStore:
         return Segment(tenant, size, name, fd, os.fstat(fd).st_ino)
 
     def _take_pooled(self, tenant: Tenant, size: int, affinity: Hashable) -> Segment | None:
-        fits = [seg for seg in self._pool.values() if seg.tenant == tenant and seg.size == size]
-        if not fits:
+        """A free buffer of this tenant and size: the most recently freed one that ``affinity``
+        mapped before (its page tables are warm), else the most recently freed."""
+        shape = self._pool_shapes.get((tenant.name, size))
+        if not shape:
             return None
-        # the most recently freed buffer, unless the caller mapped one of them before
-        seg = next((f for f in fits if affinity is not None and f.affinity == affinity), fits[-1])
-        del self._pool[seg.inode]
-        self.pooled_bytes -= size
+        seg = None
+        if affinity is not None:
+            for candidate in reversed(shape.values()):
+                if candidate.affinity == affinity:
+                    seg = candidate
+                    break
+        if seg is None:
+            seg = next(reversed(shape.values()))
+        self._unpool(seg)
         os.fchmod(seg.fd, WRITING_MODE)
         seg.sealed = False
         self.recycled += 1
         return seg
 
+    def _unpool(self, seg: Segment) -> None:
+        del self._pool[seg.inode]
+        shape = self._pool_shapes[(seg.tenant.name, seg.size)]
+        del shape[seg.inode]
+        if not shape:
+            del self._pool_shapes[(seg.tenant.name, seg.size)]
+        self.pooled_bytes -= seg.size
+
     def _make_room(self, size: int) -> None:
         """Destroy pooled buffers until ``size`` more fits (the ledger checked that it can)."""
         while self.used_bytes + self.pooled_bytes + size > self.capacity and self._pool:
-            seg = self._pool.popitem(last=False)[1]
-            self.pooled_bytes -= seg.size
+            seg = next(iter(self._pool.values()))
+            self._unpool(seg)
             self._destroy(seg)
 
     # -- state and references -----------------------------------------------------------------
@@ -228,88 +252,95 @@ class ObjectStore:
         return seg
 
     def seal(self, key: bytes) -> Segment:
-        with self._lock:
-            seg = self.get(key)
-            os.fchmod(seg.fd, SEALED_MODE)
-            seg.sealed = True
-            return seg
+        seg = self.get(key)
+        os.fchmod(seg.fd, SEALED_MODE)
+        seg.sealed = True
+        return seg
 
     def add_ref(self, key: bytes, holder: Hashable) -> Segment:
-        with self._lock:
-            seg = self.get(key)
-            seg.holders[holder] += 1
-            return seg
+        seg = self.get(key)
+        self._hold(seg, holder)
+        return seg
 
     def move_ref(self, key: bytes, old: Hashable, new: Hashable) -> None:
-        with self._lock:
-            seg = self.get(key)
-            self._drop(seg, old)
-            seg.holders[new] += 1
-            self._settle_retention(seg)
+        seg = self.get(key)
+        self._drop(seg, old)
+        self._hold(seg, new)
+        self._settle_retention(seg)
 
     def pin(self, key: bytes) -> None:
         """A round's result became its job's model: pinned, out of the job's working memory."""
-        with self._lock:
-            seg = self.get(key)
-            if seg.owner is not None:
-                self.ledger.pin(seg.owner, seg.size)
-                seg.owner, seg.refund = None, 0
+        seg = self.get(key)
+        if seg.owner is not None:
+            self.ledger.pin(seg.owner, seg.size)
+            seg.owner, seg.refund = None, 0
 
     def hand_over(self, key: bytes, new: Hashable) -> None:
         """Move an object in flight, which has exactly one holder, to ``new``."""
-        with self._lock:
-            seg = self.get(key)
-            working = [h for h in seg.holders if not retention_holder(h)]
-            if len(working) != 1:
-                raise Internal(f"object {key.hex()} has holders {sorted(map(repr, seg.holders))}, not one")
-            (old,) = working
-            seg.holders[new] = seg.holders.pop(old)
+        seg = self.get(key)
+        working = [h for h in seg.holders if not retention_holder(h)]
+        if len(working) != 1:
+            raise Internal(f"object {key.hex()} has holders {sorted(map(repr, seg.holders))}, not one")
+        (old,) = working
+        count = seg.holders.pop(old)
+        self._unindex(old, key)
+        seg.holders[new] += count
+        self._held.setdefault(new, set()).add(key)
 
     def discard(self, key: bytes) -> None:
         """Let go of an object whoever holds it (nobody will use it)."""
-        with self._lock:
-            seg = self.get(key)
-            seg.holders.clear()
-            self._free(seg)
+        seg = self.get(key)
+        for holder in list(seg.holders):
+            self._unindex(holder, key)
+        seg.holders.clear()
+        self._free(seg)
 
     def release(self, key: bytes, holder: Hashable) -> None:
-        with self._lock:
-            seg = self.get(key)
-            self._drop(seg, holder)
+        seg = self.get(key)
+        self._drop(seg, holder)
+        if not seg.holders:
+            self._free(seg)
+        else:
+            self._settle_retention(seg)
+
+    def release_holder(self, holder: Hashable) -> int:
+        """Drop every reference of a holder (a finished or dead task, a closed connection)."""
+        keys = self._held.pop(holder, set())
+        for key in keys:
+            seg = self._objects[key]
+            del seg.holders[holder]
             if not seg.holders:
                 self._free(seg)
             else:
                 self._settle_retention(seg)
-
-    def release_holder(self, holder: Hashable) -> int:
-        """Drop every reference of a holder (a finished or dead task, a closed connection)."""
-        with self._lock:
-            keys = [k for k, s in self._objects.items() if holder in s.holders]
-            for key in keys:
-                seg = self._objects[key]
-                del seg.holders[holder]
-                if not seg.holders:
-                    self._free(seg)
-                else:
-                    self._settle_retention(seg)
-            return len(keys)
+        return len(keys)
 
     def holders(self, key: bytes) -> Counter:
         return Counter(self.get(key).holders)
 
-    @staticmethod
-    def _drop(seg: Segment, holder: Hashable) -> None:
+    def _hold(self, seg: Segment, holder: Hashable) -> None:
+        seg.holders[holder] += 1
+        self._held.setdefault(holder, set()).add(seg.key)
+
+    def _unindex(self, holder: Hashable, key: bytes) -> None:
+        keys = self._held.get(holder)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._held[holder]
+
+    def _drop(self, seg: Segment, holder: Hashable) -> None:
         if seg.holders[holder] <= 0:
             del seg.holders[holder]
             raise Internal(f"{holder!r} holds no reference to object {seg.key.hex()}")
         seg.holders[holder] -= 1
         if not seg.holders[holder]:
             del seg.holders[holder]
+            self._unindex(holder, seg.key)
 
     def retain(self, key: bytes) -> None:
         """Account the object as retained if only retention holds it (a fetched-back copy)."""
-        with self._lock:
-            self._settle_retention(self.get(key))
+        self._settle_retention(self.get(key))
 
     def _settle_retention(self, seg: Segment) -> None:
         """Once only retention holds a sealed object, it no longer counts as its round's working
@@ -332,9 +363,10 @@ class ObjectStore:
             return
         self._pool_seq += 1
         name = f"/{node_prefix(self.node)}{seg.tenant.name}-pool{self._pool_seq}"
-        os.rename(SHM_DIR / seg.name[1:], SHM_DIR / name[1:])  # its key no longer opens it
+        os.rename(_path(seg.name), _path(name))  # its key no longer opens it
         seg.name, seg.key, seg.freed_at = name, b"", time.monotonic()
         self._pool[seg.inode] = seg
+        self._pool_shapes.setdefault((seg.tenant.name, seg.size), OrderedDict())[seg.inode] = seg
         self.pooled_bytes += seg.size
 
     def _destroy(self, seg: Segment) -> None:
@@ -346,25 +378,24 @@ class ObjectStore:
 
     def trim_pool(self, idle_seconds: float) -> None:
         """Destroy pooled buffers unused for ``idle_seconds`` (memory goes back to the system)."""
-        with self._lock:
-            now = time.monotonic()
-            for inode in [i for i, s in self._pool.items() if now - s.freed_at >= idle_seconds]:
-                seg = self._pool.pop(inode)
-                self.pooled_bytes -= seg.size
-                self._destroy(seg)
+        now = time.monotonic()
+        for seg in [s for s in self._pool.values() if now - s.freed_at >= idle_seconds]:
+            self._unpool(seg)
+            self._destroy(seg)
 
     def object_count(self) -> int:
         return len(self._objects)
 
     def close(self) -> None:
         """Unlink every object and pooled buffer (clean shutdown)."""
-        with self._lock:
-            for seg in list(self._objects.values()) + list(self._pool.values()):
-                self._destroy(seg)
-            self._objects.clear()
-            self._pool.clear()
-            self.ledger = MemoryLedger(self.capacity)
-            self.pooled_bytes = 0
+        for seg in list(self._objects.values()) + list(self._pool.values()):
+            self._destroy(seg)
+        self._objects.clear()
+        self._held.clear()
+        self._pool.clear()
+        self._pool_shapes.clear()
+        self.ledger = MemoryLedger(self.capacity)
+        self.pooled_bytes = 0
 
 
 class MappingCache:
@@ -427,12 +458,11 @@ class MappingCache:
                 self._evict(key)
 
     def _evict(self, key: tuple[int, int, bool]) -> None:
-        mm, fd = self._entries.pop(key)
+        """Forget a mapping: it is unmapped when its last user lets go of it (at once, if the cache
+        was its only one). Never closed here: a task may hold more mappings than the cache keeps
+        (a middle folding hundreds of leaves' results at once)."""
+        _, fd = self._entries.pop(key)
         os.close(fd)
-        try:
-            mm.close()
-        except BufferError:
-            pass  # still viewed by the caller; unmapped when the last view goes away
 
     def clear(self) -> None:
         with self._lock:

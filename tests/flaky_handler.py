@@ -1,6 +1,8 @@
 """An aggregator that breaks the first run of every task right after its first fold, the
 moment a task that let its inputs go would lose them: ``handle_exit`` dies like a killed
-process, ``handle_raise`` fails the task. Marker files under ``FAULTS/<job>`` remember which
+process, ``handle_raise`` fails the task. A fold is reported on its own (``Context.folded``), or,
+when it is a leaf's or middle's last, with the task's result (``Context.forward``): the run breaks
+right after the first, and right before the second (its fold done, not yet reported). Marker files under ``FAULTS/<job>`` remember which
 tasks already broke, across instances (which see only a few environment variables)."""
 
 from __future__ import annotations
@@ -24,20 +26,28 @@ def _broken_once(inv: Invocation, ctx: Context, exit: bool) -> dict[str, Any]:
     marker = FAULTS / inv.job / str(inv.task)
     if marker.exists():
         return aggregator.handle(inv, ctx)
-    fold = ctx.folded
+    fold, forward = ctx.folded, ctx.forward
 
-    def folded_then_break(*args: Any) -> None:
-        fold(*args)
+    def break_now() -> None:
         marker.touch()
         if exit:
             os._exit(9)
         raise Fault(f"task {inv.task} breaks after its first fold")
 
-    ctx.folded = folded_then_break  # type: ignore[method-assign]
+    def folded_then_break(*args: Any, **kwargs: Any) -> None:
+        fold(*args, **kwargs)
+        break_now()
+
+    def break_before_forward(*args: Any, folded: Any = None, **kwargs: Any) -> None:
+        if folded:
+            break_now()
+        forward(*args, folded=folded, **kwargs)
+
+    ctx.folded, ctx.forward = folded_then_break, break_before_forward  # type: ignore[method-assign]
     try:
         return aggregator.handle(inv, ctx)
     finally:
-        ctx.folded = fold  # type: ignore[method-assign]  # the context outlives the task
+        ctx.folded, ctx.forward = fold, forward  # type: ignore[method-assign]  # the context outlives the task
 
 
 def handle_exit(inv: Invocation, ctx: Context) -> dict[str, Any]:

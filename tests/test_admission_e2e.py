@@ -263,8 +263,8 @@ def test_a_saturating_job_is_refused_with_503_and_a_second_job_still_completes_r
     assert 'lifl_admission_refusals_total{job="busy",reason="shm_exhausted"}' in text
     assert 'lifl_job_shm_bytes{job="busy",state="reserved"}' in text
     assert 'outcome="abandoned"' not in text
-    status = node.state.nodes()[node.node.config.node]
-    assert set(status["jobs"]["busy"]["shm"]) == {"working", "reserved"}
+    busy = node.state.nodes()[node.node.config.node].jobs["busy"]
+    assert busy.working >= 0 and busy.reserved >= 0
     print(f"\nadmission under saturation: capacity {CAPACITY} bytes, updates of {UPDATE_BYTES} bytes, goal {GOAL}, "
           f"rounds {rounds}, uploads {({job: dict(uploads.count(job)) for job in ('busy', 'other')})}, lost 0")
 

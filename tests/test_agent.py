@@ -22,7 +22,7 @@ from lifl.errors import Conflict, NotFound, Overloaded
 from lifl.jobs import JobSpec
 from lifl.node.agent import Agent
 from lifl.protocol import (
-    Abort, Admit, AdmitModel, GetMetrics, GetRecent, GetStatus, Hello, InstallModel, OpenModel, Release, Submit,
+    Abort, Admit, AdmitModel, GetMetrics, GetRecent, GetStatus, Hello, InstallModel, OpenModel, Release, Submit, TaskReport,
 )
 from lifl.rpc import Client
 from lifl.state import ClusterState
@@ -72,7 +72,7 @@ def random_model(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 
 def shm_objects(client: Client) -> int:
-    return client.call(GetStatus())[0].body["shm"]["objects"]
+    return client.call(GetStatus())[0].status.shm.objects
 
 
 def metric(client: Client, line_start: str) -> float:
@@ -80,15 +80,15 @@ def metric(client: Client, line_start: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
 
 
-def finished_tasks(client: Client, expected: Counter[tuple[int, str]]) -> list[dict[str, Any]]:
+def finished_tasks(client: Client, expected: Counter[tuple[int, str]]) -> list[TaskReport]:
     """The statistics of the agent's finished tasks, once those of ``expected`` (round, role) are
     among them: an instance reports a task finished after handing its result on, so the round
     may be over (its model installed) before the report arrives (it is kept all the same)."""
-    seen: list[dict[str, Any]] = []
+    seen: list[TaskReport] = []
 
     def finished() -> list[dict[str, Any]] | None:
-        seen[:] = client.call(GetRecent())[0].body["tasks"]
-        return list(seen) if not expected - Counter((t["round"], t["role"]) for t in seen) else None
+        seen[:] = client.call(GetRecent())[0].tasks
+        return list(seen) if not expected - Counter((t.round, t.role) for t in seen) else None
 
     try:
         return wait_for(finished, what=f"the reports of {dict(expected)}")
@@ -129,7 +129,7 @@ def test_rounds_aggregate_into_new_versions(agent: Agent, state: ClusterState, g
     assert summary["updates"] == goal and summary["outcome"] == "complete" and summary["nodes"] == {agent.node: goal}
     # every update and partial was recycled or freed: only the current model is held
     wait_for(lambda: shm_objects(client) == 1, what="objects released")
-    assert client.call(GetStatus())[0].body["shm"]["recycled"] > 0  # buffers were reused, not created anew
+    assert client.call(GetStatus())[0].status.shm.recycled > 0  # buffers were reused, not created anew
 
 
 def test_admission_checks_version_round_and_budget(agent: Agent, state: ClusterState) -> None:
@@ -199,7 +199,7 @@ def test_warm_instances_are_reused_across_roles_and_expire(started: Callable[...
     tasks = finished_tasks(client, Counter({(r, role): 1 for r in range(3) for role in ("leaf", "middle", "top")}))
     by_instance: dict[int, set[str]] = {}
     for t in tasks:
-        by_instance.setdefault(t["instance"], set()).add(t["role"])
+        by_instance.setdefault(t.instance, set()).add(t.role)
     assert any(len(roles) > 1 for roles in by_instance.values())  # one instance served several roles
     wait_for(lambda: not aggregator_pids(), what="idle instances to stop")
     with pytest.raises(NotFound):
@@ -221,8 +221,8 @@ def test_lazy_baseline_without_reuse_folds_once_per_task_on_fresh_instances(star
     ref = sum(u["a"].astype(np.float64) * c for u, c in updates) / sum(c for _, c in updates)
     np.testing.assert_allclose(model["a"], ref, rtol=1e-5, atol=1e-8)
     tasks = finished_tasks(client, Counter({(0, "leaf"): 3, (0, "middle"): 1, (0, "top"): 1}))
-    assert len({t["instance"] for t in tasks}) == len(tasks)  # no instance served twice
-    assert all(t["folds"] == (1 if t["inputs"] > 1 else 0) for t in tasks)  # everything at once, at the end
+    assert len({t.instance for t in tasks}) == len(tasks)  # no instance served twice
+    assert all(t.stats["folds"] == (1 if t.stats["inputs"] > 1 else 0) for t in tasks)  # everything at once, at the end
     # the five tasks (the top too) each started on an instance created for it
     assert metric(client, 'lifl_aggregator_starts_total{kind="cold"}') == 5
     assert metric(client, 'lifl_aggregator_starts_total{kind="warm"}') == 0
@@ -238,8 +238,8 @@ def test_the_planned_hierarchy_is_warmed_before_its_updates_arrive(started: Call
     put_model(client, "j", fmt.encode(random_model(rng)))
     for i in range(6):  # six clients are assigned to this node: ceil(6 / 2) leaves, the middle and top reuse them
         assert state.assign("j", 0, f"c{i}", [agent.node]) == agent.node
-    wait_for(lambda: client.call(GetStatus())[0].body["instances"]["ready"] == 3, what="the planned instances warm")
-    assert client.call(GetStatus())[0].body["instances"]["total"] == 3
+    wait_for(lambda: client.call(GetStatus())[0].status.instances.ready == 3, what="the planned instances warm")
+    assert client.call(GetStatus())[0].status.instances.total == 3
     assert metric(client, 'lifl_aggregator_instances_created_total{reason="prewarm"}') == 3
     # A leaf's worth of updates at a time, each leaf done before the next one's arrive: whatever
     # the machine's speed, an instance of the plan is idle whenever a task needs one. (With all six
@@ -256,4 +256,4 @@ def test_the_planned_hierarchy_is_warmed_before_its_updates_arrive(started: Call
     assert metric(client, 'lifl_aggregator_starts_total{kind="warm"}') == 5
     assert metric(client, 'lifl_aggregator_starts_total{kind="cold"}') == 0
     assert metric(client, 'lifl_aggregator_instances_created_total') == 3
-    assert client.call(GetStatus())[0].body["instances"]["total"] == 3
+    assert client.call(GetStatus())[0].status.instances.total == 3

@@ -227,4 +227,4 @@ def test_malformed_attaches_are_refused_and_the_agent_carries_on(
         assert reply["error"]["message"]
     assert agent.instances == {}
     assert not state.known_tenant("nobody")
-    assert gateway(agent).call(GetStatus())[0].body["node"] == agent.node  # still serving
+    assert gateway(agent).call(GetStatus())[0].status.node == agent.node  # still serving

@@ -289,7 +289,8 @@ def test_a_round_through_each_channel_is_exact_and_ebpf_carries_its_keys(
         assert np.allclose(fmt.views(blob, kernels.validate(blob))["w"], expected, rtol=1e-6)
         text = gw.metrics()
         if channel == "ebpf":
-            assert _metric(text, "lifl_channel_messages_total") >= 6  # the agent's keys and the leaves' results
+            # the leaves' results to the middle (the agent's keys travel in the invocations, as inputs)
+            assert _metric(text, "lifl_channel_messages_total") >= 3
             assert _metric(text, "lifl_channel_bytes_total") == 64 * _metric(text, "lifl_channel_messages_total")
             assert _metric(text, "lifl_channel_reported_aggregation_seconds_total") > 0  # the leaves' folds
             for reason in set(ebpf.PASS_REASONS) - {"ack"}:  # nothing travelled TCP but acknowledgements, if any

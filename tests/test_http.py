@@ -127,7 +127,7 @@ def test_bad_update_requests_get_precise_errors_and_store_nothing(node: RunningN
     j = node.json("GET", "/v1/jobs/j")[1]
     assert j["round"]["received"] == 0 and j["round"]["in_progress"] == 0
     assert gateway.poll() is None and node.node.children["gateway"].proc is gateway  # the gateway neither died nor restarted
-    wait_for(lambda: node.state.nodes()[node.node.config.node]["shm"]["objects"] == 1, timeout=5, what="only the model held")
+    wait_for(lambda: node.state.nodes()[node.node.config.node].shm.objects == 1, timeout=5, what="only the model held")
 
 
 BAD_JOBS = [

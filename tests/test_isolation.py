@@ -40,11 +40,11 @@ def test_tenant_functions_open_only_their_own_objects(probing_agent: Agent, stat
     push(client, "a", 0, fmt.encode(model), 1)
     push(client, "a", 0, fmt.encode(model), 1)
     wait_for(lambda: state.version("a") == 1, what="alpha's round")
-    alpha_leaf = wait_for(lambda: next((t for t in client.call(GetRecent())[0].body["tasks"]
-                                        if t["job"] == "a" and t["role"] == "leaf"), None),
+    alpha_leaf = wait_for(lambda: next((t for t in client.call(GetRecent())[0].tasks
+                                        if t.job == "a" and t.role == "leaf"), None),
                           what="the report of alpha's leaf")  # it may come after the round is over
-    assert alpha_leaf["uid"] == state.tenant_id("alpha") >= TENANT_UID_BASE
-    probe = alpha_leaf["probe"]
+    assert alpha_leaf.stats["uid"] == state.tenant_id("alpha") >= TENANT_UID_BASE
+    probe = alpha_leaf.stats["probe"]
     beta = {name: result for name, result in probe.items() if name.startswith(f"lifl-{probing_agent.config.node}-beta-")}
     alpha_sealed = [name for name, result in probe.items() if "-alpha-" in name and result == "opened"]
     assert len(beta) >= 2 and set(beta.values()) == {"denied"}  # beta's model and update

@@ -67,7 +67,7 @@ def run_broken_tasks(agent: Agent, state: ClusterState, job: str, markers: Path)
     broken = len(list(markers.iterdir()))
     assert broken >= 4  # three leaves and the middle fold at least twice; the top may hold its lone input
     assert metric(client, "lifl_task_reruns_total") == broken
-    wait_for(lambda: client.call(GetStatus())[0].body["shm"]["objects"] == 1, what="only the model is left")
+    wait_for(lambda: client.call(GetStatus())[0].status.shm.objects == 1, what="only the model is left")
 
 
 def test_a_leaf_killed_while_it_waits_for_input_runs_again_with_the_updates_it_had(
@@ -80,7 +80,7 @@ def test_a_leaf_killed_while_it_waits_for_input_runs_again_with_the_updates_it_h
     updates = [random_model(rng) for _ in range(3)]
     push(client, "j", 0, fmt.encode(updates[0]), 2)
     push(client, "j", 0, fmt.encode(updates[1]), 3)
-    wait_for(lambda: client.call(GetStatus())[0].body["jobs"]["j"]["queued"] == 0, what="the leaf folded both updates")
+    wait_for(lambda: client.call(GetStatus())[0].status.jobs["j"].queued == 0, what="the leaf folded both updates")
     for pid in aggregator_pids():
         os.kill(pid, signal.SIGKILL)
     wait_for(lambda: metric(client, "lifl_task_reruns_total") >= 1, what="the leaf runs again")
@@ -110,4 +110,4 @@ def test_a_task_that_keeps_failing_abandons_its_round_after_the_last_attempt(
     job = state.job("j")
     assert (job.reserved, job.accepted, job.version) == (0, 0, 0)
     assert job.last_round["outcome"] == "abandoned" and f"failed {MAX_TASK_ATTEMPTS} times" in job.last_round["reason"]
-    wait_for(lambda: client.call(GetStatus())[0].body["shm"]["objects"] == 1, what="the update released")
+    wait_for(lambda: client.call(GetStatus())[0].status.shm.objects == 1, what="the update released")

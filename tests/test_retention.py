@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import mmap
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from lifl.flstore.retention import (
     round_queryable, version_queryable,
 )
 from lifl.jobs import JobSpec
+from lifl.net.loop import Loop
 from lifl.node.metrics import Metrics
 from lifl.node.retention import Retainer
 from lifl.state import ClusterState
@@ -150,26 +150,32 @@ def test_an_update_the_round_let_go_of_is_fetched_back_not_fatal(shm_node: str, 
     object that is gone; it fetches the update back from its copy, as after an eviction."""
     store = ObjectStore(shm_node, capacity=16 << 20, pool_limit=8 << 20)
     state.create_job(JobSpec("kept", goal=2, retention=RetentionPolicy.from_request({"updates": 1}).to_dict()))
-    retainer = Retainer(shm_node, store, state, DirectoryStore(tmp_path), Metrics(), threading.RLock(), budget=8 << 20)
+    loop = Loop("test")  # the store is the loop's, as in the agent: the test touches it there too
+    loop.start()
+    retainer = Retainer(shm_node, store, state, DirectoryStore(tmp_path), Metrics(), loop.call, budget=8 << 20)
     try:
         blobs = {client: fmt.encode({"w": np.full(1000, i, np.float32)}) for i, client in enumerate("ab")}
         keys = {}
         for client, blob in blobs.items():
-            seg = store.create(TENANT, len(blob), "upload")
-            with mmap.mmap(seg.fd, len(blob)) as mm:
-                mm[:] = blob
-            store.seal(seg.key)
-            retainer.keep_update("kept", TENANT, seg.key, 0, 0, client, 1)
-            store.release(seg.key, "upload")
-            keys[client] = seg.key
-        wait_for(lambda: all(i.stored for i in retainer.items.values()), what="both updates written behind")
-        store.discard(keys["a"])
-        retainer.apply("kept")
+            def upload(client: str = client, blob: bytes = blob) -> bytes:
+                seg = store.create(TENANT, len(blob), "upload")
+                with mmap.mmap(seg.fd, len(blob)) as mm:
+                    mm[:] = blob
+                store.seal(seg.key)
+                retainer.keep_update("kept", TENANT, seg.key, 0, 0, client, 1)
+                store.release(seg.key, "upload")
+                return seg.key
+
+            keys[client] = loop.call(upload)
+        wait_for(lambda: loop.call(lambda: all(i.stored for i in retainer.items.values())), what="both updates written behind")
+        loop.call(lambda: store.discard(keys["a"]))
+        retainer.apply("kept")  # off the loop, as the agent's duty runs it
         for client, blob in blobs.items():
-            key = retainer.items[("kept", UPDATE, 0, client)].key
+            key = loop.call(lambda client=client: retainer.items[("kept", UPDATE, 0, client)].key)
             assert key is not None and (key == keys[client]) == (client == "b")
-            with mmap.mmap(store.get(key).fd, len(blob), prot=mmap.PROT_READ) as mm:
+            with mmap.mmap(loop.call(lambda key=key: store.get(key).fd), len(blob), prot=mmap.PROT_READ) as mm:
                 assert mm[:] == blob
     finally:
         retainer.stop()
-        store.close()
+        loop.call(store.close)
+        loop.stop()

@@ -101,6 +101,23 @@ def test_mapping_cache_reuses_mappings_of_recycled_objects_and_drops_destroyed_o
     assert not cache._entries
 
 
+def test_mappings_past_the_caches_size_stay_valid_for_whoever_holds_them(shm_node: str) -> None:
+    """A task may hold more inputs mapped than the cache keeps (a middle folding hundreds of
+    leaves' results at once): the cache forgets the oldest, but never unmaps what is in use."""
+    store = ObjectStore(shm_node, capacity=8 << 20, pool_limit=8 << 20)
+    cache = MappingCache(max_entries=2)
+    try:
+        held = []
+        for i in range(5):
+            seg = store.create(T, 4096, "h")
+            os.pwrite(seg.fd, bytes([i]) * 8, 0)
+            store.seal(seg.key)
+            held.append(cache.open(seg.name))
+        assert len(cache._entries) == 2 and [mm[0] for mm in held] == [0, 1, 2, 3, 4]
+    finally:
+        store.close()
+
+
 def test_open_of_a_missing_object_names_it(shm_node: str) -> None:
     with pytest.raises(NotFound, match="does not exist"):
         MappingCache().open(object_name(shm_node, "acme", bytes(16)))

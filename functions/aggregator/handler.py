@@ -26,7 +26,7 @@ from lifl.functions.aggregator import top
 from lifl.runtime import Context, Invocation
 
 _tables: dict[tuple[int, int], tuple[fmt.Layout, fmt.ModelSpec, TensorTable]] = {}
-_headers: dict[tuple[int, FixedPoint | None], tuple[fmt.ModelSpec, bytes, bytes]] = {}
+_headers: dict[tuple[int, FixedPoint | None], tuple[fmt.ModelSpec, bytes, bytes, int]] = {}
 
 
 def _table(layout: fmt.Layout, spec: fmt.ModelSpec) -> TensorTable:
@@ -39,12 +39,13 @@ def _table(layout: fmt.Layout, spec: fmt.ModelSpec) -> TensorTable:
     return hit[2]
 
 
-def _spec_headers(spec: fmt.ModelSpec, fixed_point: FixedPoint | None) -> tuple[bytes, bytes]:
-    """(model header, partial-sum header) for a job's model."""
+def _spec_headers(spec: fmt.ModelSpec, fixed_point: FixedPoint | None) -> tuple[bytes, bytes, int]:
+    """(model header, partial-sum header, partial-sum data bytes) for a job's model, made once."""
     hit = _headers.get((id(spec), fixed_point))
     if hit is None or hit[0] is not spec:
-        hit = _headers[(id(spec), fixed_point)] = (spec, fmt.spec_header(spec), fmt.spec_header(partial_spec(spec, fixed_point)))
-    return hit[1], hit[2]
+        partial = partial_spec(spec, fixed_point)
+        hit = _headers[(id(spec), fixed_point)] = (spec, fmt.spec_header(spec), fmt.spec_header(partial), partial.data_bytes)
+    return hit[1], hit[2], hit[3]
 
 
 def _mapped(ctx: Context, mm: Any, spec: fmt.ModelSpec) -> Tensors:
@@ -54,8 +55,7 @@ def _mapped(ctx: Context, mm: Any, spec: fmt.ModelSpec) -> Tensors:
 def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
     spec = inv.spec
     fixed_point = inv.fixed_point
-    model_header, partial_header = _spec_headers(spec, fixed_point)
-    partial_bytes = partial_spec(spec, fixed_point).data_bytes
+    model_header, partial_header, partial_bytes = _spec_headers(spec, fixed_point)
     agg = StreamingFedAvg(inv.fan_in or None, fixed_point)
     delivery_us: list[float] = []  # sent -> the message in hand (the channel, and waking up)
     handoff_us: list[float] = []  # sent -> a readable view of the object (delivery, then mapping it)
@@ -66,6 +66,7 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
     premapped = 0
     queued: list[Contribution] = []  # lazy: everything waits for the last input
     latest: Any = None  # the newest accumulator's mapping (fixed point: its bound is written there)
+    last_fold: tuple[list[bytes], bytes, float] | None = None  # a leaf's or middle's final fold, reported with its result
 
     def new_accumulator() -> tuple[Tensors, bytes]:
         nonlocal alloc_s, latest
@@ -126,14 +127,18 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
                 assert agg.state is not None
                 if fixed_point:  # before the accumulator is reported: a restarted task resumes from it
                     write_bound(latest, ctx.layout(latest), agg.state.bound)
-                ctx.folded(inv, [c.token for c in folded], sum(c.updates for c in folded if not c.partial), t2 - t1,
-                           agg.state.token)
+                keys = [c.token for c in folded]
+                if agg.complete and inv.role != TOP:  # reported with the result, in one message
+                    last_fold = keys, agg.state.token, t2 - t1
+                else:  # the next fold's accumulator comes with the answer
+                    ctx.folded(inv, keys, sum(c.updates for c in folded if not c.partial), t2 - t1, agg.state.token,
+                               next_size=0 if agg.complete else len(partial_header) + partial_bytes)
         result = agg.result()
 
         # Send
         t3 = time.perf_counter()
         if inv.role != TOP:
-            ctx.forward(inv, result.token, result.samples, result.updates, result.partial, agg_s)
+            ctx.forward(inv, result.token, result.samples, result.updates, result.partial, agg_s, folded=last_fold)
         else:
             def write_mean(mm: Any, out_spec: fmt.ModelSpec, total: Contribution) -> None:
                 out = _mapped(ctx, mm, out_spec)

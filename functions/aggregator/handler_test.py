@@ -67,12 +67,15 @@ class MemoryContext(Context):
         self.objects[key][: len(header)] = header
         return key, self.objects[key]
 
-    def folded(self, inv: Invocation, keys: list[bytes], updates: int, seconds: float, state: bytes) -> None:
+    def folded(self, inv: Invocation, keys: list[bytes], updates: int, seconds: float, state: bytes,
+               next_size: int = 0) -> None:
         self.folds += 1
 
     def forward(self, inv: Invocation, key: bytes, samples: int, updates: int, partial: bool,
-                agg_seconds: float = 0.0) -> None:
-        self.forwarded = {"tensors": self.tensors(key), "samples": samples, "updates": updates, "partial": partial}
+                agg_seconds: float = 0.0, folded: tuple[list[bytes], bytes, float] | None = None) -> None:
+        self.folds += folded is not None  # a leaf's or middle's last fold is reported with its result
+        self.forwarded = {"key": key, "tensors": self.tensors(key), "samples": samples, "updates": updates,
+                          "partial": partial, "last_fold": folded}
 
     def install(self, inv: Invocation, key: bytes, samples: int, updates: int, *, state: bytes = b"",
                 report: dict | None = None) -> int:
@@ -133,6 +136,9 @@ def test_leaf_forwards_the_exact_weighted_sum() -> None:
     for name, tensor in ctx.forwarded["tensors"].items():
         assert tensor.dtype == np.float64  # partial sums keep float64: nothing is lost before the top divides
         np.testing.assert_allclose(tensor, fedavg64(models, samples)[name] * 7, rtol=1e-12)
+    # its one fold is reported with its result, in one message: both inputs summed up in the result itself
+    keys, state, _ = ctx.forwarded["last_fold"]
+    assert len(keys) == 2 and state == ctx.forwarded["key"] and ctx.folds == 1
 
 
 def test_a_single_update_is_the_model() -> None:

@@ -33,8 +33,8 @@ def run_step(inv: Invocation, ctx: Context, result: Contribution, model_header: 
     spec, strategy = inv.spec, inv.strategy  # no bfloat16 tensors: the agent refuses such a model for a strategy
     inputs = ctx.strategy_inputs(inv, result.updates)
 
-    def opened(hex_key: str) -> dict[str, np.ndarray]:
-        return _views(ctx, ctx.open(bytes.fromhex(hex_key)))
+    def opened(key: bytes) -> dict[str, np.ndarray]:
+        return _views(ctx, ctx.open(key))
 
     if result.partial:  # the sum becomes the round's mean first, in an object of this task
         mean = mean_spec(spec)
@@ -42,9 +42,8 @@ def run_step(inv: Invocation, ctx: Context, result: Contribution, model_header: 
         average_into(mm, mean, result)
         average = _views(ctx, mm)
     else:  # a single update is its own mean
-        average = opened(result.token.hex())
-    updates = [Update(opened(u["key"]), int(u["samples"]), int(u["staleness"]), opened(u["base"]), u["client"])
-               for u in inputs["updates"]]
+        average = opened(result.token)
+    updates = [Update(opened(u.key), u.samples, u.staleness, opened(u.base), u.client) for u in inputs.updates]
     key, out = ctx.accumulator(inv, model_header, spec.data_bytes)
     state_key, state_out = b"", None
     state = state_model_spec(strategy, spec)
@@ -52,7 +51,7 @@ def run_step(inv: Invocation, ctx: Context, result: Contribution, model_header: 
         state_key, state_mm = ctx.accumulator(inv, fmt.spec_header(state), state.data_bytes)
         state_out = _views(ctx, state_mm)
     report = step(strategy, StepInputs(
-        current=opened(inputs["current"]), version=inv.version, average=average, updates=updates,
-        state=opened(inputs["state"]) if inputs.get("state") else None, seed=int(inputs["seed"]),
+        current=opened(inputs.current), version=inv.version, average=average, updates=updates,
+        state=opened(inputs.state) if inputs.state else None, seed=inputs.seed,
     ), _views(ctx, out), state_out)
     return key, state_key, report

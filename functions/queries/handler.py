@@ -19,12 +19,12 @@ import numpy as np
 from lifl import format as fmt
 from lifl.errors import BadRequest, LiflError, NotFound
 from lifl.flstore import workloads
-from lifl.protocol import TakeQuery
+from lifl.protocol import QueryRound, TakeQuery
 from lifl.runtime import Context
 
 
-def _tensors(ctx: Context, key_hex: str) -> dict[str, np.ndarray]:
-    mm = ctx.open(bytes.fromhex(key_hex))
+def _tensors(ctx: Context, key: bytes) -> dict[str, np.ndarray]:
+    mm = ctx.open(key)
     layout = ctx.layout(mm)
     if bf16 := [e.spec.name for e in layout.entries if e.spec.dtype == fmt.BF16]:
         # numpy has no bfloat16: its views are raw uint16 bits, which no workload may read as numbers
@@ -33,16 +33,16 @@ def _tensors(ctx: Context, key_hex: str) -> dict[str, np.ndarray]:
     return fmt.views(mm, layout)
 
 
-def _round(ctx: Context, entry: dict[str, Any]) -> workloads.RoundData:
-    updates = [workloads.ClientUpdate(u["client"], u["samples"], _tensors(ctx, u["key"])) for u in entry["updates"]]
-    base = _tensors(ctx, entry["base"]) if entry["base"] else None
-    if base is None:
-        raise NotFound(f"the model round {entry['round']} trained from is no longer retained", code="not_retained")
-    aggregate = _tensors(ctx, entry["aggregate"]) if entry["aggregate"] else None
+def _round(ctx: Context, entry: QueryRound) -> workloads.RoundData:
+    updates = [workloads.ClientUpdate(u.client, u.samples, _tensors(ctx, u.key)) for u in entry.updates]
+    if not entry.base:
+        raise NotFound(f"the model round {entry.round} trained from is no longer retained", code="not_retained")
+    base = _tensors(ctx, entry.base)
+    aggregate = _tensors(ctx, entry.aggregate) if entry.aggregate else None
     # objects are immutable and their keys never reused: the keys name what the round's statistics derive from
-    identity = hashlib.sha256(" ".join([entry["base"], entry["aggregate"] or "", *(u["key"] for u in entry["updates"])])
+    identity = hashlib.sha256(" ".join([entry.base.hex(), entry.aggregate.hex(), *(u.key.hex() for u in entry.updates)])
                               .encode()).hexdigest()
-    return workloads.RoundData(entry["round"], entry["version"], base, aggregate, updates, identity)
+    return workloads.RoundData(entry.round, entry.version, base, aggregate, updates, identity)
 
 
 def _one_thread() -> None:
@@ -55,18 +55,17 @@ def _one_thread() -> None:
 
 
 def handle(task: int, ctx: Context) -> dict[str, Any]:
-    reply, _ = ctx.client.call(TakeQuery(task))
-    doc = reply.body
+    work, _ = ctx.client.call(TakeQuery(task))
     t0 = time.perf_counter()
     try:
-        if doc["workload"] == "inference":
+        if work.workload == "inference":
             _one_thread()
             # the object's key names the model: immutable, and never reused for other bytes
-            result = workloads.inference(doc["architecture"], doc["model"], _tensors(ctx, doc["model"]), doc["params"])
+            result = workloads.inference(work.architecture, work.model.hex(), _tensors(ctx, work.model), work.params)
         else:
-            rounds = [_round(ctx, entry) for entry in doc["rounds_data"]]
-            compute = workloads.partial if doc["mode"] == "partial" else workloads.run
-            result = compute(doc["workload"], rounds, doc["params"])
+            rounds = [_round(ctx, entry) for entry in work.rounds]
+            compute = workloads.partial if work.mode == "partial" else workloads.run
+            result = compute(work.workload, rounds, work.params)
     except LiflError as e:
         return {"error": {"type": type(e).__name__, "code": e.code, "message": e.message}}
     return {"result": result, "compute_s": round(time.perf_counter() - t0, 6)}

@@ -409,7 +409,7 @@ class Bench:
         from lifl.rpc import Client
 
         agent = Client.connect(str(self.node.run_dir / "agent.sock"), Hello("gateway"))
-        tasks = [t for t in agent.call(GetRecent())[0].body["tasks"] if t["job"] == job]
+        tasks = [{"role": t.role, **t.stats} for t in agent.call(GetRecent())[0].tasks if t.job == job]
         agent.close()
         pairs = [t for t in tasks if t["role"] == "leaf" and t["inputs"] == 2]
         folds = [(t["agg_s"] - t["alloc_s"]) * 1e3 / 2 for t in pairs]

@@ -262,8 +262,7 @@ class Round:
         while True:
             plan = state.warm_plan()
             nodes = state.nodes()
-            if plan and all(nodes.get(n, {}).get("instances", {}).get("ready", 0) >= sum(want.values())
-                            for n, want in plan.items()):
+            if plan and all(n in nodes and nodes[n].instances.ready >= sum(want.values()) for n, want in plan.items()):
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"instances were not warmed as planned: {plan}")

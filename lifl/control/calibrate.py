@@ -24,6 +24,7 @@ import numpy as np
 from lifl import format as fmt
 from lifl.client import NO_RETRY, TOKEN_ENV, Gateway
 from lifl.errors import LiflError
+from lifl.protocol import PlannerCounts
 from lifl.state import ClusterState
 
 DEFAULT_RISE = 1.5  # E this many times its low-load value counts as a significant increase
@@ -66,8 +67,8 @@ def counters(state: ClusterState, node: str, job: str) -> tuple[float, int, int,
     status = state.nodes().get(node)
     if status is None:
         raise SystemExit(f"lifl calibrate: node {node} is not up")
-    c = status.get("counters", {}).get(job, {"arrivals": 0, "aggregated": 0, "agg_seconds": 0.0})
-    return float(status["time"]), int(c["arrivals"]), int(c["aggregated"]), float(c["agg_seconds"])
+    c = status.counters.get(job, PlannerCounts())
+    return status.time, c.arrivals, c.aggregated, c.agg_seconds
 
 
 def offer(gateway: str, job: str, blob: bytes, rate: float, seconds: float, clients: int) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 
 from lifl.cluster_types import NO_MODEL
 from lifl.control.planner import BESTFIT, DEFAULT_ALPHA, POLICIES, Counters, Estimate, estimate, plan_warm
+from lifl.protocol import NodeStatus
 from lifl.state import ClusterState
 
 DEFAULT_CAPACITY = 20.0  # MC_i of a node `lifl calibrate` has not measured (the paper's testbed value)
@@ -99,12 +100,12 @@ class Controller:
                 per_tenant[spec.tenant] = per_tenant.get(spec.tenant, 0) + n
         return warm, loads
 
-    def _estimated_queues(self, statuses: dict[str, dict[str, Any]]) -> dict[tuple[str, str], float]:
+    def _estimated_queues(self, statuses: dict[str, NodeStatus]) -> dict[tuple[str, str], float]:
         queues: dict[tuple[str, str], float] = {}
         for node, status in statuses.items():
-            for job, c in status.get("counters", {}).items():
+            for job, c in status.counters.items():
                 key = (node, job)
-                now = Counters(float(status["time"]), int(c["arrivals"]), int(c["aggregated"]), float(c["agg_seconds"]))
+                now = Counters(status.time, c.arrivals, c.aggregated, c.agg_seconds)
                 est = self.estimates[key] = estimate(self.estimates.get(key), now, self.config.alpha)
                 queues[key] = est.q
         return queues

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 from itertools import groupby
 
 DEFAULT_ALPHA = 0.7
@@ -29,9 +30,25 @@ BESTFIT, FIRSTFIT, WORSTFIT, LEAST_CONNECTION = "bestfit", "firstfit", "worstfit
 POLICIES = (BESTFIT, FIRSTFIT, WORSTFIT, LEAST_CONNECTION)
 
 
+class WarmInstance(Protocol):
+    """What placement needs to know about a warm instance."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def tenant(self) -> str: ...
+
+    @property
+    def idle(self) -> bool: ...
+
+    @property
+    def last_used(self) -> float: ...
+
+
 @dataclass(frozen=True)
 class InstanceView:
-    """What placement needs to know about a warm instance."""
+    """A warm instance as a plain record."""
 
     id: int
     tenant: str
@@ -39,9 +56,9 @@ class InstanceView:
     last_used: float
 
 
-def pick_warm(instances: Sequence[InstanceView], tenant: str, exclude: frozenset[int] = frozenset()) -> int | None:
+def pick_warm(instances: Iterable[WarmInstance], tenant: str, exclude: frozenset[int] = frozenset()) -> int | None:
     """The idle instance of ``tenant`` used most recently (its caches are warmest), if any."""
-    best: InstanceView | None = None
+    best: WarmInstance | None = None
     for inst in instances:
         if inst.idle and inst.tenant == tenant and inst.id not in exclude:
             if best is None or inst.last_used > best.last_used:
@@ -49,7 +66,7 @@ def pick_warm(instances: Sequence[InstanceView], tenant: str, exclude: frozenset
     return best.id if best else None
 
 
-def expired(instances: Sequence[InstanceView], now: float, keep_warm: float) -> list[int]:
+def expired(instances: Iterable[WarmInstance], now: float, keep_warm: float) -> list[int]:
     """Idle instances past their keep-warm period, to be terminated (scale to zero)."""
     return [i.id for i in instances if i.idle and now - i.last_used >= keep_warm]
 

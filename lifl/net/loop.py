@@ -132,7 +132,7 @@ class Loop:
 
     # -- other threads ---------------------------------------------------------------------------
     def post(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the loop soon (thread-safe); nothing once the loop is closed."""
+        """Run ``fn`` on the loop soon (thread-safe); after ``close``, never."""
         if self._closed:
             return  # a pool's late completion: nobody is left to run it
         self._posted.append(fn)
@@ -146,8 +146,9 @@ class Loop:
                 pass  # the pipe is full of wake-ups already
 
     def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
-        """From a thread other than the loop's: ``fn()`` run on the loop; its result, or its exception."""
-        if self.in_loop():
+        """From a thread other than the loop's: ``fn()`` run on the loop; its result, or its
+        exception. Once the loop has stopped nothing else runs there: ``fn`` runs here."""
+        if self.in_loop() or not self.running:
             return fn()
         future: Future[T] = Future()
 
@@ -183,8 +184,8 @@ class Loop:
 
     @property
     def running(self) -> bool:
-        """Whether ``run`` has started (on some thread) and not been stopped."""
-        return self._thread is not None and not self._stopped
+        """Whether ``run`` has started (on some thread), and neither ended nor been stopped."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopped
 
     def start_pools(self) -> None:
         """Create every pool's threads now, so that the process's threads are a fixed set from

@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import os
 import queue
+import secrets
 import socket
 import sys
 import threading
@@ -74,12 +75,20 @@ from lifl.node.retention import Retainer, query_holder, update_blob
 from lifl.procs import die_with_parent, on_signals
 from lifl.protocol import (
     PROTOCOL, QUERY_ROLE, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Admitted, Alloc, Allocated, Attach,
-    Attached, CancelTask, Document, Done, Failed, Folded, Forwarded, ForwardPartial, GetMetrics, GetRecent, GetStatus,
-    Handoff, Hello, InstallModel, InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, Ok, OpenModel,
-    Query, Ready, Release, Route, StrategyInputs, Submit, SubmitPartial, Submitted, TakeQuery, Text, Welcome, decode,
+    Attached, CancelTask, Done, Failed, Finished, Folded, Forwarded, ForwardPartial, GetMetrics, GetRecent, GetStatus,
+    Hello, InstallModel, InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, Ok, OpenModel,
+    Query, Ready, Release, StrategyInputs, Submit, SubmitPartial, Submitted, TakeQuery, Text, Welcome, decode, input_record,
+)
+from lifl.protocol import (
+    ROLES, InstanceCounts, JobActivity, NodeStatus, QueryAnswer, QueryData, QueryRound, QuerySeconds, QueryUpdate, QueryWork,
+    RecentTasks, SharedMemory, StatusReply, StrategyUpdate, StrategyWork, TaskReport,
 )
 from lifl.rpc import MessageStream, error_reply, reply_frame
-from lifl.state import ACCEPT_CLOSED_ROUND, RESERVE_OK, ClusterState, accept_refusal, refusal
+from lifl.net.resp import Resp
+from lifl.state import (
+    ACCEPT_CLOSED_ROUND, REDIS_COMMAND_TIMEOUT, RESERVE_OK, ClusterState, ScriptCall, accept_refusal, accepted, refusal, reserved,
+    retained_index,
+)
 from lifl.store import SHM_DIR, ObjectStore, Segment, Tenant, remove_node_objects
 from lifl.strategy import privacy, strategy_bytes
 
@@ -95,6 +104,8 @@ QUERY_TIMEOUT_S = 300.0  # a query not answered by then is called off (its insta
 MAX_QUERY_ROUNDS = 100  # rounds one reputation query reads at most
 HANDOFF_WAIT_S = 5.0  # how long a parent's report of folding a key sent ahead waits for that key's hand-off
 MAX_BATCH = 256  # uploads admitted (or accepted) by one Redis call at most; the rest wait for the next
+REDIS_ANSWER_BUDGET_S = 2.0  # how long a batch is sent again while Redis cannot be reached, before its uploads hear 503
+REDIS_RETRY_S = (0.02, 0.05, 0.1, 0.2, 0.5)  # between those attempts; the last repeats
 LISTEN_BACKLOG = 64
 
 
@@ -332,38 +343,53 @@ class Peer:
 
 
 class Batches:
-    """One Redis call per job at a time: items that arrive while a job's call is in flight wait,
-    and go together in its next call (up to ``MAX_BATCH`` per call)."""
+    """One Redis call per job at a time, for everything of the job that arrived by then: items
+    added in one turn of the loop go together (the call starts at the end of the turn), and items
+    that arrive while a job's call is in flight go in its next call (up to ``MAX_BATCH`` a call).
+    ``call(job, items, finished)`` starts a call; ``done(job, items, result, error)`` takes its answer.
 
-    def __init__(self, loop: Loop, call: Callable[[str, list[Any]], Any],
-                 done: Callable[[str, list[Any], Any, BaseException | None], None]) -> None:
+    The calls are idempotent (each upload has a token), so a call whose answer was lost (the
+    connection to Redis broke: the script may or may not have run) is sent again, with back-offs,
+    for up to ``REDIS_ANSWER_BUDGET_S``; only then does ``done`` hear of the error."""
+
+    def __init__(self, loop: Loop, call: Callable[[str, list[Any], Callable[[Any, BaseException | None], None]], None],
+                 done: Callable[[str, list[Any], Any, BaseException | None], None], sizes: Any) -> None:
         self.loop = loop
         self._call = call
         self._done = done
+        self._sizes = sizes  # a histogram of batch sizes (the node's metrics)
         self._waiting: dict[str, list[Any]] = {}
-        self._in_flight: set[str] = set()
+        self._busy: set[str] = set()  # jobs whose call is in flight or about to start
 
     def add(self, job: str, item: Any) -> None:
         self._waiting.setdefault(job, []).append(item)
-        if job not in self._in_flight:
-            self._start(job)
+        if job not in self._busy:
+            self._busy.add(job)
+            self.loop.post(lambda: self._start(job))
 
     def _start(self, job: str) -> None:
         waiting = self._waiting.pop(job, [])
         if not waiting:
+            self._busy.discard(job)
             return
         items, rest = waiting[:MAX_BATCH], waiting[MAX_BATCH:]
         if rest:
             self._waiting[job] = rest
-        self._in_flight.add(job)
-        self.loop.offload(lambda: self._call(job, items), lambda result, error: self._finished(job, items, result, error))
+        self._sizes.observe(len(items))
+        self._send(job, items, time.monotonic() + REDIS_ANSWER_BUDGET_S, 0)
 
-    def _finished(self, job: str, items: list[Any], result: Any, error: BaseException | None) -> None:
-        self._in_flight.discard(job)
-        try:
-            self._done(job, items, result, error)
-        finally:
-            self._start(job)
+    def _send(self, job: str, items: list[Any], deadline: float, attempt: int) -> None:
+        def finished(result: Any, error: BaseException | None) -> None:
+            if isinstance(error, ConnectionError) and time.monotonic() < deadline:
+                delay = REDIS_RETRY_S[min(attempt, len(REDIS_RETRY_S) - 1)]
+                self.loop.later(delay, lambda: self._send(job, items, deadline, attempt + 1))
+                return
+            try:
+                self._done(job, items, result, error)
+            finally:
+                self._start(job)
+
+        self._call(job, items, finished)
 
 
 def _unavailable(error: BaseException) -> LiflError:
@@ -380,6 +406,7 @@ class Agent:
         self.node = config.node
         self.state = state
         self.loop = Loop(f"lifl agent {config.node}")
+        self.resp = Resp(self.loop, config.redis_url, REDIS_COMMAND_TIMEOUT)  # the hot path's Redis calls, from the loop
         self.store = ObjectStore(config.node, config.shm_capacity, config.pool_limit)
         self.metrics = Metrics()
         data_dir = config.data_dir or config.run_dir
@@ -412,13 +439,13 @@ class Agent:
         self.checkpointer.keep = lambda job: checkpoints_kept(self.retainer.policy(job), checkpoints.KEEP)
         self.queries: dict[int, QueryRun] = {}
         self.forwarder: Peer | None = None  # the gateway's connection taking ForwardPartial
-        self.recent: deque[dict[str, Any]] = deque(maxlen=512)  # finished tasks' statistics
+        self.recent: deque[TaskReport] = deque(maxlen=512)  # finished tasks' statistics
         self.started_at = time.time()
         self._tenants: dict[str, Tenant] = {}
         self._next_id = 0
         self._outbox: deque[tuple[Tenant, KeyMessage]] = deque()  # keys for instances whose queue was full
         self._outbox_timer: Any = None
-        self._parked_folds: dict[int, list[tuple[int, Folded, Reply, Any]]] = {}  # folds of keys not handed off yet
+        self._parked_folds: dict[int, list[tuple[Callable[[], None], Callable[[LiflError], None], Any]]] = {}  # folds of keys not handed off yet
         self._settling: set[str] = set()  # jobs whose settle is in flight
         self._settle_again: set[str] = set()  # ...and asked for again meanwhile
         self._settle_then: dict[str, list[Callable[[], None]]] = {}  # what waits for a job's settle
@@ -427,8 +454,10 @@ class Agent:
         self._holders: set[Hashable] = set()  # gateway connections that are open
         self._stopping = False
         self._loop_thread: threading.Thread | None = None
-        self._reserves = Batches(self.loop, self._reserve_call, self._reserved)
-        self._accepts = Batches(self.loop, self._accept_call, self._accepted)
+        self._reserves = Batches(self.loop, self._reserve_call, self._reserved, self.metrics.batch_sizes.labels("reserve"))
+        self._accepts = Batches(self.loop, self._accept_call, self._accepted, self.metrics.batch_sizes.labels("accept"))
+        self._boot = secrets.token_hex(4)  # upload tokens start with it: unique across this node's restarts
+        self._tokens = 0
         self._gateway_handlers: dict[type[Message], Callable[[Hashable], Handler]] = {
             Admit: lambda h: lambda m, f, r: self.admit(h, m, r),
             AdmitModel: lambda h: lambda m, f, r: self.admit_model(h, m, r),
@@ -442,8 +471,8 @@ class Agent:
             OpenModel: lambda h: lambda m, f, r: self.open_model(h, m, r),
             Release: lambda h: lambda m, f, r: self.release(h, m, r),
             GetMetrics: lambda h: lambda m, f, r: r(Text(self.metrics_text())),
-            GetStatus: lambda h: lambda m, f, r: r(Document(self.status())),
-            GetRecent: lambda h: lambda m, f, r: r(Document({"tasks": list(self.recent)})),
+            GetStatus: lambda h: lambda m, f, r: r(StatusReply(self.status())),
+            GetRecent: lambda h: lambda m, f, r: r(RecentTasks(list(self.recent))),
             Query: lambda h: lambda m, f, r: self.query(m, r),
         }
 
@@ -504,7 +533,9 @@ class Agent:
 
     def stop(self) -> None:
         """Clean shutdown: unlink every object first (mappings stay valid for whoever holds them,
-        and a checkpoint being written has its own descriptor), then stop the instances."""
+        and a checkpoint being written has its own descriptor), then stop the instances. Once."""
+        if self._stopping:
+            return
         self._stopping = True
 
         def shut() -> None:
@@ -697,7 +728,7 @@ class Agent:
             Ready: lambda m, f, r: self.ready(iid, r),
             Alloc: lambda m, f, r: self.alloc(iid, m, r),
             Folded: lambda m, f, r: self.folded(iid, m, r),
-            Handoff: lambda m, f, r: self.handoff(iid, m, r),
+            Finished: lambda m, f, r: self.finished(iid, m),
             InstallResult: lambda m, f, r: self.install(iid, m, r),
             Done: lambda m, f, r: self.done(iid, m, r),
             Failed: lambda m, f, r: self.failed(iid, m, r),
@@ -765,20 +796,43 @@ class Agent:
     def admit(self, holder: Hashable, m: Admit, reply: Reply) -> None:
         """Reserve a slot of the round (with every other admission of the job that arrives
         meanwhile: one Redis call), then the memory to aggregate the update, then its object."""
-        self._with_run(m.job, lambda run: self._reserves.add(m.job, (holder, m, reply)), reply)
+        self._with_run(m.job, lambda run: self._reserves.add(m.job, (holder, m, self._token(), reply)), reply)
 
-    def _reserve_call(self, job: str, items: list[tuple[Hashable, Admit, Reply]]) -> list[tuple[int, int, int]]:
-        return self.state.reserve_many(job, self.node, [(m.version, m.lease, m.client) for _, m, _ in items])
+    def _token(self) -> str:
+        """An upload's token: unique across this node's restarts (see the admission scripts)."""
+        self._tokens += 1
+        return f"{self._boot}{self._tokens:x}"
 
-    def _reserved(self, job: str, items: list[tuple[Hashable, Admit, Reply]], results: list[tuple[int, int, int]] | None,
-                  error: BaseException | None) -> None:
+    def _reserve_call(self, job: str, items: list[tuple[Hashable, Admit, str, Reply]],
+                      done: Callable[[Any, BaseException | None], None]) -> None:
+        call = self.state.reserve_call(job, self.node, [(token, m.version, m.lease, m.client) for _, m, token, _ in items])
+        self._script(call, lambda raw, error: done(reserved(raw) if error is None else None, error))
+
+    def _script(self, call: ScriptCall, done: Callable[[Any, BaseException | None], None]) -> None:
+        """Run one of the state's scripts from the loop (``lifl.net.resp``: no thread, no waiting)."""
+        self.resp.script(call.script.sha, call.script.script, call.keys, call.args, done)
+
+    def _script_io(self, call: ScriptCall, what: str, then: Callable[[], None] = lambda: None) -> None:
+        """A script whose answer nobody waits for (a failure is logged: duties repair it); then ``then()``."""
+
+        def done(_: Any, error: BaseException | None) -> None:
+            if error is not None:
+                print(f"lifl agent: {what} failed: {error}", file=sys.stderr)
+            then()
+
+        self._script(call, done)
+
+    def _reserved(self, job: str, items: list[tuple[Hashable, Admit, str, Reply]],
+                  results: list[tuple[int, int, int]] | None, error: BaseException | None) -> None:
         if error is not None or results is None:
-            for _, _, reply in items:
+            for _, _, _, reply in items:
                 reply.error(_unavailable(error or Internal("no answer")))
+            if isinstance(error, ConnectionError):  # they may have been reserved: their slots go back once Redis is back
+                self._give_back_eventually(job, [(token, -1, "") for _, _, token, _ in items])  # tokens name their round
             return
         run = self.jobs[job]
-        give_back: list[tuple[int, Reply, LiflError]] = []
-        for (holder, m, reply), (status, version, round_id) in zip(items, results):
+        give_back: list[tuple[str, int, Reply, LiflError]] = []
+        for (holder, m, token, reply), (status, version, round_id) in zip(items, results):
             if status != RESERVE_OK:
                 reply.error(refusal(status, job, version, round_id, run.spec.goal))
                 continue
@@ -790,17 +844,28 @@ class Agent:
             except LiflError as e:
                 if isinstance(e, Overloaded):
                     self.metrics.refused(job, e.code)
-                give_back.append((round_id, reply, e))
+                give_back.append((token, round_id, reply, e))
                 continue
-            self.uploads.add(seg.key, uploads.Upload(job, UPDATE, holder, version, round_id, base=m.version))
+            self.uploads.add(seg.key, uploads.Upload(job, UPDATE, holder, version, round_id, base=m.version, slot=token))
             reply(Admitted(seg.key, m.version, round_id), [os.dup(seg.fd)])
         if give_back:  # refused after all: the slots go back before the refusals are answered
 
-            def answer(_: Any, error: BaseException | None) -> None:
-                for _, reply, e in give_back:
+            def answer() -> None:
+                for _, _, reply, e in give_back:
                     reply.error(e)
 
-            self.loop.offload(lambda: self.state.unreserve_many(job, self.node, [r for r, _, _ in give_back]), answer)
+            self._script_io(self.state.give_back_call(job, self.node, [(t, r, "") for t, r, _, _ in give_back]),
+                            "giving back round slots", answer)
+
+    def _give_back_eventually(self, job: str, slots: list[tuple[str, int, str]]) -> None:
+        """Slots that may have been taken by a call whose answer was lost: give them back (by token,
+        so only those taken go back), trying again until Redis answers or the round moves on."""
+
+        def given(_: Any, error: BaseException | None) -> None:
+            if isinstance(error, ConnectionError):
+                self.loop.later(REDIS_RETRY_S[-1], lambda: self._give_back_eventually(job, slots))
+
+        self._script(self.state.give_back_call(job, self.node, slots), given)
 
     def _io(self, call: Callable[[], Any], what: str = "") -> None:
         """A Redis write whose answer nobody waits for (a failure is logged; duties repair it)."""
@@ -871,28 +936,26 @@ class Agent:
 
     def _apply_uploads(self, effects: list[uploads.Effect], then: Callable[[], None] = lambda: None) -> None:
         """Release what the uploads held; give their round slots back in Redis, then ``then()``."""
-        slots: dict[str, list[tuple[int, str]]] = {}
+        slots: dict[str, list[tuple[str, int, str]]] = {}
         for e in effects:
             if isinstance(e, uploads.ReleaseUpload):
                 self.store.release(e.key, e.upload.holder)  # an update's in-flight count goes with its object
                 if e.upload.kind in (UPDATE, PARTIAL):  # its round will not aggregate it: what it reserved goes back
                     self.store.withdraw(RoundOf(e.upload.job, e.upload.round), e.upload.kind)
             elif isinstance(e, uploads.GiveBackSlot):
-                slots.setdefault(e.job, []).append((e.round, e.reason))
+                slots.setdefault(e.job, []).append((e.slot, e.round, e.reason))
         if not slots:
             then()
             return
+        left = [len(slots)]
 
-        def give_back() -> None:
-            for job, given in slots.items():
-                self.state.give_back(job, self.node, given)
+        def given() -> None:  # Redis away: the slots come back when the round ends
+            left[0] -= 1
+            if not left[0]:
+                then()
 
-        def given(_: Any, error: BaseException | None) -> None:
-            if error is not None:  # Redis away: the slots come back when the round ends
-                print(f"lifl agent: giving back round slots failed: {error}", file=sys.stderr)
-            then()
-
-        self.loop.offload(give_back, given)
+        for job, refused in slots.items():
+            self._script_io(self.state.give_back_call(job, self.node, refused), "giving back round slots", given)
 
     def _gateway_gone(self, holder: Hashable) -> None:
         self._holders.discard(holder)
@@ -914,11 +977,35 @@ class Agent:
             retained = self._retained_meta(m, upload)
         self._accepts.add(upload.job, (m, upload, retained, reply))
 
-    def _accept_call(self, job: str, items: list[tuple[Submit, uploads.Upload, dict[str, Any] | None, Reply]]
-                     ) -> list[tuple[int, int]]:
-        """Count the updates in Redis (one call), and index the ones the job's policy retains: a
-        query may come as soon as the round ends."""
-        return self.state.accept_many(job, self.node, [(upload.round, m.client, meta) for m, upload, meta, _ in items])
+    def _accept_call(self, job: str, items: list[tuple[Submit, uploads.Upload, dict[str, Any] | None, Reply]],
+                     done: Callable[[Any, BaseException | None], None]) -> None:
+        """Count the updates in Redis (one script), then index the ones the job's policy retains
+        (a query may come as soon as the round ends) before anyone hears of them."""
+        call = self.state.accept_call(job, self.node, [(upload.slot, upload.round, m.client) for m, upload, _, _ in items])
+
+        def counted(raw: Any, error: BaseException | None) -> None:
+            if error is not None:
+                done(None, error)
+                return
+            results = accepted(raw)
+            index = retained_index(job, [(upload.round, meta) for (_, upload, meta, _), (status, _) in zip(items, results)
+                                         if status >= 0 and meta])
+            if not index:
+                done(results, None)
+                return
+            left = [len(index)]
+
+            def indexed(_: Any, error: BaseException | None) -> None:
+                if error is not None:
+                    print(f"lifl agent: indexing retained updates of {job!r} failed: {error}", file=sys.stderr)
+                left[0] -= 1
+                if not left[0]:
+                    done(results, None)
+
+            for command in index:
+                self.resp.command(command, indexed)
+
+        self._script(call, counted)
 
     def _retained_meta(self, m: Submit, upload: uploads.Upload) -> dict[str, Any]:
         """Where a retained client update lives, as Redis indexes it."""
@@ -929,9 +1016,15 @@ class Agent:
                   results: list[tuple[int, int]] | None, error: BaseException | None) -> None:
         holder = _accepting_holder(job)
         if error is not None or results is None:
-            for m, _, _, reply in items:
-                self.store.release(m.key, holder)
+            for _, _, _, reply in items:
                 reply.error(_unavailable(error or Internal("no answer")))
+            if isinstance(error, ConnectionError):
+                # counted or not, Redis will say (the call is idempotent): the updates stay until it does, and
+                # are aggregated if they were counted (a client told 503 that sends again hears "acknowledged")
+                self.loop.later(REDIS_RETRY_S[-1], lambda: [self._accepts.add(job, item) for item in items])
+                return
+            for m, _, _, _ in items:
+                self.store.release(m.key, holder)
             return
         run = self.jobs[job]
         closed = False
@@ -952,7 +1045,7 @@ class Agent:
                                            tree.Input(m.key, m.samples, 1, False))
             reply(Submitted(upload.round, self.uploads.counts.get(job, 0)))
         if refused:
-            self._io(lambda: self.state.count_rejections(job, refused), "counting refusals")
+            self._script_io(self.state.count_call(job, [(r, f"rejected.{code}", 1) for r, code in refused]), "counting refusals")
         self._apply(effects)
         if closed:
             self.settle(job)
@@ -1183,18 +1276,14 @@ class Agent:
                     total = time.perf_counter() - t0
                     self.metrics.queries.labels(m.job, workload, "ok").inc()
                     self.metrics.query_seconds.labels(workload).observe(total)
-                    selected = {k: doc[k] for k in ("round", "rounds", "version") if k in doc}
-                    if split_here:  # the gateway combines this with the other nodes' partials (``peers``)
-                        selected.update(partial=result, peers=doc["peers"], params=params, rounds=doc["rounds_chosen"])
-                    else:
-                        selected["result"] = result
-                    reply(Document({
-                        "job": m.job, "workload": workload, **selected,
-                        "data": {"objects": len(sources), "memory": sources.count("memory"), "store": sources.count("store"),
-                                 "bytes_fetched": fetched},
-                        "node": self.node,
-                        "seconds": {"total": round(total, 6), "fetch": round(fetched_s, 6), "compute": stats.get("compute_s")},
-                    }))
+                    reply(QueryAnswer(
+                        m.job, workload, self.node,
+                        QueryData(len(sources), sources.count("memory"), sources.count("store"), fetched),
+                        QuerySeconds(round(total, 6), round(fetched_s, 6), stats.get("compute_s")),
+                        doc.get("round"), doc["rounds_chosen"] if split_here else doc.get("rounds"), doc.get("version"),
+                        None if split_here else result, result if split_here else None,
+                        doc["peers"] if split_here else [], params if split_here else {},
+                    ))
 
                 if excluded is None:
                     finish(None, None)
@@ -1318,7 +1407,12 @@ class Agent:
         wait = self.board.queries.get(m.task)
         if q is None or wait is None or wait.instance != iid:
             raise NotFound(f"query {m.task} is not running on instance {iid}", code="no_such_task")
-        reply(Document(q.doc))
+        d = q.doc
+        rounds = [QueryRound(r["round"], r["version"], bytes.fromhex(r["base"] or ""), bytes.fromhex(r["aggregate"] or ""),
+                             [QueryUpdate(u["client"], u["samples"], bytes.fromhex(u["key"])) for u in r["updates"]])
+                  for r in d.get("rounds_data", [])]
+        reply(QueryWork(d["workload"], d["params"], d["job"], d["mode"], rounds, d.get("architecture", ""),
+                        bytes.fromhex(d.get("model", ""))))
 
     # -- function instances -------------------------------------------------------------------------
     def _task_of(self, iid: int, task_id: int) -> tree.Task:
@@ -1339,61 +1433,98 @@ class Agent:
 
     def folded(self, iid: int, m: Folded, reply: Reply) -> None:
         """Inputs (and the previous accumulator) are summed up in a new accumulator, ``m.state``:
-        it is what the task runs again from if its instance dies; what it sums up may go."""
+        it is what the task runs again from if its instance dies; what it sums up may go. The
+        answer brings the accumulator for the next fold if the instance asked for one."""
         task = self._task_of(iid, m.task)
-        known = self.board.progress[task.id].known()
-        if not set(m.keys) <= known:
-            # a leaf sends its result's key ahead of its hand-off (Invoke.parent_*): the parent may
-            # fold it before the hand-off reaches us; it comes within moments
-            def too_late() -> None:
-                parked = self._parked_folds.get(task.id, [])
-                for i, (_, pm, preply, _) in enumerate(parked):
-                    if pm is m:
-                        del parked[i]
-                        stray = [k.hex() for k in m.keys if k not in self.board.progress.get(task.id, tasks.Progress()).known()]
-                        preply.error(BadRequest(f"task {task.id} folded {', '.join(stray)}, none of its inputs"))
-                        return
-
-            self._parked_folds.setdefault(task.id, []).append((iid, m, reply, self.loop.later(HANDOFF_WAIT_S, too_late)))
+        if not self._fold(task, m.keys, m.state, m.seconds):
+            self._park(task.id, lambda: self.folded(iid, m, reply), reply.error, m.keys)
             return
-        self.store.move_ref(m.state, _scratch_holder(task.id), _state_holder(task.id))
-        self.store.seal(m.state)
-        inputs, previous = self.board.folded(task.id, m.keys, m.state, now_ns())
+        if not m.next_size:
+            reply(Allocated(b""))
+            return
+        try:
+            seg = self.store.create(self.instance_tenants[iid], m.next_size, _scratch_holder(task.id), affinity=iid,
+                                    owner=RoundOf(task.job, task.round), scratch=True)
+        except Overloaded:  # it asks again when it needs one (and is told then)
+            reply(Allocated(b""))
+            return
+        reply(Allocated(seg.key), [os.dup(seg.fd)])
+
+    def _fold(self, task: tree.Task, keys: list[bytes], state: bytes, seconds: float) -> bool:
+        """Apply a fold the task reported; False if some of ``keys`` are not (yet) its inputs."""
+        if not set(keys) <= self.board.progress[task.id].known():
+            return False
+        self.store.move_ref(state, _scratch_holder(task.id), _state_holder(task.id))
+        self.store.seal(state)
+        inputs, previous = self.board.folded(task.id, keys, state, now_ns())
         updates = 0
         for msg in inputs:
             updates += self.uploads.update_done(msg.key) is not None
             self.store.release(msg.key, _input_holder(task.id))
         if previous is not None:
             self.store.release(previous.key, _state_holder(task.id))
-        self.metrics.aggregated(task.job, updates, m.seconds)
+        self.metrics.aggregated(task.job, updates, seconds)
         if updates:
             round_key = (task.job, task.round)
             self._aggregated[round_key] = self._aggregated.get(round_key, 0) + updates
-        reply()
+        return True
+
+    def _park(self, task_id: int, again: Callable[[], None], refuse: Callable[[LiflError], None], keys: list[bytes]) -> None:
+        """A leaf sends its result's key ahead of its hand-off (Invoke.parent_*): the parent may
+        fold it before the hand-off reaches the agent; it comes within moments. ``again`` runs
+        when an input is delivered to the task, ``refuse`` after ``HANDOFF_WAIT_S`` without it."""
+        entry: list[Any] = []
+
+        def too_late() -> None:
+            parked = self._parked_folds.get(task_id, [])
+            if entry[0] in parked:
+                parked.remove(entry[0])
+                known = self.board.progress[task_id].known() if task_id in self.board.progress else set()
+                refuse(BadRequest(f"task {task_id} folded {', '.join(k.hex() for k in keys if k not in known)}, "
+                                  "none of its inputs"))
+
+        entry.append((again, refuse, self.loop.later(HANDOFF_WAIT_S, too_late)))
+        self._parked_folds.setdefault(task_id, []).append(entry[0])
 
     def _unpark_folds(self, task_id: int) -> None:
         """An input was delivered to ``task_id``: folds that waited for it go on."""
-        parked = self._parked_folds.pop(task_id, None)
-        for iid, m, reply, timer in parked or []:
+        for again, refuse, timer in self._parked_folds.pop(task_id, []):
             timer.cancel()
             try:
-                self.folded(iid, m, reply)
+                again()
             except LiflError as e:
-                reply.error(e)
+                refuse(e)
 
     def _count_aggregated(self) -> None:
         """Tell Redis how many updates were aggregated (a periodic duty: one call for many folds)."""
         if not self._aggregated:
             return
         counts, self._aggregated = self._aggregated, {}
-        self._io(lambda: self.state.count_aggregated(counts), "counting aggregated updates")
+        by_job: dict[str, list[tuple[int, str, int]]] = {}
+        for (job, round_id), n in counts.items():
+            by_job.setdefault(job, []).append((round_id, "aggregated", n))
+        for job, job_counts in by_job.items():
+            self._script_io(self.state.count_call(job, job_counts), "counting aggregated updates")
 
-    def handoff(self, iid: int, m: Handoff, reply: Reply) -> None:
-        """A leaf's or middle's result: to its parent here (the instance sends the key itself when
-        the parent runs), or to the top on another node."""
-        route: list[tuple[int, int]] = []
-        self._result(iid, m.task, tree.Input(m.key, m.samples, m.updates, m.partial), route)
-        reply(Route(*route[0]) if route else Route())
+    def finished(self, iid: int, m: Finished) -> None:
+        """A leaf's or middle's end: its last fold, its result to its parent here (which the
+        instance sent itself if the parent ran when it started) or to the top on another node,
+        and its statistics; the instance is free."""
+        task = self.board.running_on(iid, m.task)
+        if task is not None and m.task in self.trees.tasks:
+            if m.folded and not self._fold(task, m.folded, m.fold_state, m.fold_seconds):
+                self._park(task.id, lambda: self.finished(iid, m), lambda e: self._failed_run(iid, m.task, e.message),
+                           m.folded)
+                return
+            sent = (m.sent_to[0], m.sent_to[1]) if len(m.sent_to) == 2 else None
+            agg_s = m.stats.get("agg_s")
+            agg_us = round(agg_s * 1e6) if isinstance(agg_s, (int, float)) and 0 <= agg_s < 1e6 else 0
+            self._result(iid, m.task, tree.Input(m.key, m.samples, m.updates, m.partial), sent, agg_us)
+        self._through(iid, m.task, m.stats)
+
+    def _failed_run(self, iid: int, task: int, problem: str) -> None:
+        self._perform(self.board.failed(iid, task, problem, *self._board_context()))
+        self._free(iid)
 
     def install(self, iid: int, m: InstallResult, reply: Reply) -> None:
         """The top has the round's model: checkpoint it in the background, then install it."""
@@ -1453,14 +1584,17 @@ class Agent:
         run.strategy_state = (step.state, version)
         return step.report
 
-    def _result(self, iid: int, task_id: int, output: tree.Input, route: list[tuple[int, int]] | None = None) -> tree.Task:
-        """A task's result, sealed and kept by its round until the tree says where it goes."""
+    def _result(self, iid: int, task_id: int, output: tree.Input, sent: tuple[int, int] | None = None,
+                agg_us: int = 0) -> tree.Task:
+        """A task's result, sealed and kept by its round until the tree says where it goes
+        (``sent``: the instance sent it to that (instance, task) itself; ``agg_us``: how long the
+        task folded, which the key message reports on its behalf)."""
         task = self._task_of(iid, task_id)
         if not self.store.get(output.key).sealed:
             self.store.seal(output.key)
         self.store.hand_over(output.key, ("round", task.job, task.round))
         self._result_exists(task.id)
-        self._apply(self.trees.result(task.id, output), route)
+        self._apply(self.trees.result(task.id, output), sent, agg_us)
         return task
 
     def _result_exists(self, task_id: int) -> None:
@@ -1474,9 +1608,9 @@ class Agent:
         self.store.release_holder(_scratch_holder(task_id))
         self._result_exists(task_id)
         self.trees.finished(task_id)
-        for _, _, reply, timer in self._parked_folds.pop(task_id, []):
+        for _, refuse, timer in self._parked_folds.pop(task_id, []):
             timer.cancel()
-            reply.error(NotFound(f"task {task_id} is over", code="no_such_task"))
+            refuse(NotFound(f"task {task_id} is over", code="no_such_task"))
 
     def done(self, iid: int, m: Done, reply: Reply) -> None:
         """The instance finished a task (or acknowledged its cancellation) and is free again."""
@@ -1484,11 +1618,14 @@ class Agent:
         if m.task in self.queries:
             self._query_over(iid, m.task, m.stats)
             return
-        task = self.board.through(iid, m.task, time.monotonic())
+        self._through(iid, m.task, m.stats)
+
+    def _through(self, iid: int, task_id: int, stats: dict[str, Any]) -> None:
+        task = self.board.through(iid, task_id, time.monotonic())
         if task is not None:
             self._release_task_objects(task.id)
-            if not m.stats.get("cancelled"):
-                self._record_task(task, iid, m.stats)
+            if not stats.get("cancelled"):
+                self._record_task(task, iid, stats)
         self._free(iid)
 
     def _record_task(self, task: tree.Task, iid: int, stats: dict[str, Any]) -> None:
@@ -1499,7 +1636,7 @@ class Agent:
         for us in stats.get("handoff_us", []):
             if isinstance(us, (int, float)):
                 self.metrics.handoff.observe(us / 1e6)
-        self.recent.append({"task": task.id, "job": task.job, "round": task.round, "instance": iid, **stats})
+        self.recent.append(TaskReport(task.id, task.job, task.round, iid, role, stats))
 
     def failed(self, iid: int, m: Failed, reply: Reply) -> None:
         reply()
@@ -1517,7 +1654,6 @@ class Agent:
         self.actuator.retire(tenant, iid, self.loop)
         if not self._stopping:
             self._perform(self.board.gone(iid, why, *self._board_context()))
-        self._refresh_instance_gauges()
 
     def _free(self, iid: int) -> None:
         """An instance finished its task: reuse it for a waiting task, or keep it warm (or, without
@@ -1525,7 +1661,6 @@ class Agent:
         if not self.config.reuse and iid in self.instances:
             self._perform([self.board.stop(iid)])
         self._dispatch()
-        self._refresh_instance_gauges()
 
     # -- strategies (lifl.strategy) -------------------------------------------------------------------
     def strategy_inputs(self, iid: int, m: StrategyInputs, reply: Reply) -> None:
@@ -1536,21 +1671,21 @@ class Agent:
         run = self.jobs[task.job]
         holder = _scratch_holder(task.id)
 
-        def gather() -> dict[str, Any]:
+        def gather() -> StrategyWork:
             strategy = run.spec.strategy_spec
-            doc: dict[str, Any] = {"seed": self.state.strategy_seed(task.job), "updates": []}
             bases = {task.version: self._held_model(run, task.version, holder)}
-            doc["current"] = bases[task.version].hex()
-            doc["state"] = None if not strategy.stateful else self._held_state(run, task.version, holder)
+            state = b""
+            if strategy.stateful:
+                state = self._held_state(run, task.version, holder) or b""
+            updates = []
             if strategy.needs_updates:
                 for client, (key, base, samples) in sorted(self._round_updates(run, task, m.updates, holder).items()):
                     if base not in bases:
                         bases[base] = self._held_model(run, base, holder)
-                    doc["updates"].append({"client": client, "key": key.hex(), "samples": samples,
-                                           "staleness": task.version - base, "base": bases[base].hex()})
-            return doc
+                    updates.append(StrategyUpdate(client, key, samples, task.version - base, bases[base]))
+            return StrategyWork(self.state.strategy_seed(task.job), bases[task.version], state, updates)
 
-        self.loop.offload(gather, lambda doc, error: reply(Document(doc)) if error is None else reply.error(_unavailable(error)),
+        self.loop.offload(gather, lambda work, error: reply(work) if error is None else reply.error(_unavailable(error)),
                           SLOW_POOL)
 
     def _held_model(self, run: JobRun, version: int, holder: Hashable) -> bytes:
@@ -1569,15 +1704,15 @@ class Agent:
             key, _ = self.retainer.acquire_model(run.spec.job, run.tenant, version, holder, keep=False)
         return key
 
-    def _held_state(self, run: JobRun, version: int, holder: Hashable) -> str | None:
+    def _held_state(self, run: JobRun, version: int, holder: Hashable) -> bytes | None:
         """The strategy's state after ``version``, held by ``holder`` (off the loop): kept here, or
         read back from the checkpoint store (a restart, or the top moved to this node). None: no
         step made one yet (the first step starts from zeros)."""
 
-        def local() -> str | None:
+        def local() -> bytes | None:
             if run.strategy_state is not None and run.strategy_state[1] == version:
                 self.store.add_ref(run.strategy_state[0], holder)
-                return run.strategy_state[0].hex()
+                return run.strategy_state[0]
             return None
 
         kept = self.loop.call(local)
@@ -1587,7 +1722,7 @@ class Agent:
             blob = self.checkpointer.store.load_blob(run.spec.job, strategy_state_blob(version))
         except FileNotFoundError:
             return None
-        return str(self.loop.call(lambda: self._blob_object(run, blob, holder, model=False).key.hex()))
+        return self.loop.call(lambda: self._blob_object(run, blob, holder, model=False).key)
 
     def _round_updates(self, run: JobRun, task: tree.Task, expected: int, holder: Hashable
                        ) -> dict[str, tuple[bytes, int, int]]:
@@ -1622,18 +1757,18 @@ class Agent:
     def _dispatch(self) -> None:
         self._perform(self.board.dispatch(*self._board_context()))
 
-    def _apply(self, effects: Sequence[tree.Effect], route: list[tuple[int, int]] | None = None) -> None:
-        """Apply the tree's effects. With ``route``, one delivery to a running task is left to the
-        caller's instance to send (it says where in its reply)."""
+    def _apply(self, effects: Sequence[tree.Effect], sent: tuple[int, int] | None = None, agg_us: int = 0) -> None:
+        """Apply the tree's effects; a delivery to the (instance, task) ``sent`` is not sent: the
+        instance whose result it is sent it there itself."""
         for e in effects:
             if isinstance(e, tree.Deliver):
                 task = self.trees.tasks[e.task]
                 self.store.hand_over(e.input.key, _input_holder(e.task))
                 msg = KeyMessage(dest=0, task=e.task, key=e.input.key, samples=e.input.samples, count=e.input.updates,
-                                 partial=e.input.partial, sent_ns=now_ns())
-                produced = self.board.deliver(task, msg, *self._board_context())
-                if route is not None and not route and produced and isinstance(produced[0], tasks.SendKeys):
-                    route.append((produced[0].instance, e.task))
+                                 partial=e.input.partial, sent_ns=now_ns(), agg_us=agg_us)
+                produced = self.board.deliver(task, msg)
+                if sent is not None and produced and isinstance(produced[0], tasks.SendKeys) \
+                        and (produced[0].instance, e.task) == sent:
                     produced = produced[1:]
                 self._perform(produced)
                 if e.task in self._parked_folds:
@@ -1696,6 +1831,8 @@ class Agent:
                     q.done(None, Unavailable(e.why, code="query_failed", retry_after=1.0))
 
     def _invoke(self, e: tasks.Invoke) -> None:
+        """Start a task on an instance: the inputs it has so far travel with the invocation, and
+        so does an accumulator when it will fold at once (no request of its own for either)."""
         task = e.task
         run = self.jobs[task.job]
         spec = options = None
@@ -1704,17 +1841,23 @@ class Agent:
             spec = run.model_spec.to_json()
             options = {"strategy": run.spec.strategy, "fixed_point": run.spec.fixed_point}
         self.metrics.starts.labels("warm" if self.board.workers[e.instance].ready else "cold").inc()
-        self._push(e.instance, Invoke(task.id, task.job, task.version, task.role, e.fan_in, self.config.lazy, spec,
-                                      options, *e.parent))
-        tenant = self.instance_tenants[e.instance]
-        for msg in e.inputs:
-            self._send_key(tenant, KeyMessage(**{**msg.__dict__, "dest": e.instance}))
-        self._refresh_instance_gauges()
+        scratch, fds = b"", []
+        if len(e.inputs) >= 2:
+            with contextlib.suppress(Overloaded):  # it asks when it folds (and is told then)
+                seg = self.store.create(self.instance_tenants[e.instance], run.sizes.accumulator, _scratch_holder(task.id),
+                                        affinity=e.instance, owner=RoundOf(task.job, task.round), scratch=True)
+                scratch, fds = seg.key, [os.dup(seg.fd)]
+        inputs = [input_record(m.key, m.samples, m.count, m.partial, m.sent_ns) for m in e.inputs]
+        self._push(e.instance, Invoke(task.id, task.job, task.version, task.role, e.fan_in, self.config.lazy, spec, options,
+                                      *e.parent, inputs, scratch), fds)
 
-    def _push(self, instance: int, message: Message) -> None:
+    def _push(self, instance: int, message: Message, fds: Sequence[int] = ()) -> None:
         peer = self.instances.get(instance)
         if peer is not None:  # else it is gone: its task runs again with all its inputs
-            peer.push(message)
+            peer.push(message, fds)
+        else:
+            for fd in fds:
+                os.close(fd)
 
     def _spawn(self, e: tasks.Spawn) -> None:
         """A cold start: the instance's connection exists at once (messages wait in it), its
@@ -2064,38 +2207,33 @@ class Agent:
 
     # -- status and metrics -------------------------------------------------------------------------
     def _refresh_instance_gauges(self) -> None:
-        for role, n in self.board.counts(self.trees.tasks).items():
+        for role, n in self.board.counts().items():
             self.metrics.instances.labels(role).set(n)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> NodeStatus:
         """What the node reports of itself (on the loop)."""
-        jobs: dict[str, dict[str, Any]] = {}
+        at_work: dict[tuple[str, str], int] = {}  # instances at work, by job and the role of their current task
+        for w in self.board.workers.values():
+            task = self.board.running.get(w.task) if w.task is not None else None
+            if task is not None:
+                at_work[task.job, task.role] = at_work.get((task.job, task.role), 0) + 1
+        jobs: dict[str, JobActivity] = {}
         for name, run in self.jobs.items():
             r = self.trees.round_of(name)
             memory = self.store.ledger.usage(name)
-            jobs[name] = {**dict.fromkeys(tasks.ROLES, 0), "queued": self.uploads.counts.get(name, 0),
-                          "round": r.round if r else None, "tenant": run.tenant.name, "leaf_fan_in": run.spec.leaf_fan_in,
-                          "shm": {"working": memory.working, "reserved": memory.reserved}}
-        for w in self.board.workers.values():  # instances at work, by the role of their current task
-            task = self.trees.tasks.get(w.task) if w.task is not None else None
-            if task is not None and task.job in jobs:
-                jobs[task.job][task.role] += 1
+            jobs[name] = JobActivity(run.tenant.name, run.spec.leaf_fan_in, r.round if r else None,
+                                     self.uploads.counts.get(name, 0), *(at_work.get((name, role), 0) for role in ROLES),
+                                     memory.working, memory.reserved)
         workers = self.board.workers.values()
-        return {
-            "node": self.node,
-            "time": time.time(),
-            "started": self.started_at,
-            "instances": {"total": len(self.board.workers), "idle": sum(w.task is None for w in workers),
-                          "ready": sum(w.ready for w in workers), "by_tenant": _count_by(w.tenant for w in workers)},
-            "jobs": jobs,
-            "counters": self.metrics.planner_counters(),
-            "retention": self.retainer.status(),
-            "shm": {
-                "used": self.store.used_bytes, "pooled": self.store.pooled_bytes, "capacity": self.store.capacity,
-                "pinned": self.store.ledger.pinned, "reserved": self.store.ledger.reserved,
-                "objects": self.store.object_count(), "created": self.store.created, "recycled": self.store.recycled,
-            },
-        }
+        store = self.store
+        return NodeStatus(
+            self.node, time.time(), self.started_at,
+            InstanceCounts(len(self.board.workers), sum(w.task is None for w in workers), sum(w.ready for w in workers),
+                           _count_by(w.tenant for w in workers)),
+            jobs, self.metrics.planner_counters(), self.retainer.status(),
+            SharedMemory(store.used_bytes, store.pooled_bytes, store.capacity, store.ledger.pinned, store.ledger.reserved,
+                         store.object_count(), store.created, store.recycled),
+        )
 
     def metrics_text(self) -> str:
         for name in self.jobs:

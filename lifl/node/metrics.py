@@ -7,31 +7,28 @@ difference two snapshots however far apart they were taken.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from lifl.ledger import MemoryLedger
+from lifl.protocol import PlannerCounts
 
 
 @dataclass
 class PlannerCounters:
-    """Cumulative since the agent started; see ``lifl.control.planner.Counters``."""
+    """Cumulative since the agent started (published as ``lifl.protocol.PlannerCounts``); see
+    ``lifl.control.planner.Counters``."""
 
     arrivals: int = 0  # client updates acknowledged here
     aggregated: int = 0  # client updates whose leaf aggregation finished here
     agg_seconds: float = 0.0  # seconds leaves spent aggregating them
 
-    def to_json(self) -> dict[str, float]:
-        return asdict(self)
-
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.lock = threading.Lock()  # guards the planner counters (bumped from several threads)
         self.counters: dict[str, PlannerCounters] = {}  # by job
         self.steps = Histogram(
             "lifl_aggregator_step_seconds", "Time per aggregator step (recv waits for keys, agg folds, send hands off)",
@@ -85,18 +82,20 @@ class Metrics:
                                    "checkpoint store", ["job"], registry=r)
         self.queries = Counter("lifl_queries", "Queries served, by workload and result (ok, error)",
                                ["job", "workload", "result"], registry=r)
+        self.batch_sizes = Histogram("lifl_state_batch_size", "Uploads admitted (reserve) or counted (accept) by one Redis "
+                                     "call: what arrives while a job's call is in flight goes in its next",
+                                     ["call"], registry=r, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.query_seconds = Histogram("lifl_query_seconds", "Time to answer a query", ["workload"], registry=r,
                                        buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30))
 
+    # the planner's counters are the agent loop's: bumped and read on its thread
     def arrived(self, job: str) -> None:
-        with self.lock:
-            self.counters.setdefault(job, PlannerCounters()).arrivals += 1
+        self.counters.setdefault(job, PlannerCounters()).arrivals += 1
 
     def aggregated(self, job: str, updates: int, seconds: float) -> None:
-        with self.lock:
-            c = self.counters.setdefault(job, PlannerCounters())
-            c.aggregated += updates
-            c.agg_seconds += seconds
+        c = self.counters.setdefault(job, PlannerCounters())
+        c.aggregated += updates
+        c.agg_seconds += seconds
 
     def refused(self, job: str, reason: str) -> None:
         self.refusals.labels(job, reason).inc()
@@ -111,9 +110,8 @@ class Metrics:
             self.job_shm.labels(job, "working").set(usage.working)
             self.job_shm.labels(job, "reserved").set(usage.reserved)
 
-    def planner_counters(self) -> dict[str, dict[str, float]]:
-        with self.lock:
-            return {job: c.to_json() for job, c in self.counters.items()}
+    def planner_counters(self) -> dict[str, PlannerCounts]:
+        return {job: PlannerCounts(c.arrivals, c.aggregated, c.agg_seconds) for job, c in self.counters.items()}
 
     def exposition(self) -> str:
         return generate_latest(self.registry).decode()

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from lifl.control.planner import InstanceView, expired, pick_warm
+from lifl.control.planner import expired, pick_warm
 from lifl.keys.record import KIND_CLOSE, KeyMessage
 from lifl.node.tree import OPEN, Task
 from lifl.protocol import LEAF, MIDDLE, QUERY_ROLE, ROLES
@@ -47,6 +47,10 @@ class Worker:
     last_used: float = 0.0
     inference: bool = False  # it loaded torch before dropping privileges: it may answer inference queries
     jobs_known: set[str] = field(default_factory=set)  # jobs whose model spec it was sent
+
+    @property
+    def idle(self) -> bool:
+        return self.task is None
 
 
 @dataclass(eq=False)
@@ -226,9 +230,9 @@ class Board:
         return self._run_again(task, f"aggregator instance {instance} died ({why})", tasks, producers, tenant_of, now)
 
     # -- inputs ----------------------------------------------------------------------------------
-    def deliver(self, task: Task, message: KeyMessage, tasks: dict[int, Task], producers: Callable[[int], list[int]],
-                tenant_of: Callable[[str], str], now: float) -> list[Effect]:
-        """An input for ``task`` (its object is now the task's)."""
+    def deliver(self, task: Task, message: KeyMessage) -> list[Effect]:
+        """An input for ``task`` (its object is now the task's): sent to it if it runs, else kept
+        for its start (it waits for an instance: ``dispatch`` places it)."""
         self.progress.setdefault(task.id, Progress()).unfolded.append(message)
         instance = self.placed.get(task.id)
         if instance is not None:
@@ -236,14 +240,16 @@ class Board:
         self.pending.setdefault(task.id, []).append(message)
         if task.id not in self.waiting:
             self.waiting.append(task.id)
-        return self.dispatch(tasks, producers, tenant_of, now)
+        return []
 
     def resize(self, task: int, fan_in: int) -> list[Effect]:
-        """The task's final fan-in is known; a task not started yet is invoked with it."""
+        """The task's final fan-in is known; a task not started yet is invoked with it (and one
+        that handed off its result has no use for it)."""
         instance = self.placed.get(task)
-        if instance is None:
+        progress = self.progress.get(task)
+        if instance is None or progress is None:
             return []
-        count = self.progress[task].fan_in(fan_in)
+        count = progress.fan_in(fan_in)
         return [SendKeys(instance, (KeyMessage(dest=instance, task=task, kind=KIND_CLOSE, count=count),))]
 
     def folded(self, task_id: int, keys: Iterable[bytes], state: bytes, sent_ns: int) -> tuple[list[KeyMessage], KeyMessage | None]:
@@ -314,6 +320,10 @@ class Board:
         self.running.pop(task.id, None)
         effects: list[Effect] = [ReleaseScratch(task.id)]
         progress = self.progress.get(task.id)
+        if task.id not in tasks:  # called off (its round ended here) before its instance acknowledged
+            self.pending.pop(task.id, None)
+            self.progress.pop(task.id, None)
+            return effects + [ReleaseObjects(task.id), *self.dispatch(tasks, producers, tenant_of, now)]
         if progress is None:  # it handed off its result before it went
             self.pending.pop(task.id, None)
             return effects + [ReleaseObjects(task.id), *self.dispatch(tasks, producers, tenant_of, now)]
@@ -369,7 +379,7 @@ class Board:
             if worker is None:
                 if self.reuse and self._producer_running(task_id, producers):
                     continue  # its input's producer is about to be idle: it takes over, no cold start
-                worker = self._spawn(tenant, "cold_start", effects)
+                worker = self._spawn(tenant, "cold_start", effects, now)
                 reason = "cold"
                 if worker is None:
                     continue
@@ -377,7 +387,7 @@ class Board:
             effects.append(self._start(worker, task, tasks, reason, now))
         for query in list(self.query_waiting):
             q = self.queries[query]
-            worker = self._idle(q.tenant, q.inference) or self._spawn_for_query(q, effects)
+            worker = self._idle(q.tenant, q.inference) or self._spawn_for_query(q, effects, now)
             if worker is None:
                 continue
             self.query_waiting.remove(query)
@@ -412,20 +422,18 @@ class Board:
         return any(p in self.placed for p in producers(task))
 
     def _idle(self, tenant: str, inference: bool = False) -> Worker | None:
-        views = [InstanceView(w.id, w.tenant, w.task is None, w.last_used) for w in self.workers.values()
-                 if w.inference or not inference]
-        chosen = pick_warm(views, tenant)
+        chosen = pick_warm((w for w in self.workers.values() if w.inference or not inference), tenant)
         return self.workers[chosen] if chosen is not None else None
 
-    def _spawn(self, tenant: str, reason: str, effects: list[Effect], preload: bool = False) -> Worker | None:
+    def _spawn(self, tenant: str, reason: str, effects: list[Effect], now: float, preload: bool = False) -> Worker | None:
         if not self.starts_instances or len(self.workers) >= self.max_instances:
             return None
         instance = self.new_instance_id()
-        worker = self.workers[instance] = Worker(instance, tenant, inference=preload)
+        worker = self.workers[instance] = Worker(instance, tenant, last_used=now, inference=preload)
         effects.append(Spawn(worker.id, tenant, reason, preload))
         return worker
 
-    def _spawn_for_query(self, q: QueryWait, effects: list[Effect]) -> Worker | None:
+    def _spawn_for_query(self, q: QueryWait, effects: list[Effect], now: float) -> Worker | None:
         """A cold start for a query; one that needs torch may take the place of an idle
         instance without it."""
         if q.inference and self.starts_instances and len(self.workers) >= self.max_instances:
@@ -433,7 +441,7 @@ class Board:
             if idle is None:
                 return None
             effects.append(self.stop(idle.id))
-        return self._spawn(q.tenant, "query", effects, preload=q.inference)
+        return self._spawn(q.tenant, "query", effects, now, preload=q.inference)
 
     # -- keeping instances -----------------------------------------------------------------------
     def expire(self, now: float, keep_warm: float, keep: dict[str, int]) -> list[Effect]:
@@ -442,9 +450,8 @@ class Board:
         if not self.starts_instances:
             return []
         keep = dict(keep)
-        views = [InstanceView(w.id, w.tenant, w.task is None, w.last_used) for w in self.workers.values()]
         effects: list[Effect] = []
-        for instance in expired(views, now, keep_warm):
+        for instance in expired(list(self.workers.values()), now, keep_warm):
             tenant = self.workers[instance].tenant
             if keep.get(tenant, 0) > 0:
                 keep[tenant] -= 1
@@ -466,13 +473,13 @@ class Board:
         for tenant, count in wanted.items():
             have = sum(1 for w in self.workers.values() if w.tenant == tenant)
             for _ in range(max(0, min(count - have, self.max_instances - len(self.workers)))):
-                self._spawn(tenant, "prewarm", effects)
+                self._spawn(tenant, "prewarm", effects, now)
         return effects + self.dispatch(tasks, producers, tenant_of, now)
 
-    def counts(self, tasks: dict[int, Task]) -> dict[str, int]:
+    def counts(self) -> dict[str, int]:
         """Instances by what they do: a role, a query, or idle."""
         out = dict.fromkeys((*ROLES, QUERY_ROLE, "idle"), 0)
         for w in self.workers.values():
-            task = tasks.get(w.task) if w.task is not None else None
+            task = self.running.get(w.task) if w.task is not None else None  # the tree may have called it off already
             out[task.role if task else QUERY_ROLE if w.task in self.queries else "idle"] += 1
         return out

@@ -32,6 +32,7 @@ class Upload:
     epoch: int = 0
     from_node: str = ""
     base: int = NO_MODEL  # an update's base version: older than ``version`` in fedbuff jobs
+    slot: str = ""  # an update's token: its round slot in Redis, given back (or accepted) once
 
 
 # -- effects -----------------------------------------------------------------------------------------
@@ -48,6 +49,7 @@ class GiveBackSlot:
     """An update will not be counted: its round's slot goes back in Redis, and the refusal is counted."""
 
     job: str
+    slot: str
     round: int
     reason: str
 
@@ -110,7 +112,7 @@ class Uploads:
             self.model_uploads.discard(upload.job)
         effects: list[Effect] = [ReleaseUpload(key, upload)]
         if upload.kind == UPDATE:
-            effects.append(GiveBackSlot(upload.job, upload.round, reason))
+            effects.append(GiveBackSlot(upload.job, upload.slot, upload.round, reason))
         return effects
 
     def update_done(self, key: bytes) -> str | None:
