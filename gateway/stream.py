@@ -183,8 +183,7 @@ class Conn:
         self._out: deque[memoryview | _File | _Then] = deque()
         self._out_bytes = 0  # bytes queued (files counted too)
         self._tls_pending: memoryview | None = None  # TLS: a record being written, retried as it is
-        self._tls_mapping: mmap.mmap | None = None  # TLS: the file being sent, mapped
-        self._write_progress = self._since
+        self._write_progress = self._since  # when the peer last took bytes (or the queue last started)
         self._close_by = 0.0  # in CLOSING: when the connection is closed at the latest
 
     # -- phases ---------------------------------------------------------------------------------
@@ -358,6 +357,7 @@ class Conn:
     def write(self, parts: Sequence[bytes | bytearray | memoryview], then: Callable[[], None] | None = None) -> None:
         """Send ``parts`` (views of them are kept until they are sent: the caller must not change
         them), then call ``then`` once they are."""
+        self._starting_to_write()
         for part in parts:
             if len(part):
                 view = part if isinstance(part, memoryview) else memoryview(part)
@@ -371,12 +371,18 @@ class Conn:
         """Send ``count`` bytes of ``fd`` from offset 0 (the kernel copies them from shared memory
         into the socket; over TLS they are encrypted from a mapping of ``fd``). ``fd`` stays the
         caller's: it must stay open until ``then`` runs or the connection closes."""
+        self._starting_to_write()
         if count:
             self._out.append(_File(fd, count))
             self._out_bytes += count
         if then is not None:
             self._out.append(_Then(then))
         self.flush()
+
+    def _starting_to_write(self) -> None:
+        """The peer's time to take what is queued starts now if nothing was queued."""
+        if not self._out and self._tls_pending is None:
+            self._write_progress = time.monotonic()
 
     def flush(self) -> None:
         """Write what the socket takes now; wait for it to be writable for the rest."""
