@@ -101,12 +101,20 @@ class FrameSource:
         self.left = length
 
     def take(self, limit: int) -> bytes:
+        n = self._buffered(limit)
+        self.left -= n
+        return self._conn.take(n)
+
+    def peek(self, limit: int) -> bytes:
+        return bytes(self._conn.inbuf[: self._buffered(limit)])
+
+    def _buffered(self, limit: int) -> int:
+        """How many of the next ``limit`` bytes are in the read-ahead buffer (at least one: it
+        reads if there are none)."""
         conn = self._conn
         if not conn.inbuf:
             conn.fill(min(READ_AHEAD, self.left))
-        n = min(limit, self.left, len(conn.inbuf))
-        self.left -= n
-        return conn.take(n)
+        return min(limit, self.left, len(conn.inbuf))
 
     def readinto(self, view: memoryview) -> int:
         n = self._conn.read_into(view[: self.left])

@@ -108,6 +108,9 @@ class PayloadSource(Protocol):
     def take(self, limit: int) -> bytes:
         """At least one and at most ``limit`` of the remaining bytes."""
 
+    def peek(self, limit: int) -> bytes:
+        """At least one and at most ``limit`` of the remaining bytes, left unread (``take`` them)."""
+
     def readinto(self, view: memoryview) -> int:
         """Read at least one of the remaining bytes into ``view``; how many."""
 
@@ -214,10 +217,14 @@ class MessageReader:
         self._phase = self.PREFIX
 
     def _readvarint(self, src: PayloadSource) -> int | None:
-        b = src.take(1)[0]
-        self._msg_left -= 1
-        self._varint.append(b)
-        if b >= 0x80:
+        """The varint at hand once its last byte is in (None until then): its bytes are looked
+        at together and only they are taken."""
+        ahead = src.peek(min(10 - len(self._varint), self._msg_left))
+        end = next((i + 1 for i, b in enumerate(ahead) if b < 0x80), len(ahead))
+        src.take(end)
+        self._msg_left -= end
+        self._varint += ahead[:end]
+        if self._varint[-1] >= 0x80:
             if len(self._varint) >= 10 or not self._msg_left:
                 raise BadRequest("malformed protobuf varint")
             return None
