@@ -26,7 +26,7 @@ import traceback
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from lifl.auth import Principal
 from lifl.errors import BadRequest, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge, Unauthenticated
@@ -89,8 +89,7 @@ _FIELD_LINES = re.compile(f"(?:[{_TCHAR}]+:[\\t\\x20-\\x7e\\x80-\\xff]*\\r\\n)*"
 _SINGLETONS = ("content-length", "transfer-encoding", "host")  # fields that must not repeat
 
 
-@dataclass(frozen=True)
-class RequestHead:
+class RequestHead(NamedTuple):
     method: str
     path: str
     query: str
@@ -118,7 +117,7 @@ def parse_head(head: bytes) -> RequestHead:
     lines = text[start:-4].split("\r\n")
     if len(lines) - 1 > MAX_HEADER_FIELDS:
         raise HeadTooLarge(f"the request has more than {MAX_HEADER_FIELDS} header fields", code="too_many_headers")
-    if any(len(line) > MAX_HEADER_LINE for line in lines):
+    if len(text) > MAX_HEADER_LINE and any(len(line) > MAX_HEADER_LINE for line in lines):
         raise HeadTooLarge(f"a line of the request head exceeds {MAX_HEADER_LINE} bytes", code="header_line_too_long")
     parts = lines[0].split(" ")
     if len(parts) != 3 or not (_TOKEN.fullmatch(parts[0]) and _TARGET.fullmatch(parts[1]) and _VERSION.fullmatch(parts[2])):
@@ -152,7 +151,8 @@ def parse_head(head: bytes) -> RequestHead:
         if not _CONTENT_LENGTH.fullmatch(headers["content-length"]):
             raise BadRequest("Content-Length must be 1-18 ASCII digits", code="bad_header")
         length = int(headers["content-length"])
-    options = {token.strip(_OWS).lower() for token in headers.get("connection", "").split(",")}
+    connection = headers.get("connection")
+    options = {token.strip(_OWS).lower() for token in connection.split(",")} if connection else set()
     keep_alive = "close" not in options if version == "HTTP/1.1" else "keep-alive" in options
     path, _, query = target.partition("?")
     return RequestHead(method, path, query, version, headers, length, chunked, keep_alive)
