@@ -1,4 +1,7 @@
-"""The gateway process (started by `lifl up`): HTTP and gRPC front ends of one node."""
+"""The gateway process (started by `lifl up`): HTTP and gRPC front ends of one node, served by
+one event loop (lifl.net.loop) on one thread. One loop rather than one per front end: the
+process has one interpreter lock, so a second loop would add a thread switch per request and
+no parallelism, and sharing the loop shares its caches and its one connection to the agent."""
 
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ def split_address(text: str) -> tuple[str, int]:
 
 
 def raise_descriptor_limit() -> None:
-    """Every connection takes a descriptor, and one more for its thread's agent connection."""
+    """Every connection takes a descriptor (and a model being sent, another)."""
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         grpc.use_tls(contexts[1])
     if args.user is not None:
         become(args.user, parent)
-    http.start()
+    http.start()  # starts the service's loop, and its pools' threads
     grpc.start()
     addresses = {"http": "{}:{}".format(*http.address), "grpc": "{}:{}".format(*grpc.address)}
     service.start(addresses["http"], addresses["grpc"])
@@ -100,9 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     on_signals(stop.set)
     print(json.dumps(addresses), flush=True)
     stop.wait()
-    service.stop()
-    http.stop()
     grpc.stop()
+    service.stop()
+    http.stop()  # the loop's starter: it ends the loop last
 
 
 if __name__ == "__main__":

@@ -2,23 +2,26 @@
 
 Why not grpcio's server: it assembles every message into a bytes object before the handler
 sees it, so an update would be copied twice more on its way to shared memory, which measured
-at 2.3-2.5x a raw socket's time here. This module is the codec's I/O shell: a connection's
-reader thread reads each 9-byte frame header and lets the codec validate it before a byte of
-the payload is read; a DATA payload then goes to the call's ``MessageReader``, which receives
-the bytes of each ``data`` field with ``recv_into`` straight into the update's shared-memory
-object. Models are streamed back with ``sendmsg`` from shared memory, within the client's
-flow-control windows.
+at 2.3-2.5x a raw socket's time here. This module is the codec's I/O shell on the gateway's
+event loop: each connection is a state machine that reads a 9-byte frame header and lets the
+codec validate it before a byte of the payload is read; a DATA payload then goes to the call's
+``MessageReader``, which receives the bytes of each ``data`` field with ``recv_into`` straight
+into the update's shared-memory object. Models are streamed back with ``sendmsg`` from shared
+memory, within the client's flow-control windows.
 
-Threads: the reader runs unary calls and answers them. A reply that must wait for flow-control
-credit waits in its call's outbox and is sent by the reader when the credit arrives; a model
-download is sent by a thread of its own, at most ``max_downloads_per_connection`` per
-connection and ``max_downloads`` in all. Every limit is in ``GrpcLimits``, the codec's
-``h2.Limits`` and, for connections and their idle timeout, lifl.net.limits.ConnectionLimits.
+No thread per connection or per call: unary calls run on the loop's pool and answer on the
+loop; an upload's admission and hand-over are messages to the agent (the connection stops
+reading, inside the upload's DATA frame, until the admission is answered); a reply that must
+wait for flow-control credit waits in its call's outbox, and is sent when the credit arrives,
+as a model download is (at most ``max_downloads_per_connection`` per connection and
+``max_downloads`` in all). Every limit is in ``GrpcLimits``, the codec's ``h2.Limits`` and,
+for connections and their idle timeout, lifl.net.limits.ConnectionLimits.
 
 Errors: an HTTP/2 connection error ends the connection with GOAWAY; anything else that goes
 wrong in one call (a lifl error, or any other exception) fails that call alone, with its gRPC
-status. A peer that stalls (a read times out) or goes away ends the connection, and every
-upload it had open is aborted so that its round slot is released.
+status. A peer that stalls (inside a frame for ``idle_timeout``, or idle that long) gets GOAWAY
+and its connection ends; one that goes away ends it too, and every upload it had open is
+aborted so that its round slot is released.
 
 Scope: gRPC over HTTP/2 with prior knowledge, in cleartext (what gRPC clients do for
 ``insecure_channel``) or over TLS with ALPN ``h2`` (``--tls-cert``), identity encoding only, the
@@ -31,31 +34,33 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from lifl.auth import Principal
 from lifl.errors import BadRequest, Internal, LiflError, Overloaded
-from lifl.net import lifl_pb2 as pb
 from lifl.gateway.service import GatewayService, Ingest, ModelView
-from lifl.gateway.stream import Stream, ThreadedServer
-from lifl.net.limits import ConnectionLimits
+from lifl.gateway.stream import OPEN, READ_AHEAD, Conn, ConnectionProtocol, LoopServer, PeerGone, Wait
 from lifl.net import h2
+from lifl.net import lifl_pb2 as pb
 from lifl.net.grpc import CONTENT_TYPE, BlobTarget, MessageReader, chunk_messages, message_prefix, status_trailers
-from lifl.net.io import MAX_FRAMES_PER_WRITE, sendmsg_all, take_views
+from lifl.net.io import MAX_FRAMES_PER_WRITE, take_views
+from lifl.net.limits import ConnectionLimits
+from lifl.net.loop import IO_POOL, SLOW_POOL
 
 SERVICE = "/lifl.v1.Gateway/"
 UNARY = ("CreateJob", "ListJobs", "GetJob", "GetModel", "TakeLease", "Heartbeat", "ReleaseLease", "GetRounds", "GetAssignment",
          "CreateToken", "ListTokens", "RevokeToken", "Query", "GetRetention", "SetRetention")
+SLOW_UNARY = ("Query",)  # on the slow pool
 BLOB_UPLOADS = ("SetModel", "PushUpdate")
 MODEL_CHUNK = 1 << 20  # data bytes per ModelChunk message of a download
 DISCARD_CHUNK = 1 << 16  # dropped payload bytes (refused streams, padding) are read this many at a time
+FRAMES_PER_TURN = 64  # frames read from one connection before the loop turns to others
+WRITE_HIGH_WATER = 1 << 20  # bytes queued on a connection's socket before calls' outboxes wait for it to drain
 
 # The limits' defaults (see GrpcLimits)
 MAX_UNARY_MESSAGE = 1 << 20
@@ -77,8 +82,8 @@ class GrpcLimits:
     max_unary_message: int = MAX_UNARY_MESSAGE  # bytes of a unary request
     max_meta_message: int = MAX_META_MESSAGE  # bytes of an upload's meta
     send_timeout: float = SEND_TIMEOUT  # seconds a download may wait for flow-control credit before it is reset
-    max_downloads_per_connection: int = MAX_DOWNLOADS_PER_CONNECTION  # download threads of one connection
-    max_downloads: int = MAX_DOWNLOADS  # download threads of the server
+    max_downloads_per_connection: int = MAX_DOWNLOADS_PER_CONNECTION  # downloads in progress on one connection
+    max_downloads: int = MAX_DOWNLOADS  # downloads in progress on the server
 
     def __post_init__(self) -> None:
         if min(self.max_unary_message, self.max_meta_message, self.max_downloads_per_connection, self.max_downloads) < 1 \
@@ -86,50 +91,44 @@ class GrpcLimits:
             raise ValueError("gRPC limits must be positive")
 
 
-class PeerGone(Exception):
-    """The connection's socket failed or the peer closed it. Socket errors are turned into this
-    where they happen, so that a call's handler tells them from failures of its own."""
-
-
-class PeerStalled(PeerGone):
-    """A read timed out (idle, or slower than the connection's limits allow)."""
-
-
 class FrameSource:
-    """The unread payload of the current DATA frame (a lifl.net.grpc.PayloadSource)."""
+    """The unread payload of the current frame (a lifl.net.grpc.PayloadSource): small reads
+    through the connection's read-ahead buffer, bulk ones straight into the caller's memory.
+    Wait (or PeerGone) when its bytes have not come."""
 
-    def __init__(self, stream: Stream, length: int) -> None:
-        self._stream = stream
+    def __init__(self, conn: Conn, length: int) -> None:
+        self._conn = conn
         self.left = length
 
     def take(self, limit: int) -> bytes:
-        with _socket_errors():
-            b = self._stream.read_some(min(limit, self.left))
-        self.left -= len(b)
-        return b
+        n = self._buffered(limit)
+        self.left -= n
+        return self._conn.take(n)
+
+    def peek(self, limit: int) -> bytes:
+        return bytes(self._conn.inbuf[: self._buffered(limit)])
+
+    def _buffered(self, limit: int) -> int:
+        """How many of the next ``limit`` bytes are in the read-ahead buffer (at least one: it
+        reads if there are none)."""
+        conn = self._conn
+        if not conn.inbuf:
+            conn.fill(min(READ_AHEAD, self.left))
+        return min(limit, self.left, len(conn.inbuf))
 
     def readinto(self, view: memoryview) -> int:
-        with _socket_errors():
-            n = self._stream.readinto(view[: self.left])
-        if n == 0:
-            raise PeerGone("connection closed inside a DATA frame")
+        n = self._conn.read_into(view[: self.left])
         self.left -= n
         return n
 
     def skip(self) -> None:
+        conn = self._conn
         while self.left:
-            self.take(min(self.left, DISCARD_CHUNK))
-
-
-@contextmanager
-def _socket_errors() -> Iterator[None]:
-    """Turns a socket's failures into PeerStalled (timeouts) or PeerGone (the rest)."""
-    try:
-        yield
-    except TimeoutError as e:
-        raise PeerStalled(str(e)) from e
-    except (OSError, EOFError) as e:
-        raise PeerGone(str(e)) from e
+            if not conn.inbuf:
+                conn.fill(min(self.left, DISCARD_CHUNK))
+            n = min(self.left, len(conn.inbuf))
+            del conn.inbuf[:n]
+            self.left -= n
 
 
 class Call:
@@ -139,140 +138,196 @@ class Call:
         self.stream_id = stream_id
         self.method = method
         self.caller: Principal | None = None  # authenticated when the call starts
+        self.identified = False  # the caller is known (or the call failed)
         self.reader: MessageReader | None = None  # None: not a gRPC call; its request body is dropped
         self.plain_status = ""  # the HTTP status of a request that is not a gRPC call...
         self.plain_body = b""  # ...and the text that says so
+        self.meta: bytes | None = None  # an upload's meta, waiting for its caller to be known
         self.ingest: Ingest | None = None  # an upload in progress
+        self.view: ModelView | None = None  # a download's model
+        self.download = False  # holds a download slot
+        self.ended = False  # the client finished sending (END_STREAM)
+        self.completing = False  # the request is complete and being answered
         self.headers_sent = False
         self.outbox: deque[memoryview] = deque()  # response DATA waiting for flow-control credit
         self.trailers: list[tuple[str, str]] | None = None  # sent after the outbox; None: END_STREAM on the last DATA
-        self.own_sender = False  # a download: its thread sends the outbox (others' wait for the reader)
+        self.progress = 0.0  # when its outbox last moved (a download without credit is reset after send_timeout)
         self.answered = False  # the response went out in full
         self.finished = False  # answered in full, or reset
+        self.failing = False  # its upload is being given back before the error is sent
+
+    @property
+    def receiving(self) -> bool:
+        """Whether its request's bytes are still wanted."""
+        return not (self.finished or self.failing)
 
 
-class GrpcConnection:
-    """One HTTP/2 connection: the reader loop, and the writes of every thread serving it.
+class GrpcConnection(ConnectionProtocol):
+    """One HTTP/2 connection's state machine, on the loop: ``_step`` reads the next piece of
+    the frame being received (the preface, a frame header, a payload, a DATA payload into its
+    call, padding); calls answer as their work completes, in any order."""
 
-    Locks: ``_write`` orders whole frames on the socket (and HPACK blocks in the order they were
-    encoded); ``_state`` guards the codec and the calls. Always take ``_write`` first."""
-
-    def __init__(self, sock: socket.socket, stream: Stream, service: GatewayService, limits: GrpcLimits,
-                 download_slots: threading.BoundedSemaphore) -> None:
-        self.sock = sock
-        self.stream = stream
-        self.service = service
-        self.limits = limits
-        self.idle_timeout = stream.limits.idle_timeout
-        self.h2 = h2.Connection(h2.Side.SERVER, limits.http2)
+    def __init__(self, server: GrpcServer, conn: Conn) -> None:
+        self.server = server
+        self.service = server.service
+        self.conn = conn
+        self.limits = server.grpc_limits
+        self.idle_timeout = conn.limits.idle_timeout
+        self.h2 = h2.Connection(h2.Side.SERVER, self.limits.http2)
         self.calls: dict[int, Call] = {}
-        self._download_slots = download_slots
         self._downloads = 0
-        self._write = threading.RLock()
-        self._state = threading.Condition()
-        self._closed = False
+        self._serving = 0  # calls whose work is on the pool or with the agent (the connection is not idle)
+        self._step: Callable[[], None] = self._read_preface
+        self._frame: h2.FrameHeader | None = None
+        self._payload = b""
+        self._source: FrameSource | None = None  # the payload (or padding) being read
+        self._data: h2.DataFrame | None = None
+        self._data_call: Call | None = None
+        self._waiting_for: Call | None = None  # reading stopped until this call's blob takes bytes again
+        self._pump_queued = False
+        self._closing = False
+        conn.set_phase(OPEN)
+        conn.start_reading()
 
-    # -- the connection ------------------------------------------------------------------------------
-    def run(self) -> None:
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.settimeout(self.idle_timeout)
-        goaway: tuple[int, str] | None = None
+    # -- the connection's events ----------------------------------------------------------------
+    def readable(self) -> None:
         try:
-            self.h2.receive_preface(self._read_exact(len(h2.PREFACE)))
-            self.h2.initiate()
-            self._flush()
-            while not (self.h2.goaway_received and not self.calls):  # the client said goodbye: finish its calls
-                self._read_frame()
-                if self.h2.idle_for > self.idle_timeout:  # PINGs or other chatter keep a socket busy, not a connection
-                    goaway = (h2.NO_ERROR, f"idle for {self.idle_timeout:g} s")
+            for _ in range(FRAMES_PER_TURN):
+                if self._closing or self._waiting_for is not None:
                     break
-        except h2.H2ConnectionError as e:
-            goaway = (e.code, str(e))
-        except PeerStalled as e:
-            goaway = (h2.NO_ERROR, f"closing a stalled connection: {e}")
+                self._step()
+            else:
+                self.conn.start_reading(at_once=True)  # the rest after the others' turn
+        except Wait:
+            pass
         except PeerGone:
-            pass
-        finally:
-            self._shutdown(goaway)
-
-    def _shutdown(self, goaway: tuple[int, str] | None) -> None:
-        with self._state:
-            self._closed = True
-            self._state.notify_all()
-        if goaway is not None and self._write.acquire(timeout=GOAWAY_TIMEOUT):
-            try:
-                self.sock.settimeout(GOAWAY_TIMEOUT)
-                with self._state:
-                    last = self.h2.goaway(*goaway)
-                sendmsg_all(self.sock, [last])
-            except OSError:
-                pass
-            finally:
-                self._write.release()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)  # a download blocked on the socket fails now
-        except OSError:
-            pass
-        with self._state:
-            while self._downloads:  # their threads see the end (and release their models) first
-                self._state.wait()
-            calls = list(self.calls.values())
-        for call in calls:
-            self._finish(call, None)  # aborts an upload in progress: its round slot is released
-        self.service.close_thread()
-
-    def _read_frame(self) -> None:
-        raw = self._next_frame_header()
-        with self._state:
-            header = self.h2.receive_header(raw)
-        if header.type == h2.DATA:
-            self._on_data(header)
-        else:
-            payload = self._read_exact(header.keep) if header.keep else b""
-            self._discard(header.length - header.keep)
-            with self._state:
-                events = self.h2.receive_frame(header, payload)
-            self._handle(events)
+            self._shutdown(None)
+            return
+        except h2.H2ConnectionError as e:
+            self._shutdown((e.code, str(e)))
+            return
+        except Exception as e:  # a bug outside any call's work: this connection cannot go on
+            traceback.print_exc()
+            self._shutdown((h2.INTERNAL_ERROR, f"internal error ({type(e).__name__})"))
+            return
         self._flush()
 
-    def _next_frame_header(self) -> bytearray:
-        """The next frame's header. Silence is fine while the connection is busy otherwise (a
-        download the client reads without answering); an idle one ends."""
-        header = bytearray(h2.FRAME_HEADER_SIZE)
-        view, got = memoryview(header), 0
-        while got < len(header):
-            try:
-                # exactly the header: a larger read would pull the DATA behind it through a buffer
-                n = FrameSource(self.stream, len(header) - got).readinto(view[got:])
-            except PeerStalled:
-                if got == 0 and self.h2.idle_for <= self.idle_timeout:
-                    continue  # silent, but not idle
-                raise
-            got += n
-        return header
+    def check(self, now: float) -> None:
+        """Stalls and idleness (every TIMER_RESOLUTION s), and downloads without credit."""
+        if self._closing:
+            return
+        inside_frame = self._step != self._read_frame_header or bool(self.conn.inbuf)
+        if inside_frame and self._waiting_for is None and now - self.conn.last_byte >= self.idle_timeout:
+            self._shutdown((h2.NO_ERROR, f"closing a stalled connection: no byte for {self.idle_timeout:g} s inside a frame"))
+            return
+        if not inside_frame and not self._serving and self.h2.idle_for > self.idle_timeout:
+            # PINGs or other chatter keep a socket busy, not a connection
+            self._shutdown((h2.NO_ERROR, f"idle for {self.idle_timeout:g} s"))
+            return
+        for call in list(self.calls.values()):
+            if call.download and call.outbox and not call.finished and now - call.progress > self.limits.send_timeout:
+                try:
+                    starved = self.h2.send_window(call.stream_id) <= 0
+                except h2.StreamClosedError:
+                    continue
+                if starved:
+                    self._reset(call, h2.CANCEL)
 
-    def _read_exact(self, n: int) -> bytes:
-        with _socket_errors():
-            return self.stream.read_exact(n)
+    def closed(self) -> None:
+        self._closing = True
+        for call in list(self.calls.values()):
+            self._finish(call, None)  # aborts an upload in progress: its round slot is released
 
-    def _discard(self, n: int) -> None:
-        FrameSource(self.stream, n).skip()
+    def _shutdown(self, goaway: tuple[int, str] | None) -> None:
+        """End the connection (with GOAWAY, if ``goaway``): every call ends with it."""
+        if self._closing:
+            return
+        self._closing = True
+        self.conn.pause_reading()
+        for call in list(self.calls.values()):
+            self._finish(call, None)
+        if goaway is None:
+            self.conn.close()
+            return
+        self.conn.write([self.h2.goaway(*goaway)])  # after what is queued, within GOAWAY_TIMEOUT
+        self.conn.close_when_sent(GOAWAY_TIMEOUT)
 
-    def _on_data(self, header: h2.FrameHeader) -> None:
-        pad_length = self._read_exact(1) if header.flags & h2.PADDED else b""
-        with self._state:
-            frame = self.h2.receive_data(header, pad_length)
+    # -- reading, a step at a time -------------------------------------------------------------------
+    def _need(self, n: int) -> None:
+        conn = self.conn
+        while len(conn.inbuf) < n:
+            conn.fill(max(READ_AHEAD, n - len(conn.inbuf)))
+
+    def _read_preface(self) -> None:
+        self._need(len(h2.PREFACE))
+        self.h2.receive_preface(self.conn.take(len(h2.PREFACE)))
+        self.h2.initiate()
+        self._step = self._read_frame_header
+
+    def _read_frame_header(self) -> None:
+        self._need(h2.FRAME_HEADER_SIZE)
+        header = self._frame = self.h2.receive_header(self.conn.take(h2.FRAME_HEADER_SIZE))
+        if header.type != h2.DATA:
+            self._step = self._read_payload
+        elif header.flags & h2.PADDED:
+            self._step = self._read_pad_length
+        else:
+            self._start_data(b"")
+
+    def _read_payload(self) -> None:
+        header = self._frame
+        assert header is not None
+        self._need(header.keep)
+        self._payload = self.conn.take(header.keep) if header.keep else b""
+        self._source = FrameSource(self.conn, header.length - header.keep)
+        self._step = self._end_payload
+
+    def _end_payload(self) -> None:
+        assert self._source is not None and self._frame is not None
+        self._source.skip()
+        self._step = self._read_frame_header
+        self._handle(self.h2.receive_frame(self._frame, self._payload))
+
+    def _read_pad_length(self) -> None:
+        self._need(1)
+        self._start_data(self.conn.take(1))
+
+    def _start_data(self, pad_length: bytes) -> None:
+        assert self._frame is not None
+        frame = self._data = self.h2.receive_data(self._frame, pad_length)
         if frame.reset is not None:
             self._on_reset(frame.reset)
-        call = self.calls.get(frame.stream_id) if frame.accepted else None
-        src = FrameSource(self.stream, frame.size)
-        if call is not None and call.reader is not None and not call.finished:
+        self._data_call = self.calls.get(frame.stream_id) if frame.accepted else None
+        self._source = FrameSource(self.conn, frame.size)
+        self._step = self._feed_data
+
+    def _feed_data(self) -> None:
+        call, source = self._data_call, self._source
+        assert source is not None and self._data is not None
+        if call is not None and call.reader is not None and call.receiving:
             reader = call.reader
-            self._guarded(call, lambda: reader.feed(src))
-        src.skip()  # what a refused, failed or non-gRPC call leaves unread
-        self._discard(frame.padding)
-        if call is not None and frame.end_stream and not call.finished:
+            self._guarded(call, lambda: reader.feed(source))
+            if source.left and reader.waiting and call.receiving:
+                self._waiting_for = call  # its blob is being opened or admitted: readable() stops
+                self.conn.pause_reading()
+                return
+        source.skip()  # what a refused, failed or non-gRPC call leaves unread
+        self._source = FrameSource(self.conn, self._data.padding)
+        self._step = self._end_data
+
+    def _end_data(self) -> None:
+        assert self._source is not None and self._data is not None
+        self._source.skip()
+        self._step = self._read_frame_header
+        call = self._data_call
+        if call is not None and self._data.end_stream and call.receiving:
             self._end_of_request(call)
+
+    def _resume(self, call: Call) -> None:
+        """``call``'s blob may take bytes again (or ``call`` ended): go on reading."""
+        if self._waiting_for is call and not self._closing:
+            self._waiting_for = None
+            self.conn.start_reading(at_once=True)
 
     def _handle(self, events: list[h2.Event]) -> None:
         for ev in events:
@@ -284,11 +339,9 @@ class GrpcConnection:
             elif isinstance(ev, h2.StreamReset):
                 self._on_reset(ev)
             elif isinstance(ev, (h2.WindowUpdated, h2.SettingsReceived)):
-                with self._state:
-                    self._state.notify_all()  # downloads waiting for credit
-                    waiting = [c for c in self.calls.values() if c.outbox and not c.own_sender]
-                for call in waiting:
-                    self._drain(call)
+                self._pump()
+        if self.h2.goaway_received and not self.calls:  # the client said goodbye and its calls are done
+            self._shutdown(None)
 
     def _on_reset(self, ev: h2.StreamReset) -> None:
         call = self.calls.get(ev.stream_id)
@@ -300,14 +353,13 @@ class GrpcConnection:
         headers = dict(ev.headers)
         path = headers.get(":path", "")
         call = Call(ev.stream_id, path[len(SERVICE):] if path.startswith(SERVICE) else "")
-        with self._state:
-            self.calls[call.stream_id] = call
+        self.calls[call.stream_id] = call
         if not headers.get("content-type", "").startswith(CONTENT_TYPE) or headers.get(":method") != "POST":
             call.plain_status = "405" if headers.get("content-type", "").startswith(CONTENT_TYPE) else "415"
             call.plain_body = b"" if headers.get(":method") == "HEAD" else NOT_GRPC
         else:
             self._guarded(call, lambda: self._start_call(call, headers))
-        if ev.end_stream and not call.finished:
+        if ev.end_stream and call.receiving:
             self._end_of_request(call)
 
     def _start_call(self, call: Call, headers: dict[str, str]) -> None:
@@ -315,82 +367,187 @@ class GrpcConnection:
             raise LiflError("only identity encoding is supported", code="unsupported_encoding", grpc_status="UNIMPLEMENTED")
         if call.method not in BLOB_UPLOADS and call.method not in UNARY:
             raise LiflError(f"unknown method {headers.get(':path')}", code="unimplemented", grpc_status="UNIMPLEMENTED")
-        call.caller = self.service.authenticate(headers.get("authorization"), self.stream.peer_certificate)
         limits = self.limits
         if call.method in BLOB_UPLOADS:
             call.reader = MessageReader(lambda meta: self._open_blob(call, meta), max_unary=limits.max_unary_message,
                                         max_meta=limits.max_meta_message)
         else:
             call.reader = MessageReader(None, max_unary=limits.max_unary_message, max_meta=limits.max_meta_message)
+        self.service.identify(headers.get("authorization"), self.conn.peer_certificate,
+                              lambda caller, error: self._identified(call, caller, error))
+
+    def _identified(self, call: Call, caller: Principal | None, error: BaseException | None) -> None:
+        if not call.receiving:
+            return
+        if error is not None:
+            self._failed(call, error)
+            return
+        call.caller, call.identified = caller, True
+        if call.meta is not None:  # the upload's meta came first
+            meta, call.meta = call.meta, None
+            self._guarded(call, lambda: self._opened_later(call, self._begin_blob(call, meta)))
+        self._maybe_complete(call)
+
+    def _opened_later(self, call: Call, sink: BlobTarget | None) -> None:
+        """A blob opened after its meta was read (None: it is being opened still)."""
+        if sink is not None and call.reader is not None and call.receiving:
+            call.reader.opened(sink)
+            self._resume(call)
 
     def _end_of_request(self, call: Call) -> None:
         if call.plain_status:
             self._respond_plain(call)
-        else:
-            self._guarded(call, lambda: self._complete(call))
+            return
+        call.ended = True
+        self._maybe_complete(call)
+
+    def _maybe_complete(self, call: Call) -> None:
+        """Answer the call once its request is complete: its caller known, its blob open and
+        past its admission."""
+        reader = call.reader
+        if not call.ended or call.completing or not call.receiving or not call.identified or reader is None:
+            return
+        if reader.opening or (call.ingest is not None and not call.ingest.sink.ready):
+            return
+        call.completing = True
+        self._guarded(call, lambda: self._complete(call))
 
     def _guarded(self, call: Call, action: Callable[[], None]) -> None:
         """Run one call's work; whatever goes wrong in it fails that call only."""
         try:
             action()
-        except PeerGone:
+        except (Wait, PeerGone, h2.H2ConnectionError):
             raise
-        except LiflError as e:
-            self._fail(call, e)
         except Exception as e:
-            traceback.print_exc()
-            self._fail(call, Internal(f"{type(e).__name__}: {e}"))
+            self._failed(call, e)
 
-    def _open_blob(self, call: Call, meta_bytes: bytes) -> BlobTarget:
+    def _failed(self, call: Call, error: BaseException) -> None:
+        if isinstance(error, LiflError):
+            self._fail(call, error)
+            return
+        if "DecodeError" in type(error).__name__:  # protobuf: a malformed request message
+            self._fail(call, BadRequest(f"bad request message: {error}"))
+            return
+        traceback.print_exception(error)
+        self._fail(call, Internal(f"{type(error).__name__}: {error}"))
+
+    # -- uploads ---------------------------------------------------------------------------------------
+    def _open_blob(self, call: Call, meta: bytes) -> BlobTarget | None:
+        """The reader's meta came: open the upload (now, if the caller is known and the job
+        cached; else once they are: None)."""
+        if not call.identified:
+            call.meta = meta
+            return None
+        return self._begin_blob(call, meta)
+
+    def _begin_blob(self, call: Call, meta_bytes: bytes) -> BlobTarget | None:
         assert call.caller is not None
+        opened: list[Ingest] = []
+        answered_now = True
+
+        def begun(ingest: Ingest | None, error: BaseException | None) -> None:
+            if answered_now and error is not None:
+                raise error  # within _begin_blob: the call's error, as if raised by it
+            if error is not None:
+                if call.receiving:
+                    self._failed(call, error)
+                return
+            assert ingest is not None
+            if not call.receiving or self._closing:
+                ingest.abort(None)
+                return
+            call.ingest = ingest
+            ingest.on_ready = lambda error: self._blob_ready(call, ingest, error)
+            opened.append(ingest)
+            if not answered_now:
+                assert call.reader is not None
+                call.reader.opened(ingest.sink)
+                self._resume(call)
+                self._maybe_complete(call)
+
         try:
-            if call.method == "PushUpdate":
-                m = pb.UpdateMeta.FromString(meta_bytes)
-                fields = {"client": m.client, "samples": m.samples, "base_version": m.base_version, "lease": m.lease}
-                call.ingest = self.service.begin_update(call.caller, m.job, fields, "grpc", m.size or None)
-            else:
-                mm = pb.ModelMeta.FromString(meta_bytes)
-                call.ingest = self.service.begin_model(call.caller, mm.job, "grpc", mm.size or None)
-        except LiflError:
-            raise
+            meta = (pb.UpdateMeta if call.method == "PushUpdate" else pb.ModelMeta).FromString(meta_bytes)
         except Exception as e:  # protobuf decode errors
             raise BadRequest(f"bad meta message: {e}") from None
-        return call.ingest.sink
+        try:
+            if isinstance(meta, pb.UpdateMeta):
+                fields = {"client": meta.client, "samples": meta.samples, "base_version": meta.base_version,
+                          "lease": meta.lease}
+                self.service.begin_update(call.caller, meta.job, fields, "grpc", meta.size or None, begun)
+            else:
+                self.service.begin_model(call.caller, meta.job, "grpc", meta.size or None, begun)
+        finally:
+            answered_now = False
+        return opened[0].sink if opened else None
+
+    def _blob_ready(self, call: Call, ingest: Ingest, error: LiflError | None) -> None:
+        """The agent answered the blob's admission."""
+        if call.ingest is not ingest or not call.receiving:
+            return
+        if error is not None:
+            self._fail(call, error)
+        else:
+            self._resume(call)
+            self._maybe_complete(call)
 
     def _complete(self, call: Call) -> None:
         """The client finished sending: run the call and answer."""
         reader = call.reader
-        if reader is None:
-            return  # refused when it started
+        assert reader is not None and call.caller is not None
         if not reader.at_message_boundary:
             raise BadRequest("the stream ended inside a message", code="truncated")
         if call.method in BLOB_UPLOADS:
-            if reader.sink is None or call.ingest is None:
+            ingest = call.ingest
+            if reader.sink is None or ingest is None:
                 raise BadRequest("the stream ended before any meta was sent", code="missing_meta")
-            result = call.ingest.finish()
-            call.ingest = None  # handed over: nothing to abort any more
-            if call.method == "PushUpdate":
-                self._reply(call, pb.PushUpdateReply(version=result["version"]).SerializeToString())
-            else:
-                self._reply(call, pb.SetModelReply(version=result["version"]).SerializeToString())
+            self._serving += 1
+            try:
+                ingest.finish(lambda result, error: self._finished_blob(call, ingest, result, error))
+            except BaseException:
+                self._serving -= 1
+                raise
             return
         if reader.messages != 1:
             raise BadRequest("a unary request must be exactly one message")
         request = bytes(reader.unary)
-        assert call.caller is not None
-        try:
-            if call.method == "GetModel":
-                self._start_download(call, pb.GetModelRequest.FromString(request).job)
-            else:
-                self._reply(call, self._unary(call.caller, call.method, request).SerializeToString())
-        except LiflError:
-            raise
-        except Exception as e:
-            if "DecodeError" in type(e).__name__:
+        if call.method == "GetModel":
+            try:
+                job = pb.GetModelRequest.FromString(request).job
+            except Exception as e:
                 raise BadRequest(f"bad request message: {e}") from None
-            raise
+            self._start_download(call, job)
+            return
+        caller, method = call.caller, call.method
+        self._serving += 1
+        pool = SLOW_POOL if method in SLOW_UNARY else IO_POOL
+        self.server.loop.offload(lambda: self._unary(caller, method, request).SerializeToString(),
+                                 lambda reply, error: self._answered(call, reply, error), pool)
+
+    def _finished_blob(self, call: Call, ingest: Ingest, result: dict[str, Any] | None, error: BaseException | None) -> None:
+        self._serving -= 1
+        if call.ingest is ingest:
+            call.ingest = None  # handed over: nothing to abort any more
+        if call.finished or self._closing:
+            return
+        if error is not None:
+            self._failed(call, error)
+            return
+        assert result is not None
+        reply = pb.PushUpdateReply if call.method == "PushUpdate" else pb.SetModelReply
+        self._reply(call, reply(version=result["version"]).SerializeToString())
+
+    def _answered(self, call: Call, reply: bytes | None, error: BaseException | None) -> None:
+        self._serving -= 1
+        if call.finished or self._closing:
+            return
+        if error is not None:
+            self._failed(call, error)
+        else:
+            assert reply is not None
+            self._reply(call, reply)
 
     def _unary(self, caller: Principal, method: str, request: bytes) -> Any:
+        """(On the pool.) A unary call's reply message."""
         service = self.service
         if method == "CreateJob":
             req = pb.CreateJobRequest.FromString(request)
@@ -399,9 +556,9 @@ class GrpcConnection:
                          "lease_ttl_s", "over_selection", "max_samples", "architecture"):
                 if getattr(req, name):  # proto3: 0 or "" means "use the default"
                     body[name] = getattr(req, name)
-            for field in ("retention", "strategy", "fixed_point"):
-                if text := getattr(req, f"{field}_json"):
-                    body[field] = _json_field(text, f"{field}_json")
+            for name in ("retention", "strategy", "fixed_point"):
+                if text := getattr(req, f"{name}_json"):
+                    body[name] = _json_field(text, f"{name}_json")
             return _job_status(service.create_job(caller, body))
         if method == "ListJobs":
             return pb.JobList(jobs=service.job_names(caller))
@@ -445,82 +602,52 @@ class GrpcConnection:
 
     # -- downloads ---------------------------------------------------------------------------------------
     def _start_download(self, call: Call, job: str) -> None:
-        with self._state:
-            if self._downloads >= self.limits.max_downloads_per_connection or not self._download_slots.acquire(blocking=False):
-                raise Overloaded("too many model downloads in progress", code="too_many_downloads",
-                                 retry_after=DOWNLOAD_PUSHBACK)
-            self._downloads += 1
-        try:
-            assert call.caller is not None
-            view = self.service.open_model(call.caller, job)
-            call.own_sender = True
-            threading.Thread(target=self._download, args=(call, job, view), name="grpc-download", daemon=True).start()
-        except BaseException:
-            self._release_download_slot()
-            raise
+        server = self.server
+        if self._downloads >= self.limits.max_downloads_per_connection or server.downloads >= self.limits.max_downloads:
+            raise Overloaded("too many model downloads in progress", code="too_many_downloads", retry_after=DOWNLOAD_PUSHBACK)
+        self._downloads += 1
+        server.downloads += 1
+        call.download = True
+        self._serving += 1
+        assert call.caller is not None
+        self.service.open_model(call.caller, job, lambda view, error: self._model_opened(call, job, view, error))
 
-    def _release_download_slot(self) -> None:
-        self._download_slots.release()
-        with self._state:
-            self._downloads -= 1
-            self._state.notify_all()
-
-    def _download(self, call: Call, job: str, view: ModelView) -> None:
-        """A download's thread: the model straight from shared memory, within flow control."""
-        try:
-            self._guarded(call, lambda: self._send_model(call, job, view))
-        except PeerGone:
-            pass
-        finally:
-            self._finish(call, None)
-            try:
-                view.release()
-            finally:
-                self._release_download_slot()
-
-    def _send_model(self, call: Call, job: str, view: ModelView) -> None:
+    def _model_opened(self, call: Call, job: str, view: ModelView | None, error: BaseException | None) -> None:
+        self._serving -= 1
+        if error is not None:
+            if not call.finished:
+                self._failed(call, error)
+            self._release_download(call)
+            return
+        assert view is not None
+        if call.finished or self._closing:
+            view.release()
+            self._release_download(call)
+            return
+        call.view = view
         mm = self.service.mappings.map_fd(view.fd, writable=False)
-        data = memoryview(mm)[: view.size]
+        data = memoryview(mm)[: view.size]  # the model straight from shared memory
         meta = pb.ModelMeta(job=job, version=view.version, size=view.size).SerializeToString()
         self._send_headers(call, RESPONSE_HEADERS)
-        with self._state:
-            call.outbox.extend(memoryview(p) for message in chunk_messages(meta, data, MODEL_CHUNK) for p in message)
-            call.trailers = OK_TRAILERS
-        self._send_outbox(call)
-        if call.answered:
-            self.service.metrics.bytes_out.labels("grpc").inc(view.size)
+        call.outbox.extend(memoryview(p) for message in chunk_messages(meta, data, MODEL_CHUNK) for p in message)
+        call.trailers = OK_TRAILERS
+        call.progress = time.monotonic()
+        self._pump()
 
-    def _send_outbox(self, call: Call) -> None:
-        """Send a download's outbox as flow control allows; reset it with CANCEL if no credit
-        comes for ``send_timeout`` seconds."""
-        progress = time.monotonic()
-        while not call.finished:
-            if self._drain(call):
-                progress = time.monotonic()
-            with self._state:
-                if call.finished or self._closed:
-                    return
-                try:
-                    if self.h2.send_window(call.stream_id) > 0:
-                        continue
-                except h2.StreamClosedError:
-                    return
-                left = self.limits.send_timeout - (time.monotonic() - progress)
-                if left > 0:
-                    self._state.wait(left)
-                    continue
-            self._reset(call, h2.CANCEL)
-            return
+    def _release_download(self, call: Call) -> None:
+        if call.download:
+            call.download = False
+            self._downloads -= 1
+            self.server.downloads -= 1
 
     # -- writing -------------------------------------------------------------------------------------------
     def _reply(self, call: Call, message: bytes) -> None:
         """Answer with one message and status OK; what the client's windows do not take now
         waits in the outbox for its WINDOW_UPDATE."""
         self._send_headers(call, RESPONSE_HEADERS)
-        with self._state:
-            call.outbox.append(memoryview(message_prefix(len(message)) + message))
-            call.trailers = OK_TRAILERS
-        self._drain(call)
+        call.outbox.append(memoryview(message_prefix(len(message)) + message))
+        call.trailers = OK_TRAILERS
+        self._pump()
 
     def _respond_plain(self, call: Call) -> None:
         """A request that is not a gRPC call: an HTTP status and a short text saying so."""
@@ -529,69 +656,84 @@ class GrpcConnection:
         if not call.plain_body:
             self._finish(call, None)
             return
-        with self._state:
-            call.outbox.append(memoryview(call.plain_body))
-        self._drain(call)
+        call.outbox.append(memoryview(call.plain_body))
+        self._pump()
 
     def _fail(self, call: Call, error: LiflError) -> None:
         """Answer with an error status (trailers only, if nothing was sent yet) and tell the
-        client to stop sending (RST_STREAM NO_ERROR, if it had not finished)."""
-        head = [] if call.headers_sent else [(":status", "200"), ("content-type", CONTENT_TYPE)]
+        client to stop sending (RST_STREAM NO_ERROR, if it had not finished); an upload in
+        progress is given back first, so that a client told of the refusal finds its round
+        slot free. The rest of the call's request is dropped meanwhile."""
+        if call.finished or call.failing:
+            return
+        ingest, call.ingest = call.ingest, None
+        if ingest is not None:
+            call.failing = True
+            self._resume(call)
+            ingest.abort(error, then=lambda: self._send_failure(call, error))
+            return
+        self._send_failure(call, error)
 
-        def frames() -> list[bytes | memoryview]:
-            if call.finished:
-                return []
+    def _send_failure(self, call: Call, error: LiflError) -> None:
+        if not call.finished and not self._closing:
+            head = [] if call.headers_sent else [(":status", "200"), ("content-type", CONTENT_TYPE)]
             call.outbox.clear()
             try:
                 self.h2.send_headers(call.stream_id, head + status_trailers(error), end_stream=True)
                 self.h2.reset_stream(call.stream_id, h2.NO_ERROR)
             except h2.StreamClosedError:
                 pass  # reset meanwhile
-            return [self.h2.data_to_send()]
-
-        self._send(frames)
+            self._flush()
         self._finish(call, error)
 
     def _reset(self, call: Call, code: int) -> None:
-        def frames() -> list[bytes | memoryview]:
-            self.h2.reset_stream(call.stream_id, code)
-            return [self.h2.data_to_send()]
-
-        self._send(frames)
+        self.h2.reset_stream(call.stream_id, code)
+        self._flush()
         self._finish(call, None)
 
     def _send_headers(self, call: Call, headers: list[tuple[str, str]], end_stream: bool = False) -> None:
-        def frames() -> list[bytes | memoryview]:
-            try:
-                self.h2.send_headers(call.stream_id, headers, end_stream)
-            except h2.StreamClosedError:
-                return []  # reset meanwhile: the call is finished by whoever saw the reset
-            call.headers_sent = True
-            return [self.h2.data_to_send()]
+        try:
+            self.h2.send_headers(call.stream_id, headers, end_stream)
+        except h2.StreamClosedError:
+            return  # reset meanwhile: the call is finished by whoever saw the reset
+        call.headers_sent = True
+        self._flush()
 
-        self._send(frames)
-
-    def _drain(self, call: Call) -> int:
-        """Send as much of the call's outbox as flow control allows now, and once it is empty the
-        trailers (or END_STREAM on the last DATA); DATA bytes sent."""
-        sent = 0
-        while True:
-            with self._write:
-                with self._state:
-                    step = self._next_frames(call)
+    def _pump(self) -> None:
+        """Move what flow control lets through from the calls' outboxes to the socket, while
+        the socket's queue is short; the rest goes when credit comes or the queue drains."""
+        if self._closing:
+            return
+        now = time.monotonic()
+        for call in list(self.calls.values()):
+            while call.outbox or call.trailers is not None:
+                if self.conn.queued >= WRITE_HIGH_WATER:
+                    self._pump_when_drained()
+                    return
+                step = self._next_frames(call)
                 if step is None:
-                    return sent
+                    break
                 parts, size, complete = step
-                self._emit(parts)
-            sent += size
-            if complete:
-                call.answered = True
-                self._finish(call, None)
-                return sent
+                self.conn.write(parts)
+                if size:
+                    call.progress = now
+                if complete:
+                    call.answered = True
+                    self._finish(call, None)
+                    break
+
+    def _pump_when_drained(self) -> None:
+        if not self._pump_queued:
+            self._pump_queued = True
+            self.conn.write([], then=self._drained)
+
+    def _drained(self) -> None:
+        self._pump_queued = False
+        self._pump()
 
     def _next_frames(self, call: Call) -> tuple[list[bytes | memoryview], int, bool] | None:
-        """(Both locks held.) The call's next frames that flow control lets through: the parts
-        to write, their DATA bytes, and whether they complete the response; None: wait."""
+        """The call's next frames that flow control lets through: the parts to write, their
+        DATA bytes, and whether they complete the response; None: wait."""
         if call.finished:
             return None
         try:
@@ -615,35 +757,29 @@ class GrpcConnection:
             return [], 0, True  # reset meanwhile
 
     def _flush(self) -> None:
-        """Send the frames the codec queued by itself (ACKs, WINDOW_UPDATEs, RST_STREAMs)."""
-        if self.h2.has_data_to_send:
-            self._send(lambda: [self.h2.data_to_send()])
-
-    def _send(self, frames: Callable[[], list[bytes | memoryview]]) -> None:
-        """Write what ``frames`` queues in the codec: produced under both locks (HPACK order),
-        written under the write lock alone."""
-        with self._write:
-            with self._state:
-                parts = frames()
-            self._emit(parts)
-
-    def _emit(self, parts: list[bytes | memoryview]) -> None:
-        with _socket_errors():
-            sendmsg_all(self.sock, parts)
+        """Send the frames the codec queued (our own, and its ACKs, WINDOW_UPDATEs, RST_STREAMs)."""
+        if self.h2.has_data_to_send and not self._closing:
+            self.conn.write([self.h2.data_to_send()])
 
     def _finish(self, call: Call, error: LiflError | None) -> None:
-        """The call is over (answered, reset, or its connection ends): forget it, and give back an
-        upload's object if it was not handed over."""
-        with self._state:
-            if call.finished and call.ingest is None:
-                return
-            call.finished = True
-            call.outbox.clear()
-            self.calls.pop(call.stream_id, None)
-            self._state.notify_all()
-            ingest, call.ingest = call.ingest, None
+        """The call is over (answered, reset, or its connection ends): forget it, give back an
+        upload's object if it was not handed over, and a download's model and slot."""
+        call.finished = True
+        call.outbox.clear()
+        if self.calls.get(call.stream_id) is call:
+            del self.calls[call.stream_id]
+        ingest, call.ingest = call.ingest, None
         if ingest is not None:
             ingest.abort(error)
+        view, call.view = call.view, None
+        if view is not None:
+            if call.answered:
+                self.service.metrics.bytes_out.labels("grpc").inc(view.size)
+            view.release()
+        self._release_download(call)  # a model still being opened is released when it comes
+        self._resume(call)
+        if self.h2.goaway_received and not self.calls and not self._closing:
+            self._shutdown(None)
 
 
 def _optional(value: Any) -> int:
@@ -691,16 +827,16 @@ def _job_status(status: dict[str, Any]) -> pb.JobStatus:
     return out
 
 
-class GrpcServer(ThreadedServer):
+class GrpcServer(LoopServer):
     def __init__(self, service: GatewayService, host: str, port: int, limits: ConnectionLimits | None = None,
                  grpc_limits: GrpcLimits | None = None) -> None:
-        super().__init__(host, port, limits)
+        super().__init__(service.loop, host, port, limits)
         self.service = service
         self.grpc_limits = grpc_limits or GrpcLimits()
-        self._download_slots = threading.BoundedSemaphore(self.grpc_limits.max_downloads)
+        self.downloads = 0  # in progress, on every connection
 
-    def serve(self, sock: socket.socket) -> None:
-        GrpcConnection(sock, self.connection(sock).stream, self.service, self.grpc_limits, self._download_slots).run()
+    def protocol(self, conn: Conn) -> GrpcConnection:
+        return GrpcConnection(self, conn)
 
     def refuse(self, sock: socket.socket) -> None:
         """Over the connection limits: say so in HTTP/2 before closing, so gRPC clients report it."""

@@ -5,11 +5,16 @@ A small server of its own rather than a framework: request bodies are received w
 their own first), models are sent with ``sendfile`` from shared memory, and the server
 decides exactly when a request is refused (before its body is read, when possible).
 
-Parsing is strict (RFC 9110/9112) and never crashes: ``parse_head`` and ``parse_chunk_size``
-are pure functions of the bytes received, every malformed input is refused with a documented
-4xx (and its connection closed), and an unexpected exception answers 500 and is logged while
-the server goes on. Timeouts, rates and connection counts are the ``Stream``'s and the
-``ThreadedServer``'s (gateway/stream.py).
+Parsing is strict (RFC 9110/9112) and never crashes: ``parse_head``, ``parse_chunk_size`` and
+the body's framing (``Body``) are pure functions of the bytes received, every malformed input is
+refused with a documented 4xx (and its connection closed), and an unexpected exception answers
+500 and is logged while the server goes on.
+
+Every connection is a state machine on the gateway's event loop (``HttpConnection``): waiting
+for a head, reading a body (into memory for a JSON request, into shared memory for a blob),
+waiting for the service (whatever blocks runs on the loop's pool; an upload's admission and
+hand-over are messages to the agent), writing the response. Timeouts, rates and connection
+counts are the ``Conn``'s and the ``LoopServer``'s (gateway/stream.py).
 """
 
 from __future__ import annotations
@@ -17,18 +22,18 @@ from __future__ import annotations
 import json
 import re
 import socket
-import time
 import traceback
 import urllib.parse
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from lifl.auth import Principal
 from lifl.errors import BadRequest, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge, Unauthenticated
 from lifl.gateway.service import GatewayService, Ingest, ModelView, PartialMeta
-from lifl.gateway.stream import Stream, ThreadedServer, sendfile_all
+from lifl.gateway.stream import BODY, BUSY, HEAD, IDLE, READ_AHEAD, Conn, ConnectionProtocol, LoopServer, PeerGone, Wait
 from lifl.net.limits import ConnectionLimits
+from lifl.net.loop import IO_POOL, SLOW_POOL
 
 MAX_HEAD = 64 << 10  # bytes of a request head: request line, fields, CRLFs and the empty line
 MAX_HEADER_FIELDS = 100  # fields in a head (and in a chunked body's trailer)
@@ -37,7 +42,7 @@ MAX_CHUNK_LINE = 1024  # bytes of a chunk-size line with its extensions, without
 MAX_JSON_BODY = 1 << 20
 MAX_QUERY_BODY = 8 << 20  # a query's JSON (inference inputs travel in it)
 DRAIN_LIMIT = 1 << 20  # a refused body up to this size is read and dropped to keep the connection
-LINGER_SECONDS = 2.0
+DRAIN_READ = 1 << 16  # bytes read at a time of a body that is dropped
 HEALTH_CHECK = ("GET", "/healthz")  # the one request answered on a reserved connection
 
 REASONS = {
@@ -78,11 +83,13 @@ _CHUNK_SIZE_LINE = re.compile(
     rb"([0-9A-Fa-f]{1,16})(?:[ \t]*;[ \t]*[" + _TOKEN_BYTES + rb"]+(?:[ \t]*=[ \t]*(?:[" + _TOKEN_BYTES + rb"]+|" + _QUOTED + rb"))?)*"
 )
 _QUERY_LIMIT = re.compile(r"[0-9]{1,5}")
+# Every field line of a head at once (each with its CRLF): what parse_field_line checks line by
+# line, so that the usual head takes one match; a head it does not match gets the lines' own errors.
+_FIELD_LINES = re.compile(f"(?:[{_TCHAR}]+:[\\t\\x20-\\x7e\\x80-\\xff]*\\r\\n)*")
 _SINGLETONS = ("content-length", "transfer-encoding", "host")  # fields that must not repeat
 
 
-@dataclass(frozen=True)
-class RequestHead:
+class RequestHead(NamedTuple):
     method: str
     path: str
     query: str
@@ -105,10 +112,12 @@ def parse_head(head: bytes) -> RequestHead:
     start = 0
     while text.startswith("\r\n", start):  # empty lines before a request line are ignored (RFC 9112, 2.2)
         start += 2
+    fields_start = text.find("\r\n", start) + 2
+    well_formed = _FIELD_LINES.fullmatch(text, fields_start, len(text) - 2) is not None
     lines = text[start:-4].split("\r\n")
     if len(lines) - 1 > MAX_HEADER_FIELDS:
         raise HeadTooLarge(f"the request has more than {MAX_HEADER_FIELDS} header fields", code="too_many_headers")
-    if any(len(line) > MAX_HEADER_LINE for line in lines):
+    if len(text) > MAX_HEADER_LINE and any(len(line) > MAX_HEADER_LINE for line in lines):
         raise HeadTooLarge(f"a line of the request head exceeds {MAX_HEADER_LINE} bytes", code="header_line_too_long")
     parts = lines[0].split(" ")
     if len(parts) != 3 or not (_TOKEN.fullmatch(parts[0]) and _TARGET.fullmatch(parts[1]) and _VERSION.fullmatch(parts[2])):
@@ -116,7 +125,11 @@ def parse_head(head: bytes) -> RequestHead:
     method, target, version = parts
     headers: dict[str, str] = {}
     for line in lines[1:]:
-        name, value = parse_field_line(line)
+        if well_formed:
+            name, _, value = line.partition(":")
+            value = value.strip(_OWS)
+        else:
+            name, value = parse_field_line(line)
         key = name.lower()
         if key not in headers:
             headers[key] = value
@@ -138,7 +151,8 @@ def parse_head(head: bytes) -> RequestHead:
         if not _CONTENT_LENGTH.fullmatch(headers["content-length"]):
             raise BadRequest("Content-Length must be 1-18 ASCII digits", code="bad_header")
         length = int(headers["content-length"])
-    options = {token.strip(_OWS).lower() for token in headers.get("connection", "").split(",")}
+    connection = headers.get("connection")
+    options = {token.strip(_OWS).lower() for token in connection.split(",")} if connection else set()
     keep_alive = "close" not in options if version == "HTTP/1.1" else "keep-alive" in options
     path, _, query = target.partition("?")
     return RequestHead(method, path, query, version, headers, length, chunked, keep_alive)
@@ -166,16 +180,25 @@ def parse_chunk_size(line: bytes) -> int:
     return int(match.group(1), 16)
 
 
-class Body:
-    """A request body, by Content-Length or chunked; reads go straight into the caller's memory.
-    A peer that stalls gets RequestTimeout, one that goes away BadRequest ``truncated``."""
+def _truncated() -> BadRequest:
+    return BadRequest("connection closed in the middle of the request body", code="truncated")
 
-    def __init__(self, stream: Stream, length: int | None, chunked: bool) -> None:
-        self._stream = stream
+
+class Body:
+    """A request body's framing, by Content-Length or chunked, without I/O: ``next_data``
+    consumes the framing at the front of a buffer (the connection's read-ahead) and says how
+    many data bytes come next; the caller reads them where it wants them (a blob's shared
+    memory, or ``feed``'s buffer) and says so (``consumed``). Malformed framing is refused with
+    BadRequest (``bad_chunk``) or HeadTooLarge (a trailer over a head's limits)."""
+
+    def __init__(self, length: int | None, chunked: bool) -> None:
         self.length = length
         self._chunked = chunked
-        self._left = length if not chunked else 0  # bytes left (of the body, or of the current chunk)
+        self._left = length if not chunked and length else 0  # data bytes left (of the body, or of the current chunk)
         self._ended = not chunked and not length
+        self._after_chunk = False  # a chunk's data is in: its CRLF comes next
+        self._in_trailer = False
+        self._trailer_bytes = self._trailer_fields = 0
 
     @property
     def ended(self) -> bool:
@@ -186,79 +209,98 @@ class Body:
         """Whether the body's end is known (Content-Length or chunked); blobs need it."""
         return self._chunked or self.length is not None
 
-    def readinto(self, view: memoryview) -> int:
-        try:
-            return self._readinto(view)
-        except TimeoutError as e:
-            raise RequestTimeout(str(e), code="body_timeout") from None
-        except (EOFError, ConnectionError):
-            raise BadRequest("connection closed in the middle of the request body", code="truncated") from None
+    def drainable(self, limit: int) -> bool:
+        """Whether the rest can be read and dropped to keep the connection: a Content-Length body
+        with at most ``limit`` bytes left."""
+        return not self._chunked and self._left <= limit
 
-    def _readinto(self, view: memoryview) -> int:
-        if self._ended or not len(view):
-            return 0
-        if self._chunked and self._left == 0:
-            self._next_chunk()
-            if self._ended:
-                return 0
-        n = self._stream.readinto(view[: min(len(view), self._left)])
-        if n == 0:
-            raise EOFError("connection closed")
-        self._left -= n
-        if self._left == 0:
-            if self._chunked:
-                if self._stream.read_exact(2) != b"\r\n":
+    def next_data(self, buf: bytearray) -> int | None:
+        """Consume the framing at the front of ``buf``; then how many data bytes come next at most
+        (0: the body ended), or None if more bytes must come into ``buf`` to tell."""
+        while not self._ended:
+            if self._left:
+                return self._left
+            if self._after_chunk:
+                if len(buf) < 2:
+                    return None
+                if buf[:2] != b"\r\n":
                     raise BadRequest("chunk data is not followed by CRLF", code="bad_chunk")
+                del buf[:2]
+                self._after_chunk = False
+            elif self._in_trailer:
+                line = _line(buf, MAX_HEADER_LINE)
+                if line is None:
+                    return None
+                self._trailer_line(line)
+            else:
+                line = _line(buf, MAX_CHUNK_LINE)
+                if line is None:
+                    return None
+                self._left = parse_chunk_size(line)
+                self._in_trailer = self._left == 0
+        return 0
+
+    def _trailer_line(self, line: bytes) -> None:
+        """One line of the trailer (its fields are read within the limits of a head, and dropped)."""
+        if not line:
+            self._ended = True
+            return
+        self._trailer_bytes, self._trailer_fields = self._trailer_bytes + len(line) + 2, self._trailer_fields + 1
+        if self._trailer_fields > MAX_HEADER_FIELDS:
+            raise HeadTooLarge(f"the trailer has more than {MAX_HEADER_FIELDS} fields", code="too_many_headers")
+        if self._trailer_bytes > MAX_HEAD:
+            raise HeadTooLarge(f"the trailer exceeds {MAX_HEAD} bytes")
+        parse_field_line(line.decode("latin-1"))
+
+    def consumed(self, n: int) -> None:
+        """``n`` data bytes (at most what ``next_data`` said) were taken."""
+        self._left -= n
+        if not self._left:
+            if self._chunked:
+                self._after_chunk = True
             else:
                 self._ended = True
-        return n
 
-    def _next_chunk(self) -> None:
-        line = self._stream.read_until(b"\r\n", MAX_CHUNK_LINE + 2)
-        if line is None:
-            raise BadRequest(f"a chunk size line exceeds {MAX_CHUNK_LINE} bytes", code="bad_chunk")
-        self._left = parse_chunk_size(line[:-2])
-        if self._left == 0:
-            self._skip_trailer()
-            self._ended = True
-
-    def _skip_trailer(self) -> None:
-        """Read the trailer's fields, within the limits of a head, and drop them."""
-        size = fields = 0
-        while (line := self._stream.read_until(b"\r\n", MAX_HEADER_LINE + 2)) != b"\r\n":
-            if line is None:
-                raise HeadTooLarge(f"a trailer line exceeds {MAX_HEADER_LINE} bytes", code="header_line_too_long")
-            size, fields = size + len(line), fields + 1
-            if fields > MAX_HEADER_FIELDS:
-                raise HeadTooLarge(f"the trailer has more than {MAX_HEADER_FIELDS} fields", code="too_many_headers")
-            if size > MAX_HEAD:
-                raise HeadTooLarge(f"the trailer exceeds {MAX_HEAD} bytes")
-            parse_field_line(line[:-2].decode("latin-1"))
-
-    def read_all(self, limit: int) -> bytes:
+    def check_size(self, limit: int) -> None:
+        """PayloadTooLarge now if the body is announced larger than ``limit``."""
         if self.length is not None and self.length > limit:
             raise PayloadTooLarge(f"request body of {self.length} bytes exceeds {limit} bytes", code="body_too_large")
-        out = bytearray()
-        chunk = bytearray(1 << 16)
-        while not self._ended:
-            n = self.readinto(memoryview(chunk))
-            out += chunk[:n]
+
+    def feed(self, buf: bytearray, out: bytearray, limit: int) -> bool:
+        """Move the body's data at the front of ``buf`` to ``out`` (at most ``limit`` bytes in
+        all: PayloadTooLarge past it); whether the body ended."""
+        while (n := self.next_data(buf)) is not None:
+            if n == 0:
+                return True
+            take = min(n, len(buf))
+            if not take:
+                return False
+            out += memoryview(buf)[:take]
+            del buf[:take]
+            self.consumed(take)
             if len(out) > limit:
                 raise PayloadTooLarge(f"request body exceeds {limit} bytes", code="body_too_large")
-        return bytes(out)
+        return False
 
-    def drain(self, limit: int) -> bool:
-        """Read and drop the rest of a Content-Length body of at most ``limit`` bytes, so the
-        connection stays usable; False (close the connection) for anything else."""
-        if self._chunked or self._left > limit:
-            return False
-        scratch = memoryview(bytearray(1 << 16))
-        try:
-            while not self._ended:
-                self.readinto(scratch)
-        except (LiflError, OSError):
-            return False
-        return True
+    @staticmethod
+    def end_of_stream() -> BadRequest:
+        """What a body that the peer's end cut short is refused with."""
+        return _truncated()
+
+
+def _line(buf: bytearray, limit: int) -> bytes | None:
+    """The line at the front of ``buf`` without its CRLF (taken out of ``buf``), if it has come
+    within ``limit`` bytes; None until it has; BadRequest or HeadTooLarge past the limit."""
+    end = buf.find(b"\r\n", 0, limit + 2)
+    if end < 0:
+        if len(buf) < limit + 2:
+            return None
+        if limit == MAX_CHUNK_LINE:
+            raise BadRequest(f"a chunk size line exceeds {MAX_CHUNK_LINE} bytes", code="bad_chunk")
+        raise HeadTooLarge(f"a trailer line exceeds {MAX_HEADER_LINE} bytes", code="header_line_too_long")
+    line = bytes(buf[:end])
+    del buf[: end + 2]
+    return line
 
 
 @dataclass
@@ -269,7 +311,8 @@ class Request:
     headers: dict[str, str]
     body: Body
     keep_alive: bool
-    stream: Stream
+    peer_certificate: dict[str, Any] | None = None  # the connection's verified TLS client certificate
+    data: bytearray = field(default_factory=bytearray)  # a JSON body, once read
 
 
 @dataclass
@@ -297,9 +340,9 @@ def error_response(e: LiflError) -> Response:
     return response
 
 
-def internal_error_response(e: Exception) -> Response:
+def internal_error_response(e: BaseException) -> Response:
     """A bug: log it, answer 500 and close the connection (its state is unknown); the server goes on."""
-    traceback.print_exc()
+    traceback.print_exception(e)
     response = error_response(Internal(f"internal error ({type(e).__name__}); the gateway's log has the details"))
     response.close = True
     return response
@@ -320,148 +363,86 @@ def _too_many_connections() -> Overloaded:
 
 
 _REFUSED = error_response(_too_many_connections())
-_REFUSAL = response_head(_REFUSED, close=True) + _REFUSED.body  # sent from the accept loop, built once
+_REFUSAL = response_head(_REFUSED, close=True) + _REFUSED.body  # sent from the accept handler, built once
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+# What a route's handler is and where it runs:
+LOCAL = "local"  # handler(req) -> Response, on the loop (cheap: health checks)
+BLOCKING = "blocking"  # handler(req, caller, *groups) -> Response, on the pool (Redis, other nodes)
+UPLOAD = "upload"  # handler(req, caller, *groups, done): an Ingest to receive the body into, on the loop
+DOWNLOAD = "download"  # handler(req, caller, *groups, done): a ModelView to send, on the loop
 
 
-class HttpServer(ThreadedServer):
+@dataclass(frozen=True)
+class Route:
+    method: str
+    pattern: re.Pattern[str]
+    kind: str
+    handler: Callable[..., Any]
+    body_limit: int = 0  # BLOCKING: the JSON body read before the handler runs, at most this long (0: none)
+    status: int = 200  # UPLOAD: the status of the answer once the blob is handed over
+    pool: str = IO_POOL  # BLOCKING: where it runs
+
+
+class HttpServer(LoopServer):
     def __init__(self, service: GatewayService, host: str, port: int, limits: ConnectionLimits | None = None) -> None:
         limits = limits or ConnectionLimits()
-        super().__init__(host, port, limits, reserve=limits.reserved)
+        super().__init__(service.loop, host, port, limits, reserve=limits.reserved)
         self.service = service
         # Every route but the health check needs a caller (metrics too, unless they are open);
         # the service authorizes each operation.
-        self._routes: list[tuple[str, re.Pattern[str], Callable[..., Response]]] = [
-            ("POST", re.compile(r"/v1/tokens"), self.create_token),
-            ("GET", re.compile(r"/v1/tokens"), self.list_tokens),
-            ("DELETE", re.compile(r"/v1/tokens/([^/]+)"), self.revoke_token),
-            ("POST", re.compile(r"/v1/jobs"), self.create_job),
-            ("GET", re.compile(r"/v1/jobs"), self.list_jobs),
-            ("GET", re.compile(r"/v1/jobs/([^/]+)"), self.get_job),
-            ("PUT", re.compile(r"/v1/jobs/([^/]+)/model"), self.put_model),
-            ("GET", re.compile(r"/v1/jobs/([^/]+)/model"), self.get_model),
-            ("POST", re.compile(r"/v1/jobs/([^/]+)/updates"), self.post_update),
-            ("POST", re.compile(r"/v1/jobs/([^/]+)/queries"), self.post_query),
-            ("GET", re.compile(r"/v1/jobs/([^/]+)/retention"), self.get_retention),
-            ("PUT", re.compile(r"/v1/jobs/([^/]+)/retention"), self.put_retention),
-            ("GET", re.compile(r"/v1/jobs/([^/]+)/rounds"), self.get_rounds),
-            ("POST", re.compile(r"/v1/jobs/([^/]+)/leases"), self.take_lease),
-            ("GET", re.compile(r"/v1/jobs/([^/]+)/assignment"), self.get_assignment),
-            ("POST", re.compile(r"/v1/internal/jobs/([^/]+)/rounds/([0-9]{1,18})/partials"), self.post_partial),
-            ("GET", re.compile(r"/v1/internal/jobs/([^/]+)/model"), self.get_local_model),
-            ("POST", re.compile(r"/v1/internal/jobs/([^/]+)/queries"), self.post_peer_query),
-            ("PUT", re.compile(r"/v1/jobs/([^/]+)/leases/([^/]+)"), self.heartbeat),
-            ("DELETE", re.compile(r"/v1/jobs/([^/]+)/leases/([^/]+)"), self.release_lease),
-            ("GET", re.compile(r"/metrics"), self.metrics),
-            ("GET", re.compile(r"/healthz"), lambda req, principal: json_response(200, {"ok": True})),
+        self.routes: list[Route] = [
+            Route("POST", re.compile(r"/v1/tokens"), BLOCKING, self.create_token, MAX_JSON_BODY),
+            Route("GET", re.compile(r"/v1/tokens"), BLOCKING, self.list_tokens),
+            Route("DELETE", re.compile(r"/v1/tokens/([^/]+)"), BLOCKING, self.revoke_token),
+            Route("POST", re.compile(r"/v1/jobs"), BLOCKING, self.create_job, MAX_JSON_BODY),
+            Route("GET", re.compile(r"/v1/jobs"), BLOCKING, self.list_jobs),
+            Route("GET", re.compile(r"/v1/jobs/([^/]+)"), BLOCKING, self.get_job),
+            Route("PUT", re.compile(r"/v1/jobs/([^/]+)/model"), UPLOAD, self.put_model, status=201),
+            Route("GET", re.compile(r"/v1/jobs/([^/]+)/model"), DOWNLOAD, self.get_model),
+            Route("POST", re.compile(r"/v1/jobs/([^/]+)/updates"), UPLOAD, self.post_update, status=202),
+            Route("POST", re.compile(r"/v1/jobs/([^/]+)/queries"), BLOCKING, self.post_query, MAX_QUERY_BODY, pool=SLOW_POOL),
+            Route("GET", re.compile(r"/v1/jobs/([^/]+)/retention"), BLOCKING, self.get_retention),
+            Route("PUT", re.compile(r"/v1/jobs/([^/]+)/retention"), BLOCKING, self.put_retention, MAX_JSON_BODY),
+            Route("GET", re.compile(r"/v1/jobs/([^/]+)/rounds"), BLOCKING, self.get_rounds),
+            Route("POST", re.compile(r"/v1/jobs/([^/]+)/leases"), BLOCKING, self.take_lease, MAX_JSON_BODY),
+            Route("GET", re.compile(r"/v1/jobs/([^/]+)/assignment"), BLOCKING, self.get_assignment),
+            Route("POST", re.compile(r"/v1/internal/jobs/([^/]+)/rounds/([0-9]{1,18})/partials"), UPLOAD, self.post_partial,
+                  status=202),
+            Route("GET", re.compile(r"/v1/internal/jobs/([^/]+)/model"), DOWNLOAD, self.get_local_model),
+            Route("POST", re.compile(r"/v1/internal/jobs/([^/]+)/queries"), BLOCKING, self.post_peer_query, MAX_QUERY_BODY,
+                  pool=SLOW_POOL),
+            Route("PUT", re.compile(r"/v1/jobs/([^/]+)/leases/([^/]+)"), BLOCKING, self.heartbeat),
+            Route("DELETE", re.compile(r"/v1/jobs/([^/]+)/leases/([^/]+)"), BLOCKING, self.release_lease),
+            Route("GET", re.compile(r"/metrics"), BLOCKING, self.metrics),
+            Route("GET", re.compile(r"/healthz"), LOCAL, lambda req: json_response(200, {"ok": True})),
         ]
+
+    def protocol(self, conn: Conn) -> HttpConnection:
+        return HttpConnection(self, conn)
 
     def refuse(self, sock: socket.socket) -> None:
         sock.send(_REFUSAL)  # non-blocking: what does not fit in the socket's buffer is not sent
 
-    # -- connection ----------------------------------------------------------------------------
-    def serve(self, sock: socket.socket) -> None:
-        conn = self.connection(sock)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            while self._exchange(conn.stream, reserved=conn.reserved):
-                pass
-        except (OSError, EOFError):
-            pass  # the peer went away, stayed idle too long, or the connection was evicted
-        finally:
-            self.service.close_thread()
-
-    def _exchange(self, stream: Stream, *, reserved: bool) -> bool:
-        """Read one request and answer it; whether the connection stays open for another."""
-        if not stream.expect_request():
-            return False
-        request: Request | None = None
-        try:
-            request = self._read_request(stream)
-            response = self._handle(request, reserved=reserved)
-        except LiflError as e:  # the head is refused: what follows it cannot be framed
-            response = error_response(e)
-        except (OSError, EOFError):
-            raise
-        except Exception as e:
-            response = internal_error_response(e)
-        close = response.close or reserved or request is None or not request.keep_alive
-        if request is not None and not request.body.ended:  # refused before reading it all
-            close = close or not request.body.drain(DRAIN_LIMIT)
-        try:
-            self._send(stream, response, close=close)
-        finally:
-            if response.after_send:
-                response.after_send()
-        if close:
-            stream.closing()
-            self._linger(stream.sock)
-        return not close
-
-    @staticmethod
-    def _read_request(stream: Stream) -> Request:
-        try:
-            head = stream.read_until(b"\r\n\r\n", MAX_HEAD)
-        except TimeoutError as e:
-            raise RequestTimeout(str(e), code="head_timeout") from None
-        except EOFError:
-            raise BadRequest("connection closed in the middle of the request head", code="truncated") from None
-        if head is None:
-            raise HeadTooLarge(f"the request head exceeds {MAX_HEAD} bytes")
-        h = parse_head(head)
-        stream.expect_body()
-        return Request(h.method, h.path, h.query, h.headers, Body(stream, h.length, h.chunked), h.keep_alive, stream)
-
-    def _handle(self, request: Request, *, reserved: bool) -> Response:
-        if reserved and (request.method, request.path) != HEALTH_CHECK:
-            return error_response(_too_many_connections())
+    def route(self, method: str, path: str) -> tuple[Route | None, tuple[str, ...], list[str]]:
+        """The route of a request, its path's groups, and (if none) the methods the path allows."""
         allowed = []
-        for method, pattern, handler in self._routes:
-            match = pattern.fullmatch(request.path)
+        for route in self.routes:
+            match = route.pattern.fullmatch(path)
             if match:
-                if method == request.method:
-                    try:
-                        return handler(request, self._caller(request), *match.groups())
-                    except LiflError as e:
-                        return error_response(e)
-                    except Exception as e:
-                        return internal_error_response(e)
-                allowed.append(method)
-        if allowed:
-            r = json_response(405, BadRequest(f"{request.method} is not allowed on {request.path}", code="method_not_allowed").body())
-            r.headers["Allow"] = ", ".join(allowed)
-            return r
-        return error_response(NotFound(f"no such endpoint {request.method} {request.path}"))
+                if route.method == method:
+                    return route, match.groups(), []
+                allowed.append(route.method)
+        return None, (), allowed
 
-    def _caller(self, request: Request) -> Principal | None:
-        """Who sent ``request``; None for what anyone may ask (health, and open metrics)."""
-        if request.path == HEALTH_CHECK[1] or (request.path == "/metrics" and self.service.open_metrics):
-            return None
-        return self.service.authenticate(request.headers.get("authorization"), request.stream.peer_certificate)
+    def needs_caller(self, path: str) -> bool:
+        """Whether a request must say who it is (not for health, nor open metrics)."""
+        return not (path == HEALTH_CHECK[1] or (path == "/metrics" and self.service.open_metrics))
 
-    def _send(self, stream: Stream, r: Response, *, close: bool) -> None:
-        head = response_head(r, close=close)
-        if r.sendfile:
-            stream.send_all(head)
-            sendfile_all(stream.sock, *r.sendfile, self.limits.idle_timeout)  # straight out of shared memory
-        else:
-            stream.send_all(head + r.body)
-
+    # -- endpoints: BLOCKING ones run on the pool, with the body (if any) read -------------------
     @staticmethod
-    def _linger(sock: socket.socket) -> None:
-        """Half-close and read what the client still sends, so it sees our response, not a reset."""
-        try:
-            sock.shutdown(socket.SHUT_WR)
-            sock.settimeout(LINGER_SECONDS)
-            deadline = time.monotonic() + LINGER_SECONDS
-            while time.monotonic() < deadline and sock.recv(1 << 16):
-                pass
-        except OSError:
-            pass
-
-    # -- endpoints -----------------------------------------------------------------------------
-    @staticmethod
-    def _json_body(req: Request, what: str, limit: int = MAX_JSON_BODY) -> Any:
-        data = req.body.read_all(limit) or b"null"
+    def _json_body(req: Request, what: str) -> Any:
+        data = bytes(req.data) or b"null"
         try:
             return json.loads(data)
         except json.JSONDecodeError as e:
@@ -483,11 +464,11 @@ class HttpServer(ThreadedServer):
         return json_response(201, self.service.create_job(caller, self._json_body(req, "job")))
 
     def post_query(self, req: Request, caller: Principal, job: str) -> Response:
-        return json_response(200, self.service.query(caller, job, self._json_body(req, "query", MAX_QUERY_BODY)))
+        return json_response(200, self.service.query(caller, job, self._json_body(req, "query")))
 
     def post_peer_query(self, req: Request, caller: Principal, job: str) -> Response:
         """A peer gateway asks for this node's part of a split query."""
-        return json_response(200, self.service.peer_query(caller, job, self._json_body(req, "query", MAX_QUERY_BODY)))
+        return json_response(200, self.service.peer_query(caller, job, self._json_body(req, "query")))
 
     def get_retention(self, req: Request, caller: Principal, job: str) -> Response:
         return json_response(200, self.service.retention(caller, job))
@@ -512,19 +493,6 @@ class HttpServer(ThreadedServer):
             raise BadRequest("give at most one client: ?client=ID", code="bad_query")
         return json_response(200, self.service.assignment(caller, job, clients[0] if clients else None))
 
-    def post_partial(self, req: Request, caller: Principal, job: str, round_id: str) -> Response:
-        """Another node's result of a round, for the top on this node (gateway to gateway)."""
-        h = req.headers
-        meta = PartialMeta.parse(round_id, h.get("x-lifl-epoch"), h.get("x-lifl-from-node"), h.get("x-lifl-samples"),
-                                 h.get("x-lifl-updates"), h.get("x-lifl-partial"))
-        _require_framing(req)
-        ingest = self.service.begin_partial(caller, job, meta, req.body.length)
-        return json_response(202, self._receive(req, ingest))
-
-    def get_local_model(self, req: Request, caller: Principal, job: str) -> Response:
-        """The model if this node holds it, never fetched from elsewhere (what peers ask for)."""
-        return self._model_response(self.service.open_peer_model(caller, job))
-
     def take_lease(self, req: Request, caller: Principal, job: str) -> Response:
         body = self._json_body(req, "lease request")
         client = body.get("client") if isinstance(body, dict) else None
@@ -543,53 +511,360 @@ class HttpServer(ThreadedServer):
     def get_job(self, req: Request, caller: Principal, job: str) -> Response:
         return json_response(200, self.service.job_status(caller, job))
 
-    def put_model(self, req: Request, caller: Principal, job: str) -> Response:
-        _require_framing(req)
-        ingest = self.service.begin_model(caller, job, "http", req.body.length)
-        return json_response(201, self._receive(req, ingest))
+    def metrics(self, req: Request, caller: Principal | None) -> Response:
+        return Response(200, self.service.metrics_text(caller), {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
-    def post_update(self, req: Request, caller: Principal, job: str) -> Response:
+    # -- endpoints: blobs, on the loop ----------------------------------------------------------
+    def put_model(self, req: Request, caller: Principal, job: str, done: Callable[..., None]) -> None:
+        _require_framing(req)
+        self.service.begin_model(caller, job, "http", req.body.length, done)
+
+    def post_update(self, req: Request, caller: Principal, job: str, done: Callable[..., None]) -> None:
         h = req.headers
         _require_framing(req)
         fields = {"client": h.get("x-lifl-client"), "samples": h.get("x-lifl-samples"),
                   "base_version": h.get("x-lifl-base-version"), "lease": h.get("x-lifl-lease", "")}
-        ingest = self.service.begin_update(caller, job, fields, "http", req.body.length)
-        return json_response(202, self._receive(req, ingest))
+        self.service.begin_update(caller, job, fields, "http", req.body.length, done)
 
-    def _receive(self, req: Request, ingest: Ingest) -> dict[str, Any]:
-        if req.headers.get("expect", "").lower() == "100-continue":
-            req.stream.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
-        sink = ingest.sink
-        try:
-            while not sink.done:
-                n = req.body.readinto(sink.buffer())
-                if n == 0:
-                    sink.check_complete()
-                sink.advance(n)
-            if not req.body.ended and req.body.readinto(memoryview(bytearray(1))):
-                raise BadRequest("the body continues after the end of the blob", code="trailing_bytes")
-            return ingest.finish()
-        except LiflError as e:
-            ingest.abort(e)
-            raise
-        except BaseException:
-            ingest.abort(None)
-            raise
+    def post_partial(self, req: Request, caller: Principal, job: str, round_id: str, done: Callable[..., None]) -> None:
+        """Another node's result of a round, for the top on this node (gateway to gateway)."""
+        h = req.headers
+        meta = PartialMeta.parse(round_id, h.get("x-lifl-epoch"), h.get("x-lifl-from-node"), h.get("x-lifl-samples"),
+                                 h.get("x-lifl-updates"), h.get("x-lifl-partial"))
+        _require_framing(req)
+        self.service.begin_partial(caller, job, meta, req.body.length, done)
 
-    def get_model(self, req: Request, caller: Principal, job: str) -> Response:
-        return self._model_response(self.service.open_model(caller, job))
+    def get_model(self, req: Request, caller: Principal, job: str, done: Callable[..., None]) -> None:
+        self.service.open_model(caller, job, done)
 
-    def _model_response(self, view: ModelView) -> Response:
-        self.service.metrics.bytes_out.labels("http").inc(view.size)
-        return Response(
-            200, headers={"Content-Type": "application/octet-stream", "X-Lifl-Version": str(view.version)},
-            sendfile=(view.fd, view.size), after_send=view.release,
-        )
-
-    def metrics(self, req: Request, caller: Principal | None) -> Response:
-        return Response(200, self.service.metrics_text(caller), {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+    def get_local_model(self, req: Request, caller: Principal, job: str, done: Callable[..., None]) -> None:
+        """The model if this node holds it, never fetched from elsewhere (what peers ask for)."""
+        self.service.open_peer_model(caller, job, done)
 
 
 def _require_framing(req: Request) -> None:
     if not req.body.framed:
         raise BadRequest("a blob needs Content-Length or chunked Transfer-Encoding", code="length_required")
+
+
+class HttpConnection(ConnectionProtocol):
+    """One HTTP/1.1 connection's state machine, on the loop. ``_step`` is what ``readable`` does
+    now: read a head, a JSON body, a blob, or a refused body that is dropped; between those the
+    connection reads nothing (its request is with the service, or its answer being written)."""
+
+    def __init__(self, server: HttpServer, conn: Conn) -> None:
+        self.server = server
+        self.service = server.service
+        self.conn = conn
+        self.request: Request | None = None
+        self.route: Route | None = None
+        self.groups: tuple[str, ...] = ()
+        self.caller: Principal | None = None
+        self.ingest: Ingest | None = None  # an upload in progress
+        self._step: Callable[[], None] | None = None
+        self._scan = 0  # where the search for the end of the head goes on
+        self._decided: Response | None = None  # the answer, sent once the refused body is dropped
+        self._unsent: Callable[[], None] | None = None  # what the answer being written holds (a model)
+        self._await_head()
+
+    # -- the connection's events ------------------------------------------------------------------
+    def readable(self) -> None:
+        step = self._step
+        if step is None:
+            return
+        try:
+            step()
+        except Wait:
+            pass
+        except PeerGone as e:
+            self._peer_gone(e)
+        except LiflError as e:
+            self._refuse(e)
+        except Exception as e:  # a bug
+            self._bug(e)
+
+    def expired(self, phase: str) -> None:
+        code = "head_timeout" if phase == HEAD else "body_timeout"
+        self._refuse(RequestTimeout(self.conn.stall_message(), code=code))
+
+    def closed(self) -> None:
+        self._step = None
+        if self.ingest is not None:
+            ingest, self.ingest = self.ingest, None
+            ingest.abort(None)  # the client went away: its round slot is given back
+        if self._unsent is not None:
+            release, self._unsent = self._unsent, None
+            release()
+
+    # -- a request ---------------------------------------------------------------------------------
+    def _await_head(self) -> None:
+        self.request, self.route, self.caller, self._decided = None, None, None, None
+        self._scan = 0
+        self.conn.set_phase(HEAD if self.conn.inbuf else IDLE)
+        self._step = self._read_head
+        self.conn.start_reading()
+
+    def _read_head(self) -> None:
+        conn = self.conn
+        buf = conn.inbuf
+        while (end := buf.find(b"\r\n\r\n", max(0, self._scan - 3), MAX_HEAD)) < 0:
+            if len(buf) >= MAX_HEAD:
+                raise HeadTooLarge(f"the request head exceeds {MAX_HEAD} bytes")
+            self._scan = len(buf)
+            conn.fill(min(READ_AHEAD, MAX_HEAD - len(buf)))
+            if conn.phase == IDLE:
+                conn.set_phase(HEAD)  # its first byte: the head's deadline starts
+        self._serving()
+        h = parse_head(conn.take(end + 4))
+        self.request = Request(h.method, h.path, h.query, h.headers, Body(h.length, h.chunked), h.keep_alive,
+                               conn.peer_certificate)
+        self._dispatch()
+
+    def _serving(self) -> None:
+        """The request is with the gateway: nothing is read, nothing is charged to the peer."""
+        self._step = None
+        self.conn.pause_reading()
+        self.conn.set_phase(BUSY)
+
+    def _dispatch(self) -> None:
+        req = self.request
+        assert req is not None
+        if self.conn.reserved and (req.method, req.path) != HEALTH_CHECK:
+            self._respond(error_response(_too_many_connections()))
+            return
+        route, self.groups, allowed = self.server.route(req.method, req.path)
+        if route is None:
+            if allowed:
+                r = json_response(405, BadRequest(f"{req.method} is not allowed on {req.path}", code="method_not_allowed").body())
+                r.headers["Allow"] = ", ".join(allowed)  # type: ignore[index]
+                self._respond(r)
+            else:
+                self._respond(error_response(NotFound(f"no such endpoint {req.method} {req.path}")))
+            return
+        self.route = route
+        if route.kind == LOCAL:
+            self._respond(route.handler(req))
+        elif not self.server.needs_caller(req.path):
+            self._authenticated(None, None)
+        else:
+            self.service.identify(req.headers.get("authorization"), req.peer_certificate, self._authenticated)
+
+    def _authenticated(self, caller: Principal | None, error: BaseException | None) -> None:
+        if self.conn.closed:
+            return
+        if error is not None:
+            self._fail(error)
+            return
+        self.caller = caller
+        route, req = self.route, self.request
+        assert route is not None and req is not None
+        try:
+            if route.kind == BLOCKING:
+                if route.body_limit:
+                    req.body.check_size(route.body_limit)
+                    self._read_body(self._read_json)
+                else:
+                    self._run()
+            elif route.kind == UPLOAD:
+                route.handler(req, caller, *self.groups, done=self._ingest_opened)
+            else:
+                route.handler(req, caller, *self.groups, done=self._model_opened)
+        except LiflError as e:
+            self._refuse(e)
+
+    def _read_body(self, step: Callable[[], None]) -> None:
+        """Read the body with ``step``, starting now (its bytes may be in, or it may have none).
+        An exchange is sequential: whatever called this is done with the connection's state."""
+        self.conn.set_phase(BODY)
+        self._step = step
+        self.conn.read_now()
+
+    def _read_json(self) -> None:
+        req, route = self.request, self.route
+        assert req is not None and route is not None
+        while not req.body.feed(self.conn.inbuf, req.data, route.body_limit):
+            self.conn.fill()
+        self._serving()
+        self._run()
+
+    def _run(self) -> None:
+        """The route's handler, on the pool."""
+        route, req, caller, groups = self.route, self.request, self.caller, self.groups
+        assert route is not None
+        self.server.loop.offload(lambda: route.handler(req, caller, *groups), self._answered, route.pool)
+
+    def _answered(self, response: Response | None, error: BaseException | None) -> None:
+        if self.conn.closed:
+            if response is not None and response.after_send is not None:
+                response.after_send()
+            return
+        if error is not None:
+            self._fail(error)
+        else:
+            assert response is not None
+            self._respond(response)
+
+    # -- uploads -------------------------------------------------------------------------------------
+    def _ingest_opened(self, ingest: Ingest | None, error: BaseException | None) -> None:
+        if error is not None:
+            if not self.conn.closed:
+                self._fail(error)
+            return
+        assert ingest is not None and self.request is not None
+        if self.conn.closed:
+            ingest.abort(None)
+            return
+        self.ingest = ingest
+        ingest.on_ready = lambda error: self._ingest_ready(ingest, error)
+        if self.request.headers.get("expect", "").lower() == "100-continue":
+            self.conn.write([CONTINUE])
+        self._read_body(self._receive_blob)
+
+    def _ingest_ready(self, ingest: Ingest, error: LiflError | None) -> None:
+        """The agent answered the blob's admission: go on reading it, or refuse it."""
+        if self.ingest is not ingest or self.conn.closed:
+            return
+        if error is not None:
+            self._refuse(error)
+        else:
+            self.conn.read_now()  # the rest of the blob may be all in already
+
+    def _receive_blob(self) -> None:
+        """The body, straight into the blob's shared memory (its header first, into the sink's
+        own buffer: the agent admits the blob from it, and this pauses until it has)."""
+        conn, req, ingest = self.conn, self.request, self.ingest
+        assert req is not None and ingest is not None
+        body, sink = req.body, ingest.sink
+        while not sink.done:
+            if not sink.ready:
+                conn.pause_reading()  # the admission's answer starts reading again (_ingest_ready)
+                return
+            n = body.next_data(conn.inbuf)
+            if n is None:
+                conn.fill()
+            elif n == 0:
+                sink.check_complete()
+            else:
+                got = conn.read_into(sink.buffer()[:n])
+                body.consumed(got)
+                sink.advance(got)
+        while not body.ended:
+            n = body.next_data(conn.inbuf)
+            if n is None:
+                conn.fill()
+            elif n:
+                raise BadRequest("the body continues after the end of the blob", code="trailing_bytes")
+        self._serving()
+        ingest.finish(lambda result, error: self._ingest_finished(ingest, result, error))
+
+    def _ingest_finished(self, ingest: Ingest, result: dict[str, Any] | None, error: BaseException | None) -> None:
+        if self.ingest is not ingest or self.conn.closed:
+            return
+        self.ingest = None  # handed over: nothing to abort any more
+        if error is not None:
+            self._fail(error)
+            return
+        assert self.route is not None
+        self._respond(json_response(self.route.status, result))
+
+    # -- downloads -----------------------------------------------------------------------------------
+    def _model_opened(self, view: ModelView | None, error: BaseException | None) -> None:
+        if error is not None:
+            if not self.conn.closed:
+                self._fail(error)
+            return
+        assert view is not None
+        if self.conn.closed:
+            view.release()
+            return
+        self.service.metrics.bytes_out.labels("http").inc(view.size)
+        self._respond(Response(200, headers={"Content-Type": "application/octet-stream", "X-Lifl-Version": str(view.version)},
+                               sendfile=(view.fd, view.size), after_send=view.release))
+
+    # -- answers ---------------------------------------------------------------------------------------
+    def _fail(self, error: BaseException) -> None:
+        if isinstance(error, LiflError):
+            self._refuse(error)
+        else:
+            self._bug(error)
+
+    def _refuse(self, error: LiflError) -> None:
+        """The request fails with ``error``: give back what it held, then say so."""
+        if self._decided is not None:  # the answer is decided; its body could not be dropped
+            self._send(self._decided, close=True)
+            return
+        self._give_back(error, lambda: self._respond(error_response(error)))
+
+    def _bug(self, error: BaseException) -> None:
+        self._decided = None
+        response = internal_error_response(error)
+        self._give_back(None, lambda: self._respond(response))
+
+    def _give_back(self, error: LiflError | None, then: Callable[[], None]) -> None:
+        """Abort the upload in progress (if any), then ``then()``: a client told of a refusal
+        finds its round slot free."""
+        self._serving()
+        ingest, self.ingest = self.ingest, None
+        if ingest is None:
+            then()
+            return
+        ingest.abort(error, then=lambda: None if self.conn.closed else then())
+
+    def _peer_gone(self, e: PeerGone) -> None:
+        if self.request is None:  # between requests, or inside a head
+            if e.eof and self.conn.inbuf:
+                self._refuse(BadRequest("connection closed in the middle of the request head", code="truncated"))
+            else:
+                self.conn.close()
+        else:
+            self._refuse(Body.end_of_stream())
+
+    def _respond(self, response: Response) -> None:
+        """Answer; a body that was not read is dropped first if it is small, so that the
+        connection can serve the next request, else the connection closes after the answer."""
+        req = self.request
+        close = response.close or self.conn.reserved or req is None or not req.keep_alive
+        if req is not None and not req.body.ended and not close:
+            if req.body.drainable(DRAIN_LIMIT):
+                self._decided = response
+                self._read_body(self._drain)
+                return
+            close = True
+        self._send(response, close=close)
+
+    def _drain(self) -> None:
+        req = self.request
+        assert req is not None and self._decided is not None
+        conn, body = self.conn, req.body
+        while (n := body.next_data(conn.inbuf)) != 0:
+            assert n is not None  # a Content-Length body has no framing
+            take = min(n, len(conn.inbuf))
+            if take:
+                del conn.inbuf[:take]
+                body.consumed(take)
+            else:
+                conn.fill(min(n, DRAIN_READ))
+        response, self._decided = self._decided, None
+        self._serving()
+        self._send(response, close=False)
+
+    def _send(self, response: Response, *, close: bool) -> None:
+        self._serving()
+        self._decided = None
+        head = response_head(response, close=close)
+        self._unsent = response.after_send
+
+        def sent() -> None:
+            if self._unsent is not None:
+                release, self._unsent = self._unsent, None
+                release()
+            if close:
+                self.conn.linger()
+            else:
+                self._await_head()
+
+        if response.sendfile:
+            self.conn.write([head])
+            self.conn.sendfile(*response.sendfile, then=sent)  # straight out of shared memory
+        else:
+            self.conn.write([head, response.body], then=sent)

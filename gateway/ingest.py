@@ -3,8 +3,13 @@
 The first 8 + N bytes (length and JSON header) go to a buffer that grows as they arrive
 (never to the size the prefix claims) and are validated against the job's model before
 anything is admitted; only then does the agent hand out a shared-memory object (reserving a
-slot of the round, checking the budgets), and every later byte is received directly into it. Floats are checked for NaN/Inf chunk by chunk while the
-bytes are still in cache. Any failure aborts the object, so nothing of a bad blob survives.
+slot of the round, checking the budgets), and every later byte is received directly into it.
+Floats are checked for NaN/Inf chunk by chunk while the bytes are still in cache. Any failure
+aborts the object, so nothing of a bad blob survives.
+
+Admission may be immediate (``admit`` returns the object) or under way (``admit`` returns None:
+an event loop asked the agent and goes on with other work): the sink is not ``ready`` for
+bytes until ``admitted`` hands it the object.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from lifl import format as fmt
-from lifl.errors import BadRequest, PayloadTooLarge, Unprocessable
+from lifl.errors import BadRequest, Internal, PayloadTooLarge, Unprocessable
 from lifl.kernels import FiniteChecker
 from lifl.store import MappingCache
 
@@ -24,16 +29,21 @@ CHECK_EVERY = 256 << 10  # check finiteness every 256 KiB received, while it is 
 HEADER_STEP = 64 << 10  # a JSON header is received this much at a time: memory follows the bytes, not the claim
 LAYOUT_CACHE_BYTES = 32 << 20  # what the cached layouts may take (estimated as below)
 LAYOUT_ENTRY_BYTES = 400  # measured memory of one tensor's entry in a parsed layout, besides its header bytes
+IDLE_CHECKERS = 8  # finiteness checkers kept per cached layout for the next blobs with that header
 
 
 class LayoutCache:
     """Validated layouts of admitted blobs, by a digest of their exact header bytes: clients of
     one job send the same header with every update, and validating it (JSON, offsets, the
     model's tensors) is deterministic. Bounded by bytes; a refused blob's layout is never kept
-    (so distinct headers cannot fill the gateway's memory)."""
+    (so distinct headers cannot fill the gateway's memory).
+
+    A cached layout also keeps the finiteness checkers of its finished blobs (``checker``,
+    ``give_back``): making one costs more than receiving a small update's bytes."""
 
     def __init__(self, max_bytes: int = LAYOUT_CACHE_BYTES) -> None:
         self._entries: OrderedDict[tuple[bytes, int, bool], tuple[fmt.ModelSpec | None, fmt.Layout, int]] = OrderedDict()
+        self._idle: dict[int, tuple[fmt.Layout, list[FiniteChecker]]] = {}  # by the id of a cached layout (kept alive here)
         self.max_bytes = max_bytes
         self.bytes = 0
         self._lock = threading.Lock()
@@ -76,10 +86,32 @@ class LayoutCache:
             old = self._entries.pop(key, None)
             if old is not None:
                 self.bytes -= old[2]
+                if old[1] is not layout:
+                    self._idle.pop(id(old[1]), None)
             self._entries[key] = (spec, layout, cost)
+            self._idle.setdefault(id(layout), (layout, []))
             self.bytes += cost
             while self.bytes > self.max_bytes:
-                self.bytes -= self._entries.popitem(last=False)[1][2]
+                _, (_, evicted, evicted_cost) = self._entries.popitem(last=False)
+                self.bytes -= evicted_cost
+                self._idle.pop(id(evicted), None)
+
+    def checker(self, layout: fmt.Layout) -> FiniteChecker:
+        """A finiteness checker for a blob of ``layout``, at its data's start."""
+        with self._lock:
+            idle = self._idle.get(id(layout))
+            if idle is not None and idle[1]:
+                checker = idle[1].pop()
+                checker.cursor = layout.data_start
+                return checker
+        return FiniteChecker(layout)
+
+    def give_back(self, layout: fmt.Layout, checker: FiniteChecker) -> None:
+        """A blob of ``layout`` is checked in full: its checker may serve the next one."""
+        with self._lock:
+            idle = self._idle.get(id(layout))
+            if idle is not None and len(idle[1]) < IDLE_CHECKERS:
+                idle[1].append(checker)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -91,7 +123,7 @@ class BlobSink:
         *,
         limit: int,
         spec: fmt.ModelSpec | None,
-        admit: Callable[[fmt.Layout], tuple[bytes, int]],
+        admit: Callable[[fmt.Layout], tuple[bytes, int] | None],
         mappings: MappingCache,
         layouts: LayoutCache,
         expected_size: int | None = None,
@@ -109,8 +141,10 @@ class BlobSink:
         self._header = bytearray()  # grows as the header's bytes arrive
         self._step = bytearray()  # where the next header bytes are received
         self._mm = None
+        self._admitting: tuple[bytearray, fmt.Layout] | None = None  # header and layout while admission is under way
         self._checker: FiniteChecker | None = None
         self.layout: fmt.Layout | None = None
+        self._total = -1  # the layout's total size, once admitted (read on every chunk received)
         self.key: bytes | None = None
         self.received = 0
         if expected_size is not None:
@@ -124,8 +158,13 @@ class BlobSink:
         return self.layout.total_size if self.layout else None
 
     @property
+    def ready(self) -> bool:
+        """Whether the sink takes bytes now: not while the agent is admitting the blob."""
+        return self._admitting is None
+
+    @property
     def done(self) -> bool:
-        return self.layout is not None and self.received == self.layout.total_size
+        return self.received == self._total
 
     @property
     def remaining(self) -> int:
@@ -139,7 +178,7 @@ class BlobSink:
     def buffer(self) -> memoryview:
         """Where the next bytes of the blob go; receive into it, then call ``advance``."""
         if self._mm is not None:
-            return memoryview(self._mm)[self.received : self.layout.total_size]
+            return memoryview(self._mm)[self.received : self._total]
         if self._header_len is None:
             return memoryview(self._prefix)[self.received :]
         return memoryview(self._step)[: self._header_len - len(self._header)]
@@ -159,7 +198,9 @@ class BlobSink:
                     self._on_header()
             return
         assert self._checker is not None
-        if self.received - self._checker.cursor >= CHECK_EVERY or self.done:
+        if self.done:
+            self._check_rest()
+        elif self.received - self._checker.cursor >= CHECK_EVERY:
             self._checker.check(self._mm, self.received)
 
     def _max_header(self) -> int:
@@ -170,6 +211,8 @@ class BlobSink:
         """Take bytes that are already in memory (e.g. read ahead with a request's headers)."""
         data = memoryview(data)
         while data:
+            if not self.ready:
+                raise Internal("the blob's bytes came before its admission was answered")
             if self.done:
                 raise BadRequest(f"{len(data)} bytes follow the end of the blob", code="trailing_bytes")
             view = self.buffer()
@@ -186,7 +229,18 @@ class BlobSink:
                 f"body has {self._expected} bytes but the blob's header declares {layout.total_size}",
                 code="length_mismatch",
             )
-        self.key, fd = self._admit(layout)
+        self._admitting = (header, layout)
+        admitted = self._admit(layout)
+        if admitted is not None:
+            self.admitted(*admitted)
+
+    def admitted(self, key: bytes, fd: int) -> None:
+        """The object the agent admitted the blob into (``fd``, which the sink closes): the
+        bytes received so far go into it, and the sink is ready for the rest."""
+        assert self._admitting is not None
+        header, layout = self._admitting
+        self._admitting = None
+        self.key = key
         self._layouts.remember(header, self._spec, self._partial, layout)  # admitted: worth keeping
         try:
             self._mm = self._mappings.map_fd(fd, writable=True)
@@ -195,9 +249,16 @@ class BlobSink:
         self._mm[: fmt.PREFIX_BYTES] = self._prefix
         self._mm[fmt.PREFIX_BYTES : layout.data_start] = header
         self.layout = layout
-        self._checker = FiniteChecker(layout)
+        self._total = layout.total_size
+        self._checker = self._layouts.checker(layout)
         if self.done:
-            self._checker.check(self._mm, self.received)
+            self._check_rest()
+
+    def _check_rest(self) -> None:
+        """The blob is in: check what is left of it, and let its checker serve the next blob."""
+        assert self._checker is not None and self.layout is not None
+        self._checker.check(self._mm, self.received)
+        self._layouts.give_back(self.layout, self._checker)
 
     def check_complete(self) -> None:
         if not self.done:

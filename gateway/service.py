@@ -1,8 +1,16 @@
 """The gateway's operations, shared by its HTTP and gRPC front ends.
 
 The gateway keeps no state of its own beyond caches: jobs, versions and rounds are in Redis,
-objects belong to the node agent. It talks to the agent over per-thread connections, so an
-upload in progress belongs to its connection and is released if the gateway dies.
+objects belong to the node agent. Everything runs on one event loop (``lifl.net.loop``): what
+reads Redis or waits on another node runs on the loop's small pools, and its completion
+answers the request on the loop; the hot path (a client's update, a model download) runs on
+the loop itself, from caches (``Tokens.cached``, ``JobCache``) and one multiplexed connection
+to the agent (``AgentLink``), so that the agent batches the admissions of many clients.
+
+Threads: the loop's, and its pools' (created at start, a fixed set): ``IO_POOL`` for Redis
+(tokens, jobs, leases, rounds, the registration and the token cache's refresh),
+``SLOW_POOL`` for queries and models fetched from other nodes, ``PEER_POOL`` for transfers to
+other nodes' gateways (partials forwarded, a split query's parts).
 
 It is also the node's door to the other nodes (paper appendix A, inter-node routing): it
 streams the agent's partial results to the gateway of the node hosting a round's top, takes
@@ -21,7 +29,8 @@ import socket
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,28 +38,34 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from lifl import format as fmt
 from lifl.auth import (
-    CLIENT, OPERATOR, TENANT, Action, Principal, TokenSpec, Tokens, acting_client, authorize, bearer, certificate_principal,
-    job_tenant, may_issue,
+    CLIENT, OPERATOR, REFRESH_SECONDS, TENANT, Action, Principal, TokenSpec, Tokens, acting_client, authorize, bearer,
+    certificate_principal, job_tenant, may_issue,
 )
 from lifl.cluster_types import NO_MODEL, Job
 from lifl.control.controller import DEFAULT_CAPACITY
 from lifl.control.planner import BESTFIT, NodeLoad, plan_round
-from lifl.errors import BadRequest, Conflict, Forbidden, LiflError, NotFound, Overloaded, Unauthenticated, Unavailable, Unprocessable
-from lifl.gateway.ingest import BlobSink, LayoutCache
-from lifl.gateway.stream import sendfile_all
-from lifl.net.tls import peer_connection, peer_http_connection
+from lifl.errors import (
+    BadRequest, Conflict, Forbidden, Internal, LiflError, NotFound, Overloaded, Unauthenticated, Unprocessable,
+)
 from lifl.fixedpoint import partial_spec
 from lifl.flstore.retention import RetentionPolicy
+from lifl.gateway.agentlink import AgentLink, Reply, agent_unavailable
+from lifl.gateway.ingest import BlobSink, LayoutCache
 from lifl.jobs import MAX_SAMPLES, JobSpec
+from lifl.net.io import sendfile_all
+from lifl.net.loop import IO_POOL, SLOW_POOL, Loop, Timer
+from lifl.net.tls import peer_connection, peer_http_connection
 from lifl.protocol import (
-    ROLES, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Forwarded, ForwardPartial, GetMetrics, Hello, InstallModel,
+    ROLES, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Forwarded, ForwardPartial, GetMetrics, InstallModel,
     InstallReplica, Message, ModelOpened, OpenModel, Query, Submit, SubmitPartial,
 )
 from lifl.protocol import Release as ReleaseRef
-from lifl.rpc import Client
 from lifl.state import ClusterState
 from lifl.store import MappingCache
 
+PEER_POOL = "peer"  # transfers to other nodes' gateways
+POOLS = {IO_POOL: 4, SLOW_POOL: 4, PEER_POOL: 4}  # threads of the gateway loop's pools
+JOB_CACHE_ENTRIES = 4096  # jobs the gateway remembers (the cache is emptied past it)
 MAX_CLIENT_ID = 256
 MAX_UPDATES_PER_PARTIAL = 1 << 30
 NODE_NAME = re.compile(r"[a-z0-9]{1,16}")
@@ -64,6 +79,9 @@ PRIVACY_LOOKBACK = 100  # rounds searched for the latest epsilon recorded (aband
 
 
 class GatewayMetrics:
+    """The gateway's Prometheus metrics; the hot path's label sets are looked up once
+    (``labels`` takes a lock and builds a key on every call)."""
+
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.arrivals = Counter("lifl_update_arrivals", "Updates accepted", ["job", "protocol"], registry=r)
@@ -74,6 +92,15 @@ class GatewayMetrics:
             "lifl_ingest_seconds", "From an update's first byte until it is acknowledged in shared memory",
             ["protocol"], registry=r, buckets=(1e-3, 5e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
         )
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, remembered (the loop's thread; a race only repeats a lookup)."""
+        key = (id(metric), *labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
 
 @dataclass
@@ -118,24 +145,38 @@ def _integer(name: str, value: Any, low: int, high: int) -> int:
     return value
 
 
-class Ingest:
-    """One blob being received: ``sink`` takes the bytes, ``finish`` hands the object over.
+def _nothing() -> None:
+    """A continuation with nothing to do."""
 
-    ``kind`` is what the blob is: a client's ``update``, a job's initial ``model``, another
-    node's ``partial`` result for the top hosted here, or a ``replica`` of a model held by
-    another node."""
+
+class Ingest:
+    """One blob being received on the loop: ``sink`` takes the bytes, ``finish`` hands the
+    object over (``done(result, error)`` once the agent answered), ``abort`` gives it back.
+
+    ``kind`` is what the blob is: a client's ``update``, a job's initial ``model`` or another
+    node's ``partial`` result for the top hosted here. The sink's admission goes to the agent
+    without waiting: the front end stops reading the blob until ``on_ready(error)`` says the
+    sink is ready for the rest (``error`` None) or was refused."""
+
+    RECEIVING, FINISHING, DONE, ABORTED = "receiving", "finishing", "done", "aborted"
 
     def __init__(self, service: GatewayService, kind: str, job: str, protocol: str, spec: fmt.ModelSpec | None,
                  limit: int, expected_size: int | None, *, meta: UpdateMeta | None = None,
-                 partial: PartialMeta | None = None, version: int = NO_MODEL) -> None:
+                 partial: PartialMeta | None = None) -> None:
         self.service, self.kind, self.job, self.protocol = service, kind, job, protocol
-        self.meta, self.partial, self.version = meta, partial, version
-        self.agent = service.agent()
+        self.meta, self.partial, self.version = meta, partial, NO_MODEL
+        self.agent = service.agent
         self.started = time.perf_counter()
+        self.on_ready: Callable[[LiflError | None], None] = _nothing_ready
+        self.state = self.RECEIVING
+        self._admitting = False
+        self._epoch = 0  # the agent connection the object was admitted on
+        self._abort_reason = ""
+        self._then: Callable[[], None] = _nothing  # what waits for an abort that waits for the admission's answer
         self.sink = BlobSink(limit=limit, spec=spec, admit=self._admit, mappings=service.mappings, layouts=service.layouts,
                              expected_size=expected_size, partial=bool(partial and partial.partial))
 
-    def _admit(self, layout: fmt.Layout) -> tuple[bytes, int]:
+    def _admit(self, layout: fmt.Layout) -> None:
         size = layout.total_size
         if self.kind == "model":
             request: Message = AdmitModel(self.job, size)
@@ -143,47 +184,128 @@ class Ingest:
             assert self.partial is not None
             p = self.partial
             request = AdmitPartial(self.job, p.round, p.epoch, p.from_node, size)
-        elif self.kind == "replica":
-            request = AdmitReplica(self.job, self.version, size)
         else:
             assert self.meta is not None
             request = Admit(self.job, self.meta.base_version, size, self.meta.lease, self.meta.client)
-        reply, fds = self.agent.call(request)
-        self.version = reply.version
-        return reply.key, fds[0]
+        self._admitting = True
+        self._epoch = self.agent.epoch
+        self.agent.request(request, done=self._admitted)
+        return None  # under way: the sink waits for ``admitted``
 
-    def finish(self) -> dict[str, Any]:
+    def _admitted(self, reply: Reply | None, error: BaseException | None) -> None:
+        self._admitting = False
+        if self.state == self.ABORTED:  # its client went away (or its request failed) meanwhile
+            then, self._then = self._then, _nothing
+            if reply is not None:
+                for fd in reply[1]:
+                    os.close(fd)
+                self._give_back(reply[0].key, self._abort_reason, then)
+            elif self.kind == "update":
+                self.service.count_rejection(self.job, self.protocol, _error_code(error), counted_by_agent=False, then=then)
+            else:
+                then()
+            return
+        if error is not None:
+            self.on_ready(_lifl_error(error))
+            return
+        assert reply is not None
+        admitted, fds = reply
+        self.version = admitted.version
+        try:
+            self.sink.admitted(admitted.key, fds[0])
+        except LiflError as e:
+            self.on_ready(e)
+            return
+        self.on_ready(None)
+
+    def finish(self, done: Callable[[dict[str, Any] | None, BaseException | None], None]) -> None:
+        """Hand the complete blob over to the agent; ``done(result, error)`` on the loop."""
         self.sink.check_complete()
         key = self.sink.key
         assert key is not None and self.sink.total is not None
+        if self.agent.epoch != self._epoch:
+            raise agent_unavailable("it restarted while the blob was received")
+        self.state = self.FINISHING
         m = self.service.metrics
-        m.bytes_in.labels(self.protocol).inc(self.sink.total)
-        if self.kind == "model":
-            reply, _ = self.agent.call(InstallModel(key))
-            return {"version": reply.version}
-        if self.kind == "partial":
-            assert self.partial is not None
-            self.agent.call(SubmitPartial(key, self.partial.samples, self.partial.updates, self.partial.partial))
-            return {"round": self.partial.round}
-        if self.kind == "replica":
-            self.agent.call(InstallReplica(key))
-            return {"version": self.version}
-        assert self.meta is not None
-        self.agent.call(Submit(key, self.meta.samples, self.meta.client))
-        m.arrivals.labels(self.job, self.protocol).inc()
-        m.ingest.labels(self.protocol).observe(time.perf_counter() - self.started)
-        return {"version": self.version}
+        m.child(m.bytes_in, self.protocol).inc(self.sink.total)
 
-    def abort(self, error: LiflError | None) -> None:
-        """Give the object back (if one was admitted) and count the refusal."""
-        reason = error.code if error else "aborted"
-        if self.sink.key is not None:
-            try:
-                self.agent.call(Abort(self.sink.key, reason))
-            except (LiflError, OSError, EOFError):
-                pass
-        if self.kind == "update":
-            self.service.count_rejection(self.job, self.protocol, reason, counted_by_agent=self.sink.key is not None)
+        def answered(result: dict[str, Any]) -> Callable[[Reply | None, BaseException | None], None]:
+            def then(reply: Reply | None, error: BaseException | None) -> None:
+                self.state = self.DONE
+                if error is not None:
+                    if self.kind == "update":  # the agent counted it in the round
+                        m.rejected.labels(self.protocol, _error_code(error)).inc()
+                    done(None, error)
+                    return
+                assert reply is not None
+                if self.kind == "model":
+                    done({"version": reply[0].version}, None)
+                    return
+                if self.kind == "update":
+                    m.child(m.arrivals, self.job, self.protocol).inc()
+                    m.child(m.ingest, self.protocol).observe(time.perf_counter() - self.started)
+                done(result, None)
+
+            return then
+
+        if self.kind == "model":
+            self.agent.request(InstallModel(key), done=answered({}))
+        elif self.kind == "partial":
+            assert self.partial is not None
+            p = self.partial
+            self.agent.request(SubmitPartial(key, p.samples, p.updates, p.partial), done=answered({"round": p.round}))
+        else:
+            assert self.meta is not None
+            self.agent.request(Submit(key, self.meta.samples, self.meta.client), done=answered({"version": self.version}))
+
+    def abort(self, error: LiflError | None, then: Callable[[], None] = _nothing) -> None:
+        """Give the object back (if one was admitted, or once it is) and count the refusal, then
+        ``then()`` on the loop, once the agent has the object back and Redis the count (so that
+        a client told of the refusal finds its round slot free); nothing (but ``then()``) once
+        the blob was handed over."""
+        if self.state != self.RECEIVING:
+            then()
+            return
+        self.state = self.ABORTED
+        reason = self._abort_reason = error.code if error else "aborted"
+        key = self.sink.key
+        if key is not None:
+            if self.kind == "update":
+                self.service.count_rejection(self.job, self.protocol, reason, counted_by_agent=True)
+            self._give_back(key, reason, then)  # the agent's abort counts it in the round
+        elif self._admitting:
+            self._then = then  # when the admission's answer comes (_admitted)
+        elif self.kind == "update":
+            self.service.count_rejection(self.job, self.protocol, reason, counted_by_agent=False, then=then)
+        else:
+            then()
+
+    def _give_back(self, key: bytes, reason: str, then: Callable[[], None]) -> None:
+        if self.agent.epoch != self._epoch:  # the agent released it when that connection closed
+            then()
+            return
+        self.agent.request(Abort(key, reason), done=lambda reply, error: _close_then(reply, then))
+
+
+def _close_then(reply: Reply | None, then: Callable[[], None]) -> None:
+    if reply is not None:
+        for fd in reply[1]:
+            os.close(fd)
+    then()
+
+
+def _nothing_ready(error: LiflError | None) -> None:
+    """An Ingest's ``on_ready`` until its front end sets one."""
+
+
+def _lifl_error(error: BaseException) -> LiflError:
+    if isinstance(error, LiflError):
+        return error
+    return Internal(f"{type(error).__name__}: {error}")
+
+
+def _error_code(error: BaseException | None) -> str:
+    return error.code if isinstance(error, LiflError) else "aborted"
 
 
 @dataclass(frozen=True)
@@ -209,50 +331,123 @@ class PartialMeta:
 
 
 class ModelView:
-    """A read reference to a job's current model; release it when sent."""
+    """A read reference to a job's current model; release it when sent (from any thread)."""
 
-    def __init__(self, agent: Client, reply: ModelOpened, fd: int) -> None:
+    def __init__(self, agent: AgentLink, reply: ModelOpened, fd: int) -> None:
         self.agent, self.fd = agent, fd
         self.key, self.version, self.size = reply.key, reply.version, reply.size
+        self._released = False
 
     def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
         os.close(self.fd)
-        self.agent.call(ReleaseRef(self.key))
+        self.agent.request(ReleaseRef(self.key))
+
+
+class _Recheck(Exception):
+    """A cached job says no: read it again before saying so (its version may have moved on)."""
+
+
+class JobCache:
+    """Jobs as this gateway last read them, for the checks that come before an upload is
+    admitted. A job's spec and its model's spec never change once set (its tenant, limits,
+    strategy, tensors): what is decided from them holds. Its version and round do change: a
+    check that fails on them is made again on a fresh read (``_Recheck``) before it refuses
+    (an update trained from a version newer than the cached one goes on to the agent), and
+    one that passes never accepts anything, since the agent's admission decides from Redis.
+    The loop's alone: no lock."""
+
+    def __init__(self, max_entries: int = JOB_CACHE_ENTRIES) -> None:
+        self._jobs: dict[str, Job] = {}
+        self._staleness: dict[str, int] = {}  # the strategy's max_staleness (its spec is parsed on every access)
+        self._max = max_entries
+
+    def get(self, name: str) -> Job | None:
+        return self._jobs.get(name)
+
+    def put(self, job: Job) -> None:
+        name = job.spec.job
+        if len(self._jobs) >= self._max and name not in self._jobs:
+            self._jobs.clear()
+            self._staleness.clear()
+        self._jobs[name] = job
+        self._staleness[name] = job.spec.strategy_spec.max_staleness
+
+    def max_staleness(self, job: Job) -> int:
+        """How many versions stale the job's updates may be (of a job read through the cache)."""
+        return self._staleness[job.spec.job]
+
+
+class RefusalCounts:
+    """Refusals of updates counted in their round's accounting in Redis, on the pool: one call
+    per job at a time (the job's round read once), with every refusal of that job that came
+    meanwhile, as the agent batches its admissions: refusals come in bursts (a round fills up
+    and every client that tries next is told so)."""
+
+    def __init__(self, loop: Loop, state: ClusterState, log: Callable[[Any, BaseException | None], None]) -> None:
+        self.loop, self.state, self._log = loop, state, log
+        self._waiting: dict[str, list[tuple[str, Callable[[], None]]]] = {}
+        self._counting: set[str] = set()  # jobs with a call on the pool
+
+    def add(self, job: str, code: str, then: Callable[[], None]) -> None:
+        """Count ``code`` in ``job``'s round, then ``then()`` on the loop."""
+        self._waiting.setdefault(job, []).append((code, then))
+        if job not in self._counting:
+            self._count(job)
+
+    def _count(self, job: str) -> None:
+        items = self._waiting.pop(job, [])
+        if not items:
+            return
+        self._counting.add(job)
+
+        def count() -> None:
+            try:
+                round_id = self.state.job(job).round
+            except NotFound:
+                return  # no such job: nothing to account them to
+            self.state.run(self.state.count_call(job, [(round_id, f"rejected.{code}", 1) for code, _ in items]))
+
+        def counted(_: Any, error: BaseException | None) -> None:
+            self._counting.discard(job)
+            self._log(None, error)
+            for _, then in items:
+                then()
+            self._count(job)  # what came meanwhile
+
+        self.loop.offload(count, counted)
 
 
 class GatewayService:
+    """The operations of both front ends. Those that read Redis or wait on other nodes block:
+    the front ends run them on the loop's pool (``IO_POOL``, or ``SLOW_POOL`` for queries). The
+    hot path (uploads, model downloads, callers) runs on the loop, from the token and job caches
+    and the agent's connection, and answers through callbacks ``done(result, error)``."""
+
     def __init__(self, node: str, state: ClusterState, agent_socket: str, placement: str = BESTFIT,
-                 capacity: float = DEFAULT_CAPACITY, *, open_metrics: bool = False) -> None:
+                 capacity: float = DEFAULT_CAPACITY, *, open_metrics: bool = False, loop: Loop | None = None) -> None:
         self.node = node
         self.state = state
+        self.loop = loop or Loop(f"lifl gateway {node}", pools=POOLS)
         self.tokens = Tokens(state.redis)
         self.open_metrics = open_metrics  # GET /metrics without a token (it names jobs of every tenant)
-        self.agent_socket = agent_socket
+        self.agent = AgentLink(self.loop, agent_socket)
         self.placement = placement
         self.capacity = capacity
         self.mappings = MappingCache()
         self.layouts = LayoutCache()
         self.metrics = GatewayMetrics()
-        self._local = threading.local()
-        self._fetching: dict[str, threading.Lock] = {}
+        self.jobs = JobCache()
+        self.refusals = RefusalCounts(self.loop, state, self._logged("counting refusals"))
+        self._forwarder = AgentLink(self.loop, agent_socket, "forwarder", self._on_push)
+        self._duties: list[Timer] = []
+        self._token_refresh: Timer | None = None
+        self._refreshing = False
+        self._fetching: dict[str, threading.Lock] = {}  # replica fetches, one per job at a time (pool threads)
         self._fetching_lock = threading.Lock()
-        self._stop = threading.Event()
-
-    def agent(self) -> Client:
-        client = getattr(self._local, "agent", None)
-        if client is None:
-            try:
-                client = self._local.agent = Client.connect(self.agent_socket, Hello("gateway"))
-            except (OSError, EOFError) as e:  # the agent is restarting, or its node is stopping
-                raise Unavailable(f"the node's agent is unreachable: {e}", code="agent_unavailable") from None
-        return client
-
-    def close_thread(self) -> None:
-        """Close the calling thread's agent connection (its connection handler is ending)."""
-        client = getattr(self._local, "agent", None)
-        if client is not None:
-            client.close()
-            self._local.agent = None
+        self._last_problem: dict[str, str] = {}  # the last failure of each periodic duty (logged once)
 
     # -- the node's presence and its partial results ---------------------------------------------
     def start(self, http: str, grpc: str) -> None:
@@ -260,62 +455,115 @@ class GatewayService:
         the agent's partial results to other nodes."""
         addresses = {"http": http, "grpc": grpc}
         self.state.publish_gateway(self.node, addresses)
-        threading.Thread(target=self._register, args=(addresses,), name="gateway-register", daemon=True).start()
-        threading.Thread(target=self._forwarder, name="gateway-forwarder", daemon=True).start()
+        self._on_loop(lambda: self._start_duties(addresses))
 
     def stop(self) -> None:
-        self._stop.set()
+        """Stop the periodic duties and the agent's connections (the loop is its starter's to stop)."""
+        self._on_loop(self._stop_duties)
 
-    def _register(self, addresses: dict[str, str]) -> None:
-        while not self._stop.wait(REGISTER_EVERY):
-            try:
-                self.state.publish_gateway(self.node, addresses)
-            except Exception as e:  # Redis restarting: the next refresh comes within a second
-                print(f"lifl gateway: cannot register: {e}", file=sys.stderr)
+    def _on_loop(self, fn: Callable[[], None]) -> None:
+        if self.loop.running and not self.loop.in_loop():
+            self.loop.call(fn)
+        else:
+            fn()
 
-    def _forwarder(self) -> None:
-        """Take the agent's ForwardPartial requests (one connection, reconnected if the agent
-        restarts) and stream each on a thread of its own."""
-        while not self._stop.is_set():
-            try:
-                client = Client.connect(self.agent_socket, Hello("forwarder"))
-            except (OSError, LiflError):
-                self._stop.wait(0.2)
-                continue
-            try:
-                while True:
-                    push, fds = client.next_push()
-                    if isinstance(push, ForwardPartial) and fds:
-                        threading.Thread(target=self._forward, args=(client, push, fds[0]), daemon=True).start()
-                    else:
-                        for fd in fds:
-                            os.close(fd)
-            except (EOFError, OSError, LiflError):
-                client.close()
-                self._stop.wait(0.2)
+    def _start_duties(self, addresses: dict[str, str]) -> None:
+        def register() -> None:
+            self.loop.offload(lambda: self.state.publish_gateway(self.node, addresses), self._logged("registration"))
 
-    def _forward(self, client: Client, m: ForwardPartial, fd: int) -> None:
-        """Stream one object out of shared memory to another node's gateway (sendfile: the bytes
-        are copied once, by the kernel, into the socket)."""
-        try:
-            status, error = send_partial(self.state, self.node, m, fd, self.tokens.internal_token())
-            ok = status == 202
-            # the receiver may not have learnt yet that it hosts the top: try again; a round that
-            # is over there will be over here soon too
-            reply = Forwarded(m.ref, ok, error, retry=not ok)
-        except (OSError, LiflError, http.client.HTTPException) as e:
-            reply = Forwarded(m.ref, False, f"{type(e).__name__}: {e}", retry=True)
-        finally:
-            os.close(fd)
-        try:
-            client.push(reply)
-        except OSError:
-            pass  # the agent is gone; it resends what it still needs when it is back
+        self._duties.append(self.loop.every("gateway registration", REGISTER_EVERY, register))
+        self._forwarder.connect()
+        self.agent.connect()
+
+    def _stop_duties(self) -> None:
+        for timer in self._duties:
+            timer.cancel()
+        if self._token_refresh is not None:
+            self._token_refresh.cancel()
+        self._forwarder.close()
+        self.agent.close()
+
+    def _logged(self, duty: str) -> Callable[[Any, BaseException | None], None]:
+        """The completion of a periodic duty's work: a failure is logged once per kind in a row
+        (Redis restarting: the next period tries again)."""
+
+        def done(_: Any, error: BaseException | None) -> None:
+            problem = f"{type(error).__name__}: {error}" if error is not None else ""
+            if problem and problem != self._last_problem.get(duty):
+                print(f"lifl gateway: {duty} failed: {problem}", file=sys.stderr)
+            self._last_problem[duty] = problem
+
+        return done
+
+    def _on_push(self, message: Message, fds: list[int]) -> None:
+        """A push on the forwarder's connection: a partial result to stream to another node."""
+        if not isinstance(message, ForwardPartial) or not fds:
+            for fd in fds:
+                os.close(fd)
+            return
+        for extra in fds[1:]:
+            os.close(extra)
+        fd = fds[0]
+
+        def forward() -> Forwarded:
+            """Stream one object out of shared memory to another node's gateway (sendfile: the
+            bytes are copied once, by the kernel, into the socket)."""
+            try:
+                status, error = send_partial(self.state, self.node, message, fd, self.tokens.internal_token())
+                ok = status == 202
+                # the receiver may not have learnt yet that it hosts the top: try again; a round
+                # that is over there will be over here soon too
+                return Forwarded(message.ref, ok, error, retry=not ok)
+            except (OSError, LiflError, http.client.HTTPException) as e:
+                return Forwarded(message.ref, False, f"{type(e).__name__}: {e}", retry=True)
+            finally:
+                os.close(fd)
+
+        def forwarded(reply: Forwarded | None, error: BaseException | None) -> None:
+            if reply is None:  # a bug: the agent is told, and retries
+                reply = Forwarded(message.ref, False, f"{type(error).__name__}: {error}", retry=True)
+            self._forwarder.push(reply)
+
+        self.loop.offload(forward, forwarded, PEER_POOL)
 
     # -- callers ----------------------------------------------------------------------------------
+    def identify(self, authorization: str | None, certificate: dict[str, Any] | None,
+                 done: Callable[[Principal | None, BaseException | None], None]) -> None:
+        """The caller of a request (on the loop): its bearer token's (``Authorization`` header or
+        gRPC metadata), from the token cache when it can answer, else from Redis on the pool
+        (the request waits, not the loop); else its verified TLS client certificate's;
+        Unauthenticated without either. ``done`` may run before this returns."""
+        if self._token_refresh is None:
+            self._token_refresh = self.loop.every("token cache refresh", REFRESH_SECONDS, self._refresh_tokens)
+        try:
+            token = bearer(authorization)
+            if token is None:
+                principal = certificate_principal(certificate)
+                if principal is None:
+                    raise Unauthenticated("this call needs a token: send 'Authorization: Bearer <token>'", code="unauthenticated")
+            else:
+                principal = self.tokens.cached(token)
+        except LiflError as e:
+            done(None, e)
+            return
+        if principal is not None:
+            done(principal, None)
+            return
+        self.loop.offload(lambda: self.tokens.authenticate(token), done)
+
+    def _refresh_tokens(self) -> None:
+        if self._refreshing:
+            return  # the last refresh has not come back (Redis is slow): entries go stale, not wrong
+
+        def refreshed(count: Any, error: BaseException | None) -> None:
+            self._refreshing = False
+            self._logged("token cache refresh")(count, error)
+
+        self._refreshing = True
+        self.loop.offload(self.tokens.refresh, refreshed)
+
     def authenticate(self, authorization: str | None, certificate: dict[str, Any] | None = None) -> Principal:
-        """The caller of a request: its bearer token's (``Authorization`` header or gRPC metadata),
-        else its verified TLS client certificate's; Unauthenticated without either."""
+        """``identify``, blocking (Redis is read when the cache cannot answer)."""
         token = bearer(authorization)
         if token is not None:
             return self.tokens.authenticate(token)
@@ -323,6 +571,38 @@ class GatewayService:
         if principal is None:
             raise Unauthenticated("this call needs a token: send 'Authorization: Bearer <token>'", code="unauthenticated")
         return principal
+
+    def _with_job(self, name: str, check: Callable[[Job, bool], Any], done: Callable[[Any, BaseException | None], None]) -> None:
+        """On the loop: ``done(check(job, fresh), None)`` with job ``name`` from the cache, or read
+        from Redis on the pool (``fresh`` True) if it is not cached or ``check`` raises
+        ``_Recheck``; ``check``'s errors go to ``done``, which may run before this returns."""
+        job = self.jobs.get(name)
+        if job is not None:
+            try:
+                result = check(job, False)
+            except _Recheck:
+                pass
+            except Exception as e:
+                done(None, e)
+                return
+            else:
+                done(result, None)
+                return
+
+        def read(job: Job | None, error: BaseException | None) -> None:
+            if error is not None:
+                done(None, error)
+                return
+            assert job is not None
+            self.jobs.put(job)
+            try:
+                result = check(job, True)
+            except Exception as e:
+                done(None, e)
+                return
+            done(result, None)
+
+        self.loop.offload(lambda: self.state.job(name), read)
 
     def authorized_job(self, principal: Principal, action: Action, name: str) -> Job:
         """The job ``name`` if ``principal`` may do ``action`` on it (NotFound outside its scope)."""
@@ -443,7 +723,7 @@ class GatewayService:
             raise BadRequest("a query must be a JSON object with a 'workload'", code="bad_query")
         if internal := sorted(set(body) & {"scope", "rounds"}):
             raise BadRequest(f"query field(s) {', '.join(internal)} are set between nodes only", code="bad_query")
-        answer = self.agent().call(Query(name, body))[0].to_json()
+        answer = self.agent.call(Query(name, body))[0].to_json()
         if "partial" not in answer:
             return answer
         from lifl.flstore import workloads  # numpy only, on the first split query
@@ -454,7 +734,7 @@ class GatewayService:
                                        answer["params"])
         except (OSError, LiflError, http.client.HTTPException, ValueError) as e:
             print(f"lifl gateway: a split query of {name!r} reads every update here instead: {e}", file=sys.stderr)
-            return self.agent().call(Query(name, {**body, "scope": "gather"}))[0].to_json()
+            return self.agent.call(Query(name, {**body, "scope": "gather"}))[0].to_json()
         data = {k: sum(a["data"][k] for a in (answer, *parts)) for k in answer["data"]}
         data["bytes_between_nodes"] = sum(p.pop("_bytes") for p in parts)
         final = {k: v for k, v in answer.items() if k not in ("partial", "peers", "params", "rounds")}
@@ -463,17 +743,31 @@ class GatewayService:
         return {**final, "result": result, "data": data, "nodes": [answer["node"], *(p["node"] for p in parts)]}
 
     def _peer_parts(self, name: str, answer: dict[str, Any]) -> list[dict[str, Any]]:
-        """Every peer's part of a split query, computed where its updates are, asked at once."""
+        """(On the pool.) Every peer's part of a split query, computed where its updates are,
+        asked at once (on the peer pool)."""
         body = {"workload": answer["workload"], "rounds": answer["rounds"], "scope": "node", **answer["params"]}
-        with ThreadPoolExecutor(len(answer["peers"])) as pool:
-            return list(pool.map(lambda node: peer_query(self, node, name, body), answer["peers"]))
+        asked = [self._on_pool(lambda node=node: peer_query(self, node, name, body), PEER_POOL) for node in answer["peers"]]
+        return [future.result() for future in asked]
+
+    def _on_pool(self, fn: Callable[[], Any], pool: str) -> Future[Any]:
+        """``fn()`` on ``pool``, as a future (for work on another pool that waits for it)."""
+        future: Future[Any] = Future()
+
+        def done(result: Any, error: BaseException | None) -> None:
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        self.loop.offload(fn, done, pool)
+        return future
 
     def peer_query(self, principal: Principal, name: str, body: Any) -> dict[str, Any]:
         """Another node's gateway asks for this node's part of a split query."""
         self.authorized_job(principal, Action.INTERNAL, name)
         if not isinstance(body, dict) or body.get("scope") != "node":
             raise BadRequest("a peer's query asks for this node's part (scope 'node')", code="bad_query")
-        return self.agent().call(Query(name, body))[0].to_json()
+        return self.agent.call(Query(name, body))[0].to_json()
 
     def retention(self, principal: Principal, name: str) -> dict[str, Any]:
         """The job's retention policy and, summed over the nodes, what it keeps and how queries fare."""
@@ -568,20 +862,32 @@ class GatewayService:
 
     # -- blobs ---------------------------------------------------------------------------------
     def begin_update(self, principal: Principal, job_name: str, fields: dict[str, Any], protocol: str,
-                     expected_size: int | None) -> Ingest:
-        """Check what can be checked before the first byte of the blob, then receive it:
-        ``fields`` are the update's metadata as sent (client, samples, base_version, lease)."""
-        job = self.authorized_job(principal, Action.PUSH_UPDATE, job_name)  # refusals of callers are not the job's
-        try:
+                     expected_size: int | None, done: Callable[[Ingest | None, BaseException | None], None]) -> None:
+        """Check what can be checked before the first byte of the blob, then ``done(ingest)``
+        to receive it: ``fields`` are the update's metadata as sent (client, samples,
+        base_version, lease). From the job cache when it has the job (see JobCache)."""
+
+        authorized = False
+
+        def check(job: Job, fresh: bool) -> Ingest:
+            nonlocal authorized
+            authorize(principal, Action.PUSH_UPDATE, tenant=job.spec.tenant, job=job_name)  # not the job's refusals
+            authorized = True
             meta = UpdateMeta.parse(principal, job_name, **fields)
             if meta.samples > job.spec.sample_cap:
                 raise Unprocessable(f"X-Lifl-Samples {meta.samples} exceeds the job's max_samples ({job.spec.sample_cap})",
                                     code="too_many_samples")
             if job.version == NO_MODEL or job.model_spec is None:
+                if not fresh:
+                    raise _Recheck(job_name)
                 raise Conflict(f"job {meta.job!r} has no model yet", code="no_model")
             stale = job.version - meta.base_version
-            if not 0 <= stale <= job.spec.strategy_spec.max_staleness:
-                allowed = job.spec.strategy_spec.max_staleness
+            allowed = self.jobs.max_staleness(job)
+            if stale < 0 and not fresh:
+                pass  # trained from a version the cache has not seen yet: the agent's admission decides
+            elif not 0 <= stale <= allowed:
+                if not fresh:
+                    raise _Recheck(job_name)
                 raise Conflict(
                     f"update was trained from version {meta.base_version}, the current version is {job.version}"
                     + (f" (this job takes updates at most {allowed} versions stale)" if allowed else ""),
@@ -589,69 +895,126 @@ class GatewayService:
                 )
             return Ingest(self, "update", meta.job, protocol, job.model_spec, job.spec.max_update_bytes, expected_size,
                           meta=meta)
-        except LiflError as e:
-            self.count_rejection(job_name, protocol, e.code, counted_by_agent=False)
-            raise
 
-    def begin_model(self, principal: Principal, job_name: str, protocol: str, expected_size: int | None) -> Ingest:
-        job = self.authorized_job(principal, Action.SET_MODEL, job_name)
-        if job.version != NO_MODEL:
-            raise Conflict(f"job {job_name!r} already has a model", code="model_exists")
-        return Ingest(self, "model", job_name, protocol, None, job.spec.max_update_bytes, expected_size)
+        def checked(ingest: Ingest | None, error: BaseException | None) -> None:
+            if authorized and isinstance(error, LiflError):  # the job's refusal: counted in its round first
+                self.count_rejection(job_name, protocol, error.code, counted_by_agent=False, then=lambda: done(None, error))
+            else:
+                done(ingest, error)
 
-    def begin_partial(self, principal: Principal, job_name: str, meta: PartialMeta, expected_size: int | None) -> Ingest:
+        self._with_job(job_name, check, checked)
+
+    def begin_model(self, principal: Principal, job_name: str, protocol: str, expected_size: int | None,
+                    done: Callable[[Ingest | None, BaseException | None], None]) -> None:
+        """A job's first model (the agent refuses it if the job has one: the cache may not know)."""
+
+        def check(job: Job, fresh: bool) -> Ingest:
+            authorize(principal, Action.SET_MODEL, tenant=job.spec.tenant, job=job_name)
+            if job.version != NO_MODEL:  # a model is never unset
+                raise Conflict(f"job {job_name!r} already has a model", code="model_exists")
+            return Ingest(self, "model", job_name, protocol, None, job.spec.max_update_bytes, expected_size)
+
+        self._with_job(job_name, check, done)
+
+    def begin_partial(self, principal: Principal, job_name: str, meta: PartialMeta, expected_size: int | None,
+                      done: Callable[[Ingest | None, BaseException | None], None]) -> None:
         """Another node's result of a round, for the top aggregator on this node."""
-        job = self.authorized_job(principal, Action.INTERNAL, job_name)
-        if job.model_spec is None:
-            raise Conflict(f"job {job_name!r} has no model yet", code="no_model")
-        spec = partial_spec(job.model_spec, job.spec.fixed_point_spec) if meta.partial else job.model_spec
-        limit = spec.data_bytes + fmt.MAX_HEADER_BYTES
-        return Ingest(self, "partial", job_name, "internal", spec, limit, expected_size, partial=meta)
 
-    def open_model(self, principal: Principal, job_name: str) -> ModelView:
+        def check(job: Job, fresh: bool) -> Ingest:
+            authorize(principal, Action.INTERNAL, tenant=job.spec.tenant, job=job_name)
+            if job.model_spec is None:
+                if not fresh:
+                    raise _Recheck(job_name)
+                raise Conflict(f"job {job_name!r} has no model yet", code="no_model")
+            spec = partial_spec(job.model_spec, job.spec.fixed_point_spec) if meta.partial else job.model_spec
+            limit = spec.data_bytes + fmt.MAX_HEADER_BYTES
+            return Ingest(self, "partial", job_name, "internal", spec, limit, expected_size, partial=meta)
+
+        self._with_job(job_name, check, done)
+
+    def open_model(self, principal: Principal, job_name: str, done: Callable[[ModelView | None, BaseException | None], None]) -> None:
         """The job's current model, from this node's memory; a model installed on another node is
-        fetched from its gateway once per version (one copy per hop) and served from here after."""
-        self.authorized_job(principal, Action.READ_MODEL, job_name)
-        for _ in range(FETCH_ATTEMPTS):
-            try:
-                return self.open_local_model(job_name)
-            except NotFound as e:
-                if e.code != "model_elsewhere":
-                    raise
-                self._fetch_replica(job_name, e.extra["node"])
-        raise Overloaded(f"the model of job {job_name!r} changes faster than it can be fetched; retry", code="model_moving")
+        fetched from its gateway once per version (one copy per hop, on the pool) and served from
+        here after."""
 
-    def open_peer_model(self, principal: Principal, job_name: str) -> ModelView:
+        def authorized(_: Any, error: BaseException | None) -> None:
+            if error is not None:
+                done(None, error)
+            else:
+                self._open_anywhere(job_name, FETCH_ATTEMPTS, done)
+
+        self._with_job(job_name, lambda job, fresh: authorize(principal, Action.READ_MODEL, tenant=job.spec.tenant,
+                                                               job=job_name), authorized)
+
+    def _open_anywhere(self, job_name: str, fetches: int, done: Callable[[ModelView | None, BaseException | None], None]) -> None:
+        def opened(view: ModelView | None, error: BaseException | None) -> None:
+            if not (isinstance(error, NotFound) and error.code == "model_elsewhere"):
+                done(view, error)
+                return
+            if not fetches:
+                done(None, Overloaded(f"the model of job {job_name!r} changes faster than it can be fetched; retry",
+                                      code="model_moving"))
+                return
+
+            def fetched(_: Any, error: BaseException | None) -> None:
+                if error is not None:
+                    done(None, error)
+                else:
+                    self._open_anywhere(job_name, fetches - 1, done)
+
+            node = error.extra["node"]
+            self.loop.offload(lambda: self._fetch_replica(job_name, node), fetched, SLOW_POOL)
+
+        self.open_local_model(job_name, opened)
+
+    def open_peer_model(self, principal: Principal, job_name: str,
+                        done: Callable[[ModelView | None, BaseException | None], None]) -> None:
         """What a peer gateway fetches: the model if this node holds it (``model_elsewhere`` otherwise)."""
-        self.authorized_job(principal, Action.INTERNAL, job_name)
-        return self.open_local_model(job_name)
 
-    def open_local_model(self, job_name: str) -> ModelView:
-        """The model if this node holds it (``model_elsewhere`` otherwise)."""
-        agent = self.agent()
-        reply, fds = agent.call(OpenModel(job_name))
-        return ModelView(agent, reply, fds[0])
+        def authorized(_: Any, error: BaseException | None) -> None:
+            if error is not None:
+                done(None, error)
+            else:
+                self.open_local_model(job_name, done)
+
+        self._with_job(job_name, lambda job, fresh: authorize(principal, Action.INTERNAL, tenant=job.spec.tenant,
+                                                               job=job_name), authorized)
+
+    def open_local_model(self, job_name: str, done: Callable[[ModelView | None, BaseException | None], None]) -> None:
+        """The model if this node holds it (``model_elsewhere`` otherwise), from the agent."""
+
+        def opened(reply: Reply | None, error: BaseException | None) -> None:
+            if error is not None:
+                done(None, error)
+                return
+            assert reply is not None
+            done(ModelView(self.agent, reply[0], reply[1][0]), None)
+
+        self.agent.request(OpenModel(job_name), done=opened)
 
     def _fetch_replica(self, job_name: str, node: str) -> None:
+        """(On the pool.) Copy the model from ``node`` unless another fetch did meanwhile."""
         with self._fetching_lock:
             lock = self._fetching.setdefault(job_name, threading.Lock())
         with lock:  # one fetch per job at a time; the others then find it here
             try:
-                self.open_local_model(job_name).release()
+                reply, fds = self.agent.call(OpenModel(job_name))
+                ModelView(self.agent, reply, fds[0]).release()
                 return
             except NotFound as e:
                 if e.code != "model_elsewhere":
                     raise
             fetch_replica(self, job_name, node)
 
-    def count_rejection(self, job: str, protocol: str, code: str, *, counted_by_agent: bool) -> None:
+    def count_rejection(self, job: str, protocol: str, code: str, *, counted_by_agent: bool,
+                        then: Callable[[], None] = _nothing) -> None:
+        """Count an update refused here (on the loop), and in the round's accounting in Redis
+        (RefusalCounts) unless the agent does; then ``then()`` on the loop."""
         self.metrics.rejected.labels(protocol, code).inc()
         if counted_by_agent:
-            return  # the agent's abort recorded it in the round's accounting
-        try:
-            self.state.count(job, self.state.job(job).round, f"rejected.{code}")
-        except LiflError:
-            pass  # no such job: nothing to account it to
+            then()  # the agent's abort records it in the round's accounting
+        else:
+            self.refusals.add(job, code, then)
 
     def metrics_text(self, principal: Principal | None) -> bytes:
         """The gateway's and the agent's metrics; ``principal`` is None where metrics are open."""
@@ -659,8 +1022,8 @@ class GatewayService:
             authorize(principal, Action.METRICS)
         ours = generate_latest(self.metrics.registry)
         try:
-            theirs = self.agent().call(GetMetrics())[0].text.encode()
-        except (LiflError, OSError, EOFError):
+            theirs = self.agent.call(GetMetrics())[0].text.encode()
+        except (LiflError, OSError):
             theirs = b""
         return ours + theirs
 
@@ -738,18 +1101,24 @@ def fetch_replica(service: GatewayService, job_name: str, node: str) -> None:
                              code="model_unreachable")
         version = int(response.getheader("X-Lifl-Version", "-1"))
         length = int(response.getheader("Content-Length", "0"))
-        ingest = Ingest(service, "replica", job_name, "internal", job.model_spec, job.spec.max_update_bytes, length,
-                        version=version)
+        agent = service.agent
+
+        def admit(layout: fmt.Layout) -> tuple[bytes, int]:
+            reply, fds = agent.call(AdmitReplica(job_name, version, layout.total_size))
+            return reply.key, fds[0]
+
+        sink = BlobSink(limit=job.spec.max_update_bytes, spec=job.model_spec, admit=admit, mappings=service.mappings,
+                        layouts=service.layouts, expected_size=length)
         try:
-            sink = ingest.sink
             while not sink.done:
                 n = response.readinto(sink.buffer())
                 if not n:
                     sink.check_complete()
                 sink.advance(n)
-            ingest.finish()
+            agent.call(InstallReplica(sink.key))  # type: ignore[arg-type]
         except BaseException as e:
-            ingest.abort(e if isinstance(e, LiflError) else None)
+            if sink.key is not None:  # given back at once: the agent's connection outlives this fetch
+                agent.request(Abort(sink.key, e.code if isinstance(e, LiflError) else "aborted"))
             raise
     finally:
         conn.close()

@@ -1,53 +1,98 @@
-"""Socket plumbing shared by the gateway's front ends: a listener with a thread per connection,
-a read side on which small reads go through a buffer while bulk reads land directly in the
-caller's memory (a shared-memory object) with no intermediate copy, and sendfile out of it.
+"""Socket plumbing shared by the gateway's front ends, served by one event loop
+(``lifl.net.loop.Loop``): a listener, and connections that are state machines instead of
+threads.
+
+A ``Conn`` reads without blocking: small reads (request heads, frame headers) go through a
+read-ahead buffer of at most ``READ_AHEAD`` bytes at a time, while bulk reads land directly in
+the caller's memory (``read_into``: a shared-memory object) with no intermediate copy. It
+writes without blocking too: gather lists with one ``sendmsg``, files (shared-memory objects)
+with ``sendfile``; what the socket does not take waits until it is writable, and a callback
+queued behind the bytes (``write(..., then=...)``) runs once they are sent. Its protocol (the
+HTTP or gRPC front end) is told when it is ``readable``, and it raises ``Wait`` when it needs
+bytes that have not come, or ``PeerGone`` when the peer went away.
 
 A few connections must not deny service to the rest, so everything a peer can hold is
 bounded (``lifl.net.limits.ConnectionLimits``; the gateway's command-line flags set them):
 
 - time: a connection waiting for its next request is closed after ``idle_timeout``; a
   request head must be complete ``head_timeout`` after its first byte; a body must keep up
-  ``min_body_rate`` (after ``body_grace``, averaged over ``body_window``: see RateMeter). A
-  stalled read raises the builtin ``TimeoutError``, so the front end can abort what the peer
-  held (an upload's round slot).
+  ``min_body_rate`` (after ``body_grace``, averaged over ``body_window``: see RateMeter), or
+  have a byte at least every ``idle_timeout``; a peer that reads nothing of what is sent to it
+  for ``idle_timeout`` is cut off. Deadlines are checked every ``TIMER_RESOLUTION`` seconds by
+  one timer per server, not one per connection; a stalled request is its protocol's to answer
+  (``expired``), so the front end can abort what the peer held (an upload's round slot).
+  Time the gateway spends on a request (the agent, Redis) is never charged to its peer.
 - connections: at most ``max_connections`` in all and ``max_per_peer`` from one address.
   Over a limit, a new connection displaces the oldest one that is only waiting for (or still
   sending) a request head, the peer's own first; failing that it may take one of a few
   reserved slots, on which the front end answers only cheap requests (HTTP health checks),
-  so those keep working while the limits are full. Anything else is refused from the
-  accept loop without a thread.
+  so those keep working while the limits are full. Anything else is refused at once, by the
+  accept handler (``refuse``).
 - memory: reads allocate as bytes arrive, never what the peer announces.
 
-With TLS (``ThreadedServer.use_tls``) each connection's handshake runs on its own thread,
-within ``head_timeout`` and evictable like a connection waiting for its head; one that fails
-(an untrusted client certificate, an old protocol version, plain text) ends that connection
-alone. Bulk reads still land in the caller's memory, decrypted there (lifl.net.tls).
+With TLS (``LoopServer.use_tls``) each connection's handshake runs on the loop too (the ssl
+module's non-blocking mode: ``SSLWantReadError`` and ``SSLWantWriteError`` say what to wait
+for), within ``head_timeout`` and evictable like a connection waiting for its head; one that
+fails (an untrusted client certificate, an old protocol version, plain text) ends that
+connection alone. Records are decrypted by ``recv_into`` straight into the caller's memory,
+as over plain TCP; writes are encrypted from the caller's memory (a gather list is joined into
+records of up to ``lifl.net.io.TLS_GATHER`` bytes, and a file is mapped and encrypted from the
+mapping: ``sendfile`` would bypass TLS).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
-import select
 import socket
 import ssl
+import sys
 import threading
 import time
+import traceback
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from lifl.net.io import TLS_GATHER
 from lifl.net.limits import ConnectionLimits
-from lifl.net.tls import TlsSocket
+from lifl.net.loop import Loop
 
 LISTEN_BACKLOG = 1024
-ACCEPT_BACKOFF = 0.05  # s to wait when the process is out of file descriptors
+ACCEPT_BACKOFF = 0.05  # s to stop accepting when the process is out of file descriptors
+ACCEPTS_PER_WAKE = 64  # connections accepted per readiness of the listener before other work gets a turn
+READ_AHEAD = 4096  # bytes one small read asks for: most of a body behind a head is then read straight into its destination
+TIMER_RESOLUTION = 0.1  # s between two checks of the connections' deadlines
+LINGER_SECONDS = 2.0  # after a last response, how long the client's remaining bytes are read and dropped
+MAX_GATHER = 64  # buffers in one sendmsg (well within IOV_MAX, 1024)
+LOOP_STOP_TIMEOUT = 10.0  # s a stopping server waits for the loop it started to end
+TLS_WRITE = 256 << 10  # plaintext bytes encrypted per TLS write call
 
-_FILL = 1 << 16  # the most one recv adds to the read buffer, whatever the peer announced
-_TIMEOUT_SLACK = 0.9  # a socket timeout within 10 % above the budget is kept (saves a syscall per recv)
-TLS_SEND_CHUNK = 1 << 20  # bytes of a file handed to TLS at a time, where sendfile cannot be used
+# What a connection is doing, which decides its deadline and whether it may be evicted.
+OPEN = "open"  # the protocol keeps its own time (gRPC): see Protocol.check
+HANDSHAKE = "handshake"  # TLS, before anything else: within head_timeout
+IDLE = "idle"  # waiting for the first byte of a request: idle_timeout
+HEAD = "head"  # the rest of the head, within head_timeout of its first byte
+BODY = "body"  # a body, at the minimum rate
+BUSY = "busy"  # a request is being served: nothing is read, no deadline but a stalled write's
+CLOSING = "closing"  # the last response is sent; only the peer's last bytes are still read
+EVICTABLE = frozenset({HANDSHAKE, IDLE, HEAD, CLOSING})  # no request in progress
+
+
+class Wait(Exception):
+    """What is asked for has not come yet: the connection's protocol is called again when the
+    socket is readable. Not an OSError, so that handlers of a call's own errors let it pass."""
+
+
+class PeerGone(Exception):
+    """The peer closed the connection (``eof``) or the socket failed."""
+
+    def __init__(self, message: str, *, eof: bool = False) -> None:
+        super().__init__(message)
+        self.eof = eof
 
 
 class RateMeter:
@@ -71,366 +116,666 @@ class RateMeter:
         return self._credit / self._rate if self._rate > 0 else float("inf")
 
 
-# What a Stream is reading, which decides how long a read may wait.
-_OPEN = "open"  # the socket's own timeout (a Stream nobody set a phase on: clients, gRPC)
-_HANDSHAKE = "handshake"  # TLS, before anything else: within head_timeout
-_IDLE = "idle"  # waiting for the first byte of a request: idle_timeout
-_HEAD = "head"  # the rest of the head, by a deadline set at its first byte
-_BODY = "body"  # a body, at the minimum rate
-_CLOSING = "closing"  # the last response is sent; only the peer's last bytes are still read
-_EVICTABLE = (_HANDSHAKE, _IDLE, _HEAD, _CLOSING)  # no request in progress
+class ConnectionProtocol:
+    """What a front end implements for each of its connections (``conn``); the defaults suit
+    a protocol with no deadlines of its own and nothing to give back."""
+
+    conn: Conn
+
+    def readable(self) -> None:
+        """Bytes (or the end) may be there: read what the protocol's state wants."""
+        raise NotImplementedError
+
+    def expired(self, phase: str) -> None:
+        """The deadline of ``phase`` (HEAD or BODY) passed: answer, and close."""
+        self.conn.close()
+
+    def check(self, now: float) -> None:
+        """In phase OPEN, every TIMER_RESOLUTION seconds: the protocol's own deadlines."""
+
+    def closed(self) -> None:
+        """The connection is closed: give back what its requests held."""
 
 
-class Stream:
-    def __init__(self, sock: socket.socket | TlsSocket, limits: ConnectionLimits | None = None) -> None:
-        self.sock = sock
-        self.limits = limits or ConnectionLimits()
-        self._buf = bytearray()
-        self._phase = _OPEN
-        self._deadline = 0.0  # of the wait for a request's first byte, then of its head
-        self._meter: RateMeter | None = None
-        self._lock = threading.Lock()  # phase changes against eviction by the accept loop
-        self._evicted = False
+class _File:
+    """A file to send (a shared-memory object): ``count`` bytes of ``fd`` from ``offset``."""
+
+    __slots__ = ("fd", "offset", "count")
+
+    def __init__(self, fd: int, count: int) -> None:
+        self.fd, self.offset, self.count = fd, 0, count
+
+
+class _Then:
+    """A callback queued behind bytes: it runs once they are sent."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+
+class Conn:
+    """One accepted connection (see the module docstring). Everything runs on the loop."""
+
+    def __init__(self, server: LoopServer, sock: socket.socket, peer: str, reserved: bool) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.limits = server.limits
+        self.sock = sock  # socket.socket or ssl.SSLSocket, non-blocking
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.peer = peer  # the source address, the unit of the per-peer limit
+        self.reserved = reserved  # admitted over the limits: serve only what the reserve is for, then close
         self.peer_certificate: dict[str, Any] | None = None  # a verified TLS client certificate (getpeercert())
+        self.protocol: ConnectionProtocol | None = None
+        self.inbuf = bytearray()  # bytes read ahead, not taken yet
+        self.closed = False
+        self.phase = OPEN
+        self._since = time.monotonic()  # when the phase's clock started
+        self.last_byte = self._since  # when a byte last arrived
+        self._meter: RateMeter | None = None
+        self._waiting_since: float | None = None  # in BODY: when the current wait for bytes began
+        self._charged = 0.0  # in BODY: up to when waiting has been charged to the meter
+        self._reading = False  # the protocol wants readable()
+        self._read_watch = False  # the loop watches for readability (it may while not _reading: see pause_reading)
+        self._read_wants_write = False  # TLS: a read must wait for the socket to be writable
+        self._watched = (False, False)
+        self._out: deque[memoryview | _File | _Then] = deque()
+        self._out_bytes = 0  # bytes queued (files counted too)
+        self._tls_pending: memoryview | None = None  # TLS: a record being written, retried as it is
+        self._write_progress = self._since  # when the peer last took bytes (or the queue last started)
+        self._close_by = 0.0  # in CLOSING: when the connection is closed at the latest
 
     # -- phases ---------------------------------------------------------------------------------
-    def handshake(self) -> bool:
-        """TLS: complete the handshake within ``head_timeout``; whether it succeeded (if not, the
-        connection is only to be closed). Until then the connection may be evicted."""
-        assert isinstance(self.sock, TlsSocket)
-        with self._lock:
-            self._phase = _HANDSHAKE
-        try:
-            self.sock.handshake(self.limits.head_timeout)
-        except (OSError, ValueError):  # ssl.SSLError and TimeoutError are OSErrors; ValueError: closed meanwhile
-            return False
-        with self._lock:
-            if self._evicted:
-                return False
-            self._phase = _OPEN
-        self.peer_certificate = self.sock.getpeercert() or None  # {}: a certificate that was not verified
-        return True
-
-    def expect_request(self) -> bool:
-        """Wait up to ``idle_timeout`` for the first byte of the next request, then start its
-        head's deadline; False if the peer closed the connection first. Until ``expect_body``
-        the connection may be evicted to make room for another."""
-        with self._lock:
-            self._phase = _IDLE
-        self._deadline = time.monotonic() + self.limits.idle_timeout
-        if not self._buf:
-            chunk = self._recv(self.sock.recv, _FILL)
-            if not chunk:
-                return False
-            self._buf += chunk
-        self._deadline = time.monotonic() + self.limits.head_timeout
-        self._phase = _HEAD
-        return True
-
-    def expect_body(self) -> None:
-        """The head is in: the request is being served (it is no longer evicted) and reads of
-        its body must keep up the minimum rate. EOFError if it was evicted meanwhile."""
-        with self._lock:
-            if self._evicted:
-                raise EOFError("the connection was closed to make room for others")
-            self._phase = _BODY
-            self._meter = RateMeter(self.limits.min_body_rate, self.limits.body_grace, self.limits.body_window)
-
-    def closing(self) -> None:
-        """The last response is sent: what is left of the connection may be evicted."""
-        with self._lock:
-            self._phase = _CLOSING
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
+        self._since = time.monotonic()
+        self._waiting_since = None
+        if phase == BODY:
+            limits = self.limits
+            self._meter = RateMeter(limits.min_body_rate, limits.body_grace, limits.body_window)
+            self._charged = self._since
 
     def evict(self) -> bool:
-        """Close the connection if it has no request in progress (see ``_EVICTABLE``)."""
-        with self._lock:
-            if self._phase not in _EVICTABLE or self._evicted:
-                return False
-            self._evicted = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)  # its thread's read ends (EOF) and the thread with it
-        except OSError:
-            pass
+        """Close the connection if it has no request in progress (see ``EVICTABLE``)."""
+        if self.phase not in EVICTABLE or self.closed:
+            return False
+        self.close()
         return True
 
-    # -- reading --------------------------------------------------------------------------------
-    def readinto(self, view: memoryview) -> int:
-        """Read up to len(view) bytes into view; 0 at end of stream."""
-        if self._buf:
-            n = min(len(view), len(self._buf))
-            view[:n] = self._buf[:n]
-            del self._buf[:n]
-            return n
-        return self._recv(self.sock.recv_into, view)
-
-    def read_exact(self, n: int) -> bytes:
-        """Exactly n bytes (small items: headers, frame prefixes); EOFError if the peer closes."""
-        while len(self._buf) < n:
-            self._fill(_FILL)
-        out = bytes(self._buf[:n])
-        del self._buf[:n]
-        return out
-
-    def read_some(self, limit: int) -> bytes:
-        """At least one and at most ``limit`` bytes."""
-        if not self._buf:
-            self._fill(_FILL)
-        out = bytes(self._buf[:limit])
-        del self._buf[:limit]
-        return out
-
-    def read_until(self, marker: bytes, limit: int) -> bytes | None:
-        """Bytes up to and including ``marker``, at most ``limit`` of them in all; None if the
-        marker does not come within ``limit`` bytes. EOFError if the peer closes first."""
-        start = 0
-        while True:
-            i = self._buf.find(marker, start, limit)
-            if i >= 0:
-                out = bytes(self._buf[: i + len(marker)])
-                del self._buf[: i + len(marker)]
-                return out
-            if len(self._buf) >= limit:
-                return None
-            start = max(0, len(self._buf) - len(marker) + 1)
-            self._fill(min(_FILL, limit - len(self._buf)))
-
-    def _fill(self, most: int) -> None:
-        chunk = self._recv(self.sock.recv, most)
-        if not chunk:
-            raise EOFError("connection closed")
-        self._buf += chunk
-
-    def _recv(self, receive: Callable[[Any], Any], arg: Any) -> Any:
-        """One recv (or recv_into) within the phase's budget; TimeoutError once it is spent."""
-        while True:
-            budget = self._budget()
-            if budget is not None:
-                if budget <= 0:
-                    raise TimeoutError(self._stall())
-                self._set_timeout(budget)
-            started = time.monotonic()
-            try:
-                got = receive(arg)
-            except TimeoutError:
-                if budget is None:
-                    raise
-                self._charge(started, 0)
-                continue  # spent, or the socket's timeout was shorter than what is left: see above
-            self._charge(started, got if isinstance(got, int) else len(got))
-            return got
-
-    def _charge(self, started: float, received: int) -> None:
-        if self._phase == _BODY:
-            assert self._meter is not None
-            self._meter.waited(time.monotonic() - started, received)
-
-    def _budget(self) -> float | None:
-        """Seconds the current read may wait for its first byte (None: the socket's timeout)."""
-        if self._phase in (_OPEN, _CLOSING):
-            return None
-        if self._phase in (_IDLE, _HEAD):
-            return self._deadline - time.monotonic()
-        assert self._meter is not None
-        return min(self.limits.idle_timeout, self._meter.time_left())
-
-    def _stall(self) -> str:
+    def check(self, now: float) -> None:
+        """The deadlines of the current phase (the server calls it every TIMER_RESOLUTION s)."""
         limits = self.limits
-        if self._phase == _IDLE:
-            return f"no request for {limits.idle_timeout:g} s"
-        if self._phase == _HEAD:
+        if (self._out or self._tls_pending is not None) and now - self._write_progress >= limits.idle_timeout:
+            self.close()  # the peer has read nothing for idle_timeout
+            return
+        phase = self.phase
+        if phase == IDLE:
+            if now - self._since >= limits.idle_timeout:
+                self.close()
+        elif phase in (HANDSHAKE, HEAD):
+            if now - self._since >= limits.head_timeout:
+                if phase == HANDSHAKE or self.protocol is None:
+                    self.close()
+                else:
+                    self.protocol.expired(phase)
+        elif phase == BODY:
+            if self._waiting_since is None:
+                return  # reading, or paused while the gateway works: not the peer's time
+            assert self._meter is not None
+            self._meter.waited(now - self._charged, 0)
+            self._charged = now
+            if self._meter.time_left() <= 0 or now - self._waiting_since >= limits.idle_timeout:
+                assert self.protocol is not None
+                self.protocol.expired(BODY)
+        elif phase == CLOSING:
+            if now >= self._close_by:
+                self.close()
+        elif phase == OPEN and self.protocol is not None:
+            self.protocol.check(now)
+
+    def stall_message(self) -> str:
+        """Why the current phase's deadline passed (for a 408 or a GOAWAY)."""
+        limits = self.limits
+        if self.phase == HEAD:
             return f"the request head was not complete {limits.head_timeout:g} s after its first byte"
         return (f"the body came slower than {limits.min_body_rate:g} bytes/s (averaged over {limits.body_window:g} s, "
                 f"after {limits.body_grace:g} s) or stopped for {limits.idle_timeout:g} s")
 
-    def _set_timeout(self, seconds: float) -> None:
-        current = self.sock.gettimeout()
-        if current is not None and _TIMEOUT_SLACK * current <= seconds <= 2 * current:
-            return  # close enough: a longer wait is cut short by the budget check, a shorter one retried
-        self.sock.settimeout(seconds)
+    # -- reading --------------------------------------------------------------------------------
+    def start_reading(self, *, at_once: bool = False) -> None:
+        """Have the protocol's ``readable`` called whenever bytes come, from now on; soon in any
+        case if ``at_once`` (the protocol has work that needs no byte), or if some may be waiting
+        already (in the read-ahead buffer, or decrypted in TLS's: epoll sees neither)."""
+        self._reading = True
+        if not self._read_watch:
+            self._read_watch = True
+            self._rewatch()
+        if at_once or self.inbuf or (self.tls and self.sock.pending()):  # type: ignore[attr-defined]
+            self.loop.post(self._readable)
 
-    # -- writing --------------------------------------------------------------------------------
-    def send_all(self, data: bytes) -> None:
-        """Send ``data``; TimeoutError if the peer reads nothing for ``idle_timeout`` s."""
-        self._set_timeout(self.limits.idle_timeout)
-        self.sock.sendall(data)
+    def read_now(self) -> None:
+        """``start_reading``, and call the protocol's ``readable`` now rather than on a later turn
+        of the loop (for a protocol whose state allows it to run inside its own callbacks)."""
+        self.start_reading()
+        self._readable()
 
+    def pause_reading(self) -> None:
+        """Read nothing until ``start_reading``: the gateway is busy with what came (its time is
+        not charged to the peer). The loop stops watching the socket only if it becomes readable
+        meanwhile (most pauses end before: a change of what epoll watches is a system call)."""
+        self._reading = False
+        self._stop_waiting()
 
-def sendfile_all(sock: socket.socket | TlsSocket, fd: int, count: int, timeout: float) -> None:
-    """Send ``count`` bytes of ``fd`` from offset 0 with sendfile (the kernel copies them from
-    shared memory into the socket); TimeoutError if the peer reads nothing for ``timeout`` s.
-    Over TLS, which sendfile would bypass, the bytes are encrypted from a mapping of ``fd``."""
-    if isinstance(sock, (TlsSocket, ssl.SSLSocket)):
-        _send_mapped(sock, fd, count, timeout)
-        return
-    offset = 0
-    while offset < count:
+    def fill(self, most: int = READ_AHEAD) -> int:
+        """Read up to ``most`` more bytes into ``inbuf``; how many came (at least one). Wait if
+        none are there; PeerGone at the end."""
+        data = self._recv(self.sock.recv, most)
+        self.inbuf += data
+        return len(data)
+
+    def read_into(self, view: memoryview) -> int:
+        """Read up to len(view) bytes into ``view``, from the read-ahead buffer first, else
+        straight from the socket (TLS: decrypted into it); at least one. Wait, or PeerGone."""
+        buffered = len(self.inbuf)
+        if buffered:
+            n = min(len(view), buffered)
+            view[:n] = self.inbuf[:n]
+            del self.inbuf[:n]
+            return n
+        return self._recv(self.sock.recv_into, view)
+
+    def _recv(self, receive: Callable[[Any], Any], arg: Any) -> Any:
+        """One non-blocking recv (or recv_into): what it got, at least a byte; Wait or PeerGone."""
         try:
-            sent = os.sendfile(sock.fileno(), fd, offset, count - offset)
-        except BlockingIOError:  # a socket with a timeout is non-blocking underneath
-            if not select.select([], [sock], [], timeout)[1]:
-                raise TimeoutError(f"the peer stopped reading after {offset} of {count} bytes") from None
-            continue
+            got = receive(arg)
+        except (BlockingIOError, ssl.SSLWantReadError):
+            self._must_wait()
+        except ssl.SSLWantWriteError:
+            self._must_wait(write=True)
+        except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+            raise PeerGone("connection closed", eof=True) from None
+        except OSError as e:
+            raise PeerGone(str(e)) from None
+        n = got if isinstance(got, int) else len(got)
+        if n == 0:
+            raise PeerGone("connection closed", eof=True)
+        self._received(n)
+        return got
+
+    def take(self, n: int) -> bytes:
+        """The first ``n`` bytes of the read-ahead buffer (which has them)."""
+        out = bytes(self.inbuf[:n])
+        del self.inbuf[:n]
+        return out
+
+    def _must_wait(self, *, write: bool = False) -> None:
+        self._read_wants_write = write
+        if self.phase == BODY and self._waiting_since is None:
+            self._waiting_since = self._charged = time.monotonic()  # what came before was not waiting
+        if write:
+            self._rewatch()
+        raise Wait
+
+    def _received(self, n: int) -> None:
+        now = time.monotonic()
+        self.last_byte = now
+        if self.phase == BODY:
+            assert self._meter is not None
+            self._meter.waited(now - self._charged if self._waiting_since is not None else 0.0, n)
+            self._charged = now
+            self._waiting_since = None
+
+    def _stop_waiting(self) -> None:
+        if self.phase == BODY and self._waiting_since is not None:
+            assert self._meter is not None
+            now = time.monotonic()
+            self._meter.waited(now - self._charged, 0)
+            self._charged = now
+        self._waiting_since = None
+
+    def _readable(self) -> None:
+        if self.closed:
+            return
+        if not self._reading:
+            if self._read_watch:  # bytes came while paused: stop watching until start_reading
+                self._read_watch = False
+                self._rewatch()
+            return
+        self._read_wants_write = False
+        if self.protocol is not None:
+            self.protocol.readable()
+        elif self.phase == HANDSHAKE:
+            self.server.handshake(self)
+
+    # -- writing ----------------------------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        """Bytes waiting to be written."""
+        return self._out_bytes
+
+    def write(self, parts: Sequence[bytes | bytearray | memoryview], then: Callable[[], None] | None = None) -> None:
+        """Send ``parts`` (views of them are kept until they are sent: the caller must not change
+        them), then call ``then`` once they are."""
+        self._starting_to_write()
+        for part in parts:
+            if len(part):
+                view = part if isinstance(part, memoryview) else memoryview(part)
+                self._out.append(view)
+                self._out_bytes += len(view)
+        if then is not None:
+            self._out.append(_Then(then))
+        self.flush()
+
+    def sendfile(self, fd: int, count: int, then: Callable[[], None] | None = None) -> None:
+        """Send ``count`` bytes of ``fd`` from offset 0 (the kernel copies them from shared memory
+        into the socket; over TLS they are encrypted from a mapping of ``fd``). ``fd`` stays the
+        caller's: it must stay open until ``then`` runs or the connection closes."""
+        self._starting_to_write()
+        if count:
+            self._out.append(_File(fd, count))
+            self._out_bytes += count
+        if then is not None:
+            self._out.append(_Then(then))
+        self.flush()
+
+    def _starting_to_write(self) -> None:
+        """The peer's time to take what is queued starts now if nothing was queued."""
+        if not self._out and self._tls_pending is None:
+            self._write_progress = time.monotonic()
+
+    def flush(self) -> None:
+        """Write what the socket takes now; wait for it to be writable for the rest."""
+        if self.closed:
+            return
+        try:
+            while self._out or self._tls_pending is not None:
+                if self._tls_pending is None:
+                    head = self._out[0]
+                    if isinstance(head, _Then):
+                        self._out.popleft()
+                        head.fn()
+                        if self.closed:
+                            return
+                        continue
+                    if isinstance(head, _File):
+                        if self.tls:
+                            self._map_file(head)
+                            continue
+                        if not self._sendfile(head):
+                            break
+                        continue
+                if self.tls:
+                    if not self._tls_write():
+                        break
+                elif not self._sendmsg():
+                    break
+        except OSError:
+            self.close()  # the peer went away: its protocol learns it in closed()
+            return
+        self._rewatch()
+
+    def _sendmsg(self) -> bool:
+        views: list[memoryview] = []
+        for item in self._out:
+            if not isinstance(item, memoryview) or len(views) == MAX_GATHER:
+                break
+            views.append(item)
+        try:
+            sent = self.sock.sendmsg(views)
+        except BlockingIOError:
+            return False
+        self._sent(sent)
+        while sent:
+            head = self._out[0]
+            assert isinstance(head, memoryview)
+            if sent >= len(head):
+                sent -= len(head)
+                self._out.popleft()
+            else:
+                self._out[0] = head[sent:]
+                sent = 0
+        return True
+
+    def _sendfile(self, item: _File) -> bool:
+        try:
+            sent = os.sendfile(self.sock.fileno(), item.fd, item.offset, item.count - item.offset)
+        except BlockingIOError:
+            return False
         if sent == 0:
-            raise ConnectionError(f"the object ended after {offset} of {count} bytes")
-        offset += sent
+            raise ConnectionError(f"the object ended after {item.offset} of {item.count} bytes")
+        self._sent(sent)
+        item.offset += sent
+        if item.offset == item.count:
+            self._out.popleft()
+        return True
+
+    def _map_file(self, item: _File) -> None:
+        """TLS: replace a file by views of its mapping (closed once they are sent)."""
+        self._out.popleft()
+        mapping = mmap.mmap(item.fd, item.count, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
+        view = memoryview(mapping)
+        parts: list[memoryview | _Then] = [view[i : i + TLS_WRITE] for i in range(0, item.count, TLS_WRITE)]
+
+        def unmap() -> None:
+            try:
+                view.release()
+                mapping.close()
+            except BufferError:  # a view of it is still referenced somewhere: the collector closes it
+                pass
+
+        parts.append(_Then(unmap))
+        self._out.extendleft(reversed(parts))
+
+    def _tls_write(self) -> bool:
+        """Encrypt and write one record's worth; a write that must wait is retried with the very
+        same bytes (OpenSSL's rule)."""
+        if self._tls_pending is None:
+            head = self._out.popleft()
+            assert isinstance(head, memoryview)
+            if len(head) < TLS_GATHER and self._out and isinstance(self._out[0], memoryview):
+                joined = bytearray(head)  # small parts (frame headers) travel together, one record
+                while self._out and isinstance(self._out[0], memoryview) and len(joined) < TLS_GATHER:
+                    joined += self._out.popleft()
+                head = memoryview(joined)
+            elif len(head) > TLS_WRITE:
+                self._out.appendleft(head[TLS_WRITE:])
+                head = head[:TLS_WRITE]
+            self._tls_pending = head
+        try:
+            sent = self.sock.send(self._tls_pending)
+        except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+            return False
+        self._sent(sent)
+        rest = self._tls_pending[sent:]
+        self._tls_pending = rest if len(rest) else None
+        return True
+
+    def _sent(self, n: int) -> None:
+        self._out_bytes -= n
+        self._write_progress = time.monotonic()
+
+    def _writable(self) -> None:
+        if self._read_wants_write:
+            self._read_wants_write = False
+            self._readable()
+        self.flush()
+
+    def _rewatch(self) -> None:
+        if self.closed:
+            return
+        writing = bool(self._out) or self._tls_pending is not None or self._read_wants_write
+        wanted = (self._read_watch, writing)
+        if wanted != self._watched:
+            self._watched = wanted
+            self.loop.watch(self.sock, self._readable if wanted[0] else None, self._writable if wanted[1] else None)
+
+    # -- the end ---------------------------------------------------------------------------------
+    def linger(self) -> None:
+        """The last response is sent: half-close, and read (and drop) what the client still sends
+        for up to LINGER_SECONDS, so that it sees our response and not a reset."""
+        if self.closed:
+            return
+        try:
+            socket.socket.shutdown(self.sock, socket.SHUT_WR)  # TCP's own (no TLS close_notify)
+        except OSError:
+            self.close()
+            return
+        self.set_phase(CLOSING)
+        self._close_by = self._since + LINGER_SECONDS
+        self.protocol = _Discard(self)
+        self.start_reading()
+
+    def close_when_sent(self, timeout: float) -> None:
+        """Close once what is queued is sent, or after ``timeout`` s at the latest; read nothing more."""
+        if self.closed:
+            return
+        self.pause_reading()
+        self.set_phase(CLOSING)
+        self._close_by = self._since + timeout
+        self.write([], then=self.close)
+
+    def close(self) -> None:
+        """Close now (what is queued is dropped); the protocol gives back what its requests held."""
+        if not self.closed:
+            self.closed = True
+            self._release()
+
+    def _release(self) -> None:
+        self.loop.unwatch(self.sock)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        self._out.clear()
+        self._tls_pending = None
+        self.server.forget(self)
+        if self.protocol is not None:
+            try:
+                self.protocol.closed()
+            except Exception:  # a bug: the rest of the loop's work must go on
+                traceback.print_exc()
 
 
-def _send_mapped(sock: socket.socket | TlsSocket, fd: int, count: int, timeout: float) -> None:
-    if count == 0:
-        return
-    mapping = mmap.mmap(fd, count, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
-    try:
-        sock.settimeout(timeout)  # a TLS socket's timeout bounds each wait for the peer to read
-        with memoryview(mapping) as view:
-            for offset in range(0, count, TLS_SEND_CHUNK):
-                sock.sendall(view[offset : offset + TLS_SEND_CHUNK])
-    finally:
-        mapping.close()
+class _Discard(ConnectionProtocol):
+    """A lingering connection's protocol: the peer's last bytes are read and dropped."""
+
+    def __init__(self, conn: Conn) -> None:
+        self.conn = conn
+
+    def readable(self) -> None:
+        conn = self.conn
+        try:
+            while socket.socket.recv(conn.sock, 1 << 16):  # raw: TLS records are dropped unread
+                pass
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        conn.close()
 
 
-@dataclass(eq=False)
-class Connection:
-    sock: socket.socket | TlsSocket
-    peer: str  # the source address, the unit of the per-peer limit
-    stream: Stream
-    reserved: bool  # admitted over the limits: serve only what ``reserve`` is for, then close
+class LoopServer(ABC):
+    """Accepts connections and serves them all from ``loop`` within ``limits`` (see the module
+    docstring); subclasses make each connection's protocol (``protocol``) and may implement
+    ``refuse``. ``reserve`` slots beyond the limits are used only by subclasses that serve
+    reserved connections cheaply."""
 
-
-class ThreadedServer(ABC):
-    """Accepts connections and serves each on its own thread within ``limits`` (see the module
-    docstring); subclasses implement ``serve`` and may implement ``refuse``. ``reserve`` slots
-    beyond the limits are used only by subclasses that serve reserved connections cheaply."""
-
-    def __init__(self, host: str, port: int, limits: ConnectionLimits | None = None, *, reserve: int = 0) -> None:
+    def __init__(self, loop: Loop, host: str, port: int, limits: ConnectionLimits | None = None, *, reserve: int = 0) -> None:
+        self.loop = loop
         self._sock = socket.create_server((host, port), backlog=LISTEN_BACKLOG)
+        self._sock.setblocking(False)
         self.address = self._sock.getsockname()[:2]
         self.limits = limits or ConnectionLimits()
         self._reserve = reserve
-        self._lock = threading.Lock()
-        self._by_peer: dict[str, list[Connection]] = {}  # ordinary connections, oldest first
-        self._reserved: list[Connection] = []
-        self._by_sock: dict[socket.socket, Connection] = {}
+        self._by_peer: dict[str, list[Conn]] = {}  # ordinary connections, oldest first
+        self._reserved: list[Conn] = []
         self._ordinary = 0
-        self._stopped = False
         self._tls: ssl.SSLContext | None = None
+        self._sweeper: Any = None
+        self._stopped = False
+        self._loop_thread: threading.Thread | None = None  # the loop's, if this server started it
 
     def use_tls(self, context: ssl.SSLContext) -> None:
         """Serve TLS with ``context`` (lifl.net.tls.ServerTls.context); call before ``start``."""
         self._tls = context
 
+    @property
+    def connections(self) -> int:
+        """Connections open now (reserved ones included)."""
+        return self._ordinary + len(self._reserved)
+
     def start(self) -> None:
-        threading.Thread(target=self._accept_loop, name=f"{type(self).__name__}-accept", daemon=True).start()
+        """Listen. The loop is started if nothing started it yet (with its pools' threads): then
+        it is this server's, and ``stop`` ends it."""
+        if self.loop.running:
+            self.loop.call(self._listen)
+            return
+        self._listen()
+        self.loop.start_pools()
+        self._loop_thread = self.loop.start()
 
     def stop(self) -> None:
+        """Stop listening and close every connection (what their requests held is given back);
+        then end the loop and its pools if this server started them."""
+        if self.loop.running and not self.loop.in_loop():
+            self.loop.call(self._shut)
+        else:
+            self._shut()
+        if self._loop_thread is not None:
+            self.loop.stop()
+            self._loop_thread.join(LOOP_STOP_TIMEOUT)
+            self.loop.close()
+            self._loop_thread = None
+
+    def _listen(self) -> None:
+        self.loop.watch(self._sock, self._accept)
+        self._sweeper = self.loop.every(f"{type(self).__name__} deadlines", TIMER_RESOLUTION, self._sweep)
+
+    def _shut(self) -> None:
         self._stopped = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept loop
-        except OSError:
-            pass
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self.loop.unwatch(self._sock)
         self._sock.close()
+        for conn in [*self._reserved, *(c for conns in self._by_peer.values() for c in conns)]:
+            conn.close()
 
-    def connection(self, sock: socket.socket | TlsSocket) -> Connection:
-        """The record of a connection being served (its Stream carries the limits)."""
-        return self._by_sock[sock]
-
-    def _accept_loop(self) -> None:
-        while True:
+    # -- accepting --------------------------------------------------------------------------------
+    def _accept(self) -> None:
+        for _ in range(ACCEPTS_PER_WAKE):
             try:
                 sock, address = self._sock.accept()
+            except BlockingIOError:
+                return
             except OSError as e:
                 if self._stopped:
                     return
                 if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    time.sleep(ACCEPT_BACKOFF)  # out of descriptors or memory: let connections end
-                continue
+                    self._pause_accepting()  # out of descriptors or memory: let connections end
+                    return
+                continue  # the peer reset it before we took it
+            sock.setblocking(False)
             if self._tls is not None:
-                try:  # no I/O yet: the handshake is the connection's thread's
-                    sock = TlsSocket(self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False))
-                except OSError:  # reset before it could be wrapped
+                try:  # no I/O yet: the handshake is the loop's, in turns
+                    sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                except OSError:
                     sock.close()
                     continue
             conn = self._admit(sock, str(address[0]))
             if conn is None:
                 self._refuse(sock)
                 continue
-            try:
-                threading.Thread(target=self._run, args=(conn,), daemon=True).start()
-            except RuntimeError:  # no thread to be had
-                self._release(conn)
+            self._serve(conn)
 
-    def _admit(self, sock: socket.socket | TlsSocket, peer: str) -> Connection | None:
+    def _pause_accepting(self) -> None:
+        self.loop.unwatch(self._sock)
+
+        def resume() -> None:
+            if not self._stopped:
+                self.loop.watch(self._sock, self._accept)
+
+        self.loop.later(ACCEPT_BACKOFF, resume)
+
+    def _admit(self, sock: socket.socket, peer: str) -> Conn | None:
         """Register a new connection, making room over a limit if it can; None: refuse it."""
         limits = self.limits
-        with self._lock:
-            mine = self._by_peer.get(peer, [])
-            reserved = False
-            if len(mine) >= limits.max_per_peer:
-                room = self._evict_oldest(mine)
-            elif self._ordinary >= limits.max_connections:
-                room = any(self._evict_oldest(c) for c in sorted(self._by_peer.values(), key=len, reverse=True))
-            else:
-                room = True
-            if not room:
-                if len(self._reserved) >= self._reserve and not self._evict_oldest(self._reserved):
-                    return None
-                reserved = True
-            conn = Connection(sock, peer, Stream(sock, limits), reserved)
-            if reserved:
-                self._reserved.append(conn)
-            else:
-                self._by_peer.setdefault(peer, []).append(conn)
-                self._ordinary += 1
-            self._by_sock[sock] = conn
-            return conn
+        mine = self._by_peer.get(peer, [])
+        reserved = False
+        if len(mine) >= limits.max_per_peer:
+            room = self._evict_oldest(mine)
+        elif self._ordinary >= limits.max_connections:
+            room = any(self._evict_oldest(c) for c in sorted(self._by_peer.values(), key=len, reverse=True))
+        else:
+            room = True
+        if not room:
+            if len(self._reserved) >= self._reserve and not self._evict_oldest(self._reserved):
+                return None
+            reserved = True
+        conn = Conn(self, sock, peer, reserved)
+        if reserved:
+            self._reserved.append(conn)
+        else:
+            self._by_peer.setdefault(peer, []).append(conn)
+            self._ordinary += 1
+        return conn
 
-    def _evict_oldest(self, candidates: list[Connection]) -> bool:
-        """Close the oldest of ``candidates`` that has no request in progress (lock held)."""
-        for conn in candidates:
-            if conn.stream.evict():
-                self._forget(conn)
-                return True
-        return False
+    @staticmethod
+    def _evict_oldest(candidates: list[Conn]) -> bool:
+        """Close the oldest of ``candidates`` that has no request in progress."""
+        return any(conn.evict() for conn in list(candidates))
 
-    def _forget(self, conn: Connection) -> None:
-        if self._by_sock.pop(conn.sock, None) is None:
-            return  # already evicted
+    def forget(self, conn: Conn) -> None:
+        """A connection closed (Conn.close calls it)."""
         if conn.reserved:
-            self._reserved.remove(conn)
+            if conn in self._reserved:
+                self._reserved.remove(conn)
             return
-        mine = self._by_peer[conn.peer]
+        mine = self._by_peer.get(conn.peer)
+        if mine is None or conn not in mine:
+            return
         mine.remove(conn)
         if not mine:
             del self._by_peer[conn.peer]
         self._ordinary -= 1
 
-    def _release(self, conn: Connection) -> None:
-        with self._lock:  # closing under the lock: an eviction never shuts down a reused descriptor
-            self._forget(conn)
-            conn.sock.close()
-
-    def _refuse(self, sock: socket.socket | TlsSocket) -> None:
-        """Over every limit: answer from the accept loop without waiting, and close (over TLS
-        just close: an answer would need a handshake)."""
+    def _refuse(self, sock: socket.socket) -> None:
+        """Over every limit: answer without waiting, and close (over TLS just close: an answer
+        would need a handshake)."""
         try:
-            if isinstance(sock, socket.socket):
-                sock.setblocking(False)
+            if not isinstance(sock, ssl.SSLSocket):
                 self.refuse(sock)
         except OSError:
             pass
         finally:
             sock.close()
 
-    def _run(self, conn: Connection) -> None:
+    def _serve(self, conn: Conn) -> None:
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if conn.tls:
+            conn.set_phase(HANDSHAKE)
+            conn.start_reading()  # handshake() runs when the client's hello comes
+            return
+        self._open(conn)
+
+    def handshake(self, conn: Conn) -> None:
+        """One step of a TLS handshake (its connection was readable, or writable as OpenSSL asked)."""
         try:
-            if self._tls is None or conn.stream.handshake():
-                self.serve(conn.sock)
-        finally:
-            self._release(conn)
+            conn.sock.do_handshake()  # type: ignore[attr-defined]
+        except ssl.SSLWantReadError:
+            return
+        except ssl.SSLWantWriteError:
+            conn._read_wants_write = True
+            conn._rewatch()
+            return
+        except (OSError, ValueError):  # ssl.SSLError is an OSError: a failed handshake ends its connection alone
+            conn.close()
+            return
+        conn.peer_certificate = conn.sock.getpeercert() or None  # type: ignore[attr-defined]  # {}: not verified
+        conn.set_phase(OPEN)
+        self._open(conn)
+
+    def _open(self, conn: Conn) -> None:
+        try:
+            conn.protocol = self.protocol(conn)
+        except Exception:
+            traceback.print_exc()
+            conn.close()
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for conns in [self._reserved, *self._by_peer.values()]:
+            for conn in list(conns):
+                if not conn.closed:
+                    try:
+                        conn.check(now)
+                    except Exception:  # a bug in one connection's protocol: close it, go on
+                        print("lifl gateway: checking a connection's deadlines failed", file=sys.stderr)
+                        traceback.print_exc()
+                        conn.close()
 
     @abstractmethod
-    def serve(self, sock: socket.socket | TlsSocket) -> None:
-        """Speak the front end's protocol on one connection until it ends; ``connection(sock)``
-        gives its record and Stream (with TLS, ``sock`` is a TlsSocket, its handshake done)."""
+    def protocol(self, conn: Conn) -> ConnectionProtocol:
+        """The protocol that serves ``conn`` from now on (its handshake done, if TLS); it starts
+        reading (``conn.start_reading``) when it is ready to."""
 
     def refuse(self, sock: socket.socket) -> None:
         """Called with a non-blocking socket for a connection over every limit, before it is closed."""

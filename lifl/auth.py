@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import json
 import re
 import secrets
@@ -48,7 +49,14 @@ MAX_TTL_S = 366 * 86400  # the longest a token may live
 DEFAULT_TTL_S = 86400.0
 MIN_TTL_S = 1.0
 MAX_TOKENS_PER_TENANT = 100_000  # tenant and client tokens of one tenant, live ones
-CACHE_SECONDS = 0.5  # a gateway re-reads a token this often: revocation and expiry take effect within it
+# A gateway authenticates a token from what it read of it at most CACHE_SECONDS ago: a token
+# revoked (or replaced) is refused by every gateway within CACHE_SECONDS of its revocation, at
+# once by the gateway that revoked it; an expired one from the millisecond it expires, cached or
+# not (docs/security.md). The bound is at most 1 s (tests/test_auth.py, tests/test_security.py).
+CACHE_SECONDS = 0.5
+REFRESH_SECONDS = 0.2  # hot entries are read again this often, in the background: they never go stale while Redis answers
+HOT_SECONDS = 10.0  # an entry used within this long is hot (refreshed); a colder one is read again when next used
+MAX_REFRESHED = 4096  # hot entries read again per refresh (one pipelined Redis call); more are read when used
 CACHE_ENTRIES = 65536  # tokens a gateway remembers at once (the cache is emptied past it)
 INTERNAL_TOKEN_KEY = "lifl:internal-token"  # what gateways present to each other
 
@@ -270,15 +278,37 @@ return 1
 """
 
 
+class _Entry:
+    """What a gateway read of one token: when it started reading (its age is counted from
+    there, so a read that raced a revocation is never taken for a later one), the secret's
+    hash and the record; ``used`` is when a request last presented it (hot entries are
+    refreshed in the background)."""
+
+    __slots__ = ("read_at", "hash", "record", "used")
+
+    def __init__(self, read_at: float, token_hash: str, record: TokenRecord) -> None:
+        self.read_at, self.hash, self.record, self.used = read_at, token_hash, record, read_at
+
+
+class _NotCached(Exception):
+    """The cache cannot answer without Redis (``Tokens.cached``)."""
+
+
 @dependency_errors
 class Tokens:
-    """Tokens in Redis, and a gateway's short-lived cache of them (``authenticate``)."""
+    """Tokens in Redis, and a gateway's cache of them.
+
+    ``authenticate`` reads Redis when its cached entry is missing or older than CACHE_SECONDS;
+    ``cached`` never does (an event loop's fast path: None when it cannot answer), and
+    ``refresh`` (a periodic duty, off the loop) reads the hot entries again, every
+    REFRESH_SECONDS, so that requests rarely find them stale. The cache is shared by the
+    loop's thread and the pool's: a lock guards the dictionary, never a Redis call."""
 
     def __init__(self, client: redis.Redis, clock: Callable[[], float] = time.monotonic) -> None:
         self.redis = client
         self._clock = clock  # ages cache entries
         self._create = client.register_script(_CREATE)
-        self._cache: dict[str, tuple[float, str, TokenRecord]] = {}
+        self._cache: dict[str, _Entry] = {}
         self._lock = threading.Lock()
         self._internal: str | None = None
 
@@ -347,35 +377,88 @@ class Tokens:
 
     # -- authenticating ---------------------------------------------------------------------------
     def authenticate(self, token: str) -> Principal:
-        """The caller a bearer token stands for; Unauthenticated if it is unknown, expired or revoked."""
+        """The caller a bearer token stands for; Unauthenticated if it is unknown, expired or
+        revoked. Reads Redis when the cache cannot answer."""
+        return self._verify(token, self._lookup, self.internal_token)
+
+    def cached(self, token: str) -> Principal | None:
+        """``authenticate`` from the cache alone: the caller, Unauthenticated, or None when only
+        Redis can tell (an entry missing or older than CACHE_SECONDS). Never blocks."""
+        try:
+            return self._verify(token, self._cached_entry, self._cached_internal)
+        except _NotCached:
+            return None
+
+    def _verify(self, token: str, lookup: Callable[[str], _Entry | None], internal: Callable[[], str]) -> Principal:
         match = TOKEN.fullmatch(token)
+        hashed = digest(token)
         # an issued token names its record; anything else may be the operator's (of its own making)
         # or the gateways' internal one
         for token_id in ([match.group(1)] if match else []) + [OPERATOR_TOKEN_ID]:
-            entry = self._lookup(token_id)
-            if entry is not None and hmac.compare_digest(entry[1], digest(token)):
-                record = entry[2]
+            entry = lookup(token_id)
+            if entry is not None and hmac.compare_digest(entry.hash, hashed):
+                record = entry.record
                 if record.expires and record.expires <= time.time():
                     raise Unauthenticated("the token has expired", code="unauthenticated")
                 return record.principal()
-        if match is None and hmac.compare_digest(token.encode(), self.internal_token().encode()):
+        if match is None and hmac.compare_digest(token.encode(), internal().encode()):
             return NODE_PRINCIPAL
         raise Unauthenticated("the token is unknown, expired or revoked", code="unauthenticated")
 
-    def _lookup(self, token_id: str) -> tuple[float, str, TokenRecord] | None:
+    def _cached_entry(self, token_id: str) -> _Entry | None:
         now = self._clock()
         with self._lock:
             entry = self._cache.get(token_id)
-        if entry is not None and now - entry[0] < CACHE_SECONDS:
-            return entry
+            if entry is None or now - entry.read_at >= CACHE_SECONDS:
+                raise _NotCached(token_id)
+            entry.used = now
+        return entry
+
+    def _cached_internal(self) -> str:
+        if self._internal is None:
+            raise _NotCached(INTERNAL_TOKEN_KEY)
+        return self._internal
+
+    def _lookup(self, token_id: str) -> _Entry | None:
+        try:
+            return self._cached_entry(token_id)
+        except _NotCached:
+            pass
+        now = self._clock()
         stored = self.redis.hgetall(token_key(token_id))
         if not stored:
             with self._lock:
                 self._cache.pop(token_id, None)
             return None
-        fresh = (now, stored["hash"], TokenRecord(**json.loads(stored["record"])))
+        fresh = _Entry(now, stored["hash"], TokenRecord(**json.loads(stored["record"])))
         with self._lock:
             if len(self._cache) >= CACHE_ENTRIES:
                 self._cache.clear()
             self._cache[token_id] = fresh
         return fresh
+
+    def refresh(self) -> int:
+        """Read the hot entries again in one pipelined call (at most MAX_REFRESHED) and forget
+        entries nobody used for HOT_SECONDS; how many were read. Blocks: run it off the loop."""
+        now = self._clock()
+        with self._lock:
+            cold = [i for i, e in self._cache.items() if now - e.used >= HOT_SECONDS]
+            for token_id in cold:
+                del self._cache[token_id]
+            hot = list(itertools.islice(self._cache, MAX_REFRESHED))
+        if not hot:
+            return 0
+        pipe = self.redis.pipeline(transaction=False)
+        for token_id in hot:
+            pipe.hgetall(token_key(token_id))
+        stored = pipe.execute()
+        with self._lock:
+            for token_id, fields in zip(hot, stored):
+                old = self._cache.get(token_id)
+                if not fields:
+                    self._cache.pop(token_id, None)  # revoked or expired: the next request is refused
+                elif old is not None and old.read_at < now:  # not revoked here meanwhile, nor read since
+                    fresh = _Entry(now, fields["hash"], TokenRecord(**json.loads(fields["record"])))
+                    fresh.used = old.used
+                    self._cache[token_id] = fresh
+        return len(hot)

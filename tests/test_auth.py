@@ -247,6 +247,52 @@ def test_revocation_reaches_every_gateway_within_the_cache_age(state: ClusterSta
     assert auth.CACHE_SECONDS <= 1.0
 
 
+def test_the_cache_alone_answers_from_fresh_entries_only(state: ClusterState) -> None:
+    """``cached`` (an event loop's fast path) never reads Redis: it answers from entries younger
+    than CACHE_SECONDS, and says it cannot (None) otherwise."""
+    clock = [0.0]
+    here, there = Tokens(state.redis), Tokens(state.redis, clock=lambda: clock[0])
+    record, token = here.create(TokenSpec(TENANT, "a"))
+    assert there.cached(token) is None  # never read here: only Redis can tell
+    assert there.authenticate(token).role == TENANT
+    assert there.cached(token) == there.authenticate(token)
+    forged = _flip_last(token)
+    assert there.cached(forged) is None  # it might be the operator's token (any string is): Redis decides
+    here.register_operator("o" * 32)
+    assert there.authenticate("o" * 32).role == OPERATOR  # now the operator's entry is cached too
+    with pytest.raises(Unauthenticated):
+        there.cached(forged)  # neither entry's secret: refused without Redis
+    here.revoke(record.id)
+    clock[0] = auth.CACHE_SECONDS * 0.9
+    assert there.cached(token).role == TENANT  # another gateway may still take it...
+    clock[0] = auth.CACHE_SECONDS
+    assert there.cached(token) is None  # ...until its entry is CACHE_SECONDS old: then Redis decides
+    with pytest.raises(Unauthenticated):
+        there.authenticate(token)
+
+
+def test_refresh_keeps_hot_entries_fresh_and_forgets_revoked_and_cold_ones(state: ClusterState) -> None:
+    clock = [0.0]
+    here, there = Tokens(state.redis), Tokens(state.redis, clock=lambda: clock[0])
+    (kept, kept_token), (revoked, revoked_token) = here.create(TokenSpec(TENANT, "a")), here.create(TokenSpec(TENANT, "a"))
+    _, cold_token = here.create(TokenSpec(TENANT, "a"))
+    for token in (kept_token, revoked_token, cold_token):
+        assert there.authenticate(token).role == TENANT
+    clock[0] = auth.HOT_SECONDS / 2
+    assert there.cached(kept_token) is None and there.authenticate(kept_token)  # used again: hot
+    assert there.authenticate(revoked_token)
+    here.revoke(revoked.id)
+    clock[0] = auth.HOT_SECONDS
+    assert there.refresh() == 2  # the two used within HOT_SECONDS; the cold one is forgotten
+    clock[0] = auth.HOT_SECONDS + auth.CACHE_SECONDS * 0.9
+    assert there.cached(kept_token).role == TENANT  # read again by the refresh: fresh without a request's read
+    assert there.cached(revoked_token) is None  # gone from the cache: the next request asks Redis...
+    with pytest.raises(Unauthenticated):
+        there.authenticate(revoked_token)  # ...which refuses it
+    assert there.cached(cold_token) is None
+    assert auth.REFRESH_SECONDS < auth.CACHE_SECONDS <= 1.0  # hot entries never go stale while Redis answers
+
+
 def test_listing_and_revoking(state: ClusterState) -> None:
     tokens = Tokens(state.redis)
     a1, _ = tokens.create(TokenSpec(CLIENT, "a", "a1"))

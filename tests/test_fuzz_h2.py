@@ -178,10 +178,12 @@ class BytesSource:
         self._data, self._most, self.left = memoryview(data), most, len(data)
 
     def take(self, limit: int) -> bytes:
-        n = min(limit, self.left, self._most)
-        out = bytes(self._data[:n])
-        self._data, self.left = self._data[n:], self.left - n
+        out = self.peek(limit)
+        self._data, self.left = self._data[len(out):], self.left - len(out)
         return out
+
+    def peek(self, limit: int) -> bytes:
+        return bytes(self._data[: min(limit, self.left, self._most)])
 
     def readinto(self, view: memoryview) -> int:
         n = min(len(view), self.left, self._most)

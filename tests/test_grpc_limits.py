@@ -20,6 +20,7 @@ from lifl.net import lifl_pb2 as pb
 from lifl.gateway.grpc_server import SERVICE, GrpcLimits, GrpcServer
 from lifl.gateway.service import GatewayMetrics
 from lifl.net.limits import ConnectionLimits
+from lifl.net.loop import Loop
 from lifl.client.grpcwire import UploadConnection
 from lifl.net import h2
 from lifl.net.grpc import GRPC_STATUS, chunk_messages, message_prefix
@@ -30,6 +31,8 @@ FOREVER = 3600.0  # a flood period no test outlasts
 
 # -- a stand-in for GatewayService: uploads into memory, a model from a memfd -------------------------
 class MemorySink:
+    ready = True  # admitted at once
+
     def __init__(self, size: int) -> None:
         self.data = bytearray(size)
         self.received = 0
@@ -50,12 +53,13 @@ class FakeIngest:
         self.sink = MemorySink(size)
         self.aborted = threading.Event()
 
-    def finish(self) -> dict:
+    def finish(self, done) -> None:
         assert self.sink.done
-        return {"version": 0}
+        done({"version": 0}, None)
 
-    def abort(self, error) -> None:
+    def abort(self, error, then=lambda: None) -> None:
         self.aborted.set()
+        then()
 
 
 class FakeView:
@@ -72,22 +76,19 @@ class FakeView:
 
 class FakeService:
     def __init__(self, model: bytes = b"model bytes " * 1000) -> None:
+        self.loop = Loop("fake gateway")
         self.mappings = MappingCache()
         self.metrics = GatewayMetrics()
         self.model = model
         self.ingests: list[FakeIngest] = []
         self.released = 0
-        self.connections_ended = 0
 
-    def close_thread(self) -> None:  # the server calls it as a connection's thread ends
-        self.connections_ended += 1
+    def identify(self, authorization: str | None, certificate: dict | None, done) -> None:
+        done(Principal(OPERATOR), None)  # the server's limits are the subject here, not who calls
 
-    def authenticate(self, authorization: str | None, certificate: dict | None) -> Principal:
-        return Principal(OPERATOR)  # the server's limits are the subject here, not who calls
-
-    def begin_update(self, caller: Principal, job: str, fields: dict, protocol: str, size: int | None) -> FakeIngest:
+    def begin_update(self, caller: Principal, job: str, fields: dict, protocol: str, size: int | None, done) -> None:
         self.ingests.append(FakeIngest(size or 16))
-        return self.ingests[-1]
+        done(self.ingests[-1], None)
 
     def rounds(self, caller: Principal, job: str, limit: int) -> list:
         if job == "boom":
@@ -98,8 +99,8 @@ class FakeService:
             raise Unavailable("redis is down", retry_after=2.5)
         return []
 
-    def open_model(self, caller: Principal, job: str) -> FakeView:
-        return FakeView(self)
+    def open_model(self, caller: Principal, job: str, done) -> None:
+        done(FakeView(self), None)
 
 
 @pytest.fixture
@@ -364,12 +365,12 @@ def test_a_peer_that_stalls_inside_a_frame_ends_its_connection_and_uploads(start
 
 
 def test_the_upload_client_reconnects_after_an_idle_goaway(start) -> None:
-    address, service, _ = start(connections=ConnectionLimits(idle_timeout=3.0))  # a call's frames come well within it
+    address, service, server = start(connections=ConnectionLimits(idle_timeout=3.0))  # a call's frames come well within it
     conn = UploadConnection(address)
     meta = pb.UpdateMeta(job="j", client="c", samples=1, size=3).SerializeToString()
     try:
         assert pb.PushUpdateReply.FromString(conn.call(SERVICE + "PushUpdate", chunk_messages(meta, b"abc", 2))).version == 0
-        wait_for(lambda: service.connections_ended == 1, timeout=60, what="the idle connection to be closed")
+        wait_for(lambda: server.connections == 0, timeout=60, what="the idle connection to be closed")
         assert pb.PushUpdateReply.FromString(conn.call(SERVICE + "PushUpdate", chunk_messages(meta, b"xyz", 2))).version == 0
     finally:
         conn.close()
@@ -407,12 +408,12 @@ def test_a_download_with_credit_completes(start) -> None:
     assert service.model in body
 
 
-# -- threads ----------------------------------------------------------------------------------------------------
+# -- downloads and threads ---------------------------------------------------------------------------------------
 def get_model(peer: Peer, sid: int) -> bytes:
     return peer.unary(sid, "GetModel", pb.GetModelRequest(job="j").SerializeToString())
 
 
-def test_download_threads_are_capped_per_connection_and_in_all(start) -> None:
+def test_downloads_are_capped_per_connection_and_in_all(start) -> None:
     address, service, _ = start(GrpcLimits(max_downloads_per_connection=2, max_downloads=3, send_timeout=FOREVER))
     first, second = Peer(address, [(h2.INITIAL_WINDOW_SIZE, 0)]), Peer(address, [(h2.INITIAL_WINDOW_SIZE, 0)])
     first.send(get_model(first, 1), get_model(first, 3))  # at the connection's limit: both wait for credit

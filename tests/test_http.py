@@ -13,6 +13,7 @@ from conftest import OPERATOR_TOKEN, RunningNode, wait_for
 from lifl import format as fmt
 from lifl import kernels
 from lifl.auth import OPERATOR, Principal
+from lifl.net.loop import Loop
 
 MODEL = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.zeros(4, np.float32)}
 UPDATE = fmt.encode({"w": np.ones((3, 4), np.float32), "b": np.ones(4, np.float32)})
@@ -225,6 +226,20 @@ def test_surplus_update_of_a_full_round_is_refused(node: RunningNode) -> None:
     wait_for(lambda: node.json("GET", "/v1/jobs/f")[1]["version"] == 1, what="version 1")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("framing", [b"Content-Length: 0\r\n\r\n", b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"],
+                         ids=["length-0", "chunked-empty"])
+def test_an_empty_json_body_is_answered_without_the_connection_ending(node: RunningNode, framing: bytes) -> None:
+    """A body with no bytes needs none from the socket: it is answered while the client waits."""
+    host, port = node.http.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + OPERATOR_TOKEN.encode() + b"\r\n" + framing)
+        status, body = read_response(s)
+        assert (status, body["error"]["code"]) == (400, "bad_job")
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # and the connection goes on
+        assert read_response(s)[0] == 200
+
+
 def test_header_length_prefix_is_little_endian_u64() -> None:
     assert struct.unpack("<Q", UPDATE[:8])[0] + 8 < len(UPDATE)
 
@@ -232,14 +247,15 @@ def test_header_length_prefix_is_little_endian_u64() -> None:
 class _BrokenService:
     """Just enough of GatewayService for GET /v1/jobs to hit a bug."""
 
-    def authenticate(self, authorization: str | None, certificate: dict | None) -> Principal:
-        return Principal(OPERATOR)
+    def __init__(self) -> None:
+        self.loop = Loop("broken gateway")
+        self.open_metrics = False
+
+    def identify(self, authorization: str | None, certificate: dict | None, done) -> None:
+        done(Principal(OPERATOR), None)
 
     def job_names(self, caller: Principal) -> list[str]:
         raise RuntimeError("a bug")
-
-    def close_thread(self) -> None:
-        pass
 
 
 def test_unexpected_error_is_a_logged_500_and_the_server_goes_on(capfd: pytest.CaptureFixture[str]) -> None:

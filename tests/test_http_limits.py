@@ -25,7 +25,7 @@ from lifl import format as fmt
 from lifl.auth import Tokens
 from lifl.errors import Conflict, Overloaded
 from lifl.gateway.http import MAX_CHUNK_LINE, MAX_HEAD, MAX_HEADER_FIELDS, MAX_HEADER_LINE
-from lifl.gateway.ingest import BlobSink, LayoutCache
+from lifl.gateway.ingest import IDLE_CHECKERS, BlobSink, LayoutCache
 from lifl.gateway.stream import RateMeter
 from lifl.node.supervisor import Child
 from lifl.state import ClusterState
@@ -410,6 +410,23 @@ def test_layout_cache_is_bounded_by_bytes() -> None:
     too_big = LayoutCache(max_bytes=costs[0] - 1)
     too_big.remember(headers[0], None, False, layouts[0])
     assert (len(too_big), too_big.bytes) == (0, 0)
+
+
+def test_a_cached_layout_keeps_at_most_its_idle_checkers() -> None:
+    header = fmt.encode_header([("t", fmt.F32, (4,))])[8:]
+    layout = fmt.parse_header(header)
+    cache = LayoutCache()
+    cache.remember(header, None, False, layout)
+    made = [cache.checker(layout) for _ in range(IDLE_CHECKERS + 1)]  # one more than are kept
+    for checker in made:
+        checker.cursor = layout.total_size  # as a finished blob leaves it
+        cache.give_back(layout, checker)
+    again = [cache.checker(layout) for _ in range(IDLE_CHECKERS + 1)]
+    assert sum(any(c is m for m in made) for c in again) == IDLE_CHECKERS  # the kept ones serve again...
+    assert all(c.cursor == layout.data_start for c in again)  # ...from the start of the next blob
+    other = fmt.parse_header(header)  # a layout that is not cached keeps no checker
+    cache.give_back(other, cache.checker(other))
+    assert all(cache.checker(other) is not c for c in again)
 
 
 @pytest.mark.parametrize("refusal", [Conflict("full", code="round_full"), Overloaded("full", code="shm_exhausted")])

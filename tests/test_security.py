@@ -19,7 +19,7 @@ import pytest
 
 from conftest import OPERATOR_TOKEN, RunningNode, auth, read_response, wait_for
 from lifl import format as fmt
-from lifl.auth import Tokens
+from lifl.auth import CACHE_SECONDS, Tokens
 from lifl.client import Gateway
 from lifl.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthenticated, Unprocessable
 
@@ -326,6 +326,43 @@ def test_metrics_can_be_opened_to_scrapers_without_a_token(node: RunningNode) ->
             assert read_response(s)[0] == 401
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_token_revoked_through_another_gateway_is_refused_by_one_that_cached_it(node: RunningNode, protocol: str) -> None:
+    """The node's gateway answered a request with a token (it has it cached, and keeps it hot);
+    the token is revoked through another gateway of the cluster. Every gateway refuses it within
+    CACHE_SECONDS of the revocation (docs/security.md): the test waits for the refusal,
+    then checks that it lasts."""
+    from lifl.gateway.http import HttpServer
+    from lifl.gateway.service import GatewayService
+
+    World(node)
+    made = Gateway(node.http).create_token("tenant", "a")
+    cached = Gateway(node.http if protocol == "http" else node.grpc, protocol, token=made["token"])
+    assert cached.job("a1")["job"] == "a1"  # answered with it: in the node's gateway's cache now
+    other = HttpServer(GatewayService("other", node.state, str(node.node.run_dir / "agent.sock")), "127.0.0.1", 0)
+    other.start()
+    try:
+        with socket.create_connection(other.address, timeout=60) as s:
+            s.sendall(f"DELETE /v1/tokens/{made['id']} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {OPERATOR_TOKEN}\r\n\r\n"
+                      .encode())
+            assert read_response(s)[0] == 204
+    finally:
+        other.stop()
+
+    def refused() -> bool:
+        try:
+            cached.job("a1")
+        except Unauthenticated:
+            return True
+        return False
+
+    wait_for(refused, what="the node's gateway to refuse the revoked token")
+    for _ in range(5):  # and for good: nothing brings the revoked token back
+        assert refused()
+    assert CACHE_SECONDS <= 1.0
+    cached.close()
 
 
 def run_cli(node: RunningNode, token: str, *args: str) -> subprocess.CompletedProcess:

@@ -1,5 +1,5 @@
-"""TLS on the gateway's front ends and in the SDK: handshakes in the connection's thread within
-the head timeout, client certificates (trusted, untrusted, none), protocol versions, ALPN, plain
+"""TLS on the gateway's front ends and in the SDK: handshakes on the event loop within the head
+timeout, client certificates (trusted, untrusted, none), protocol versions, ALPN, plain
 text on a TLS port, and the data paths (uploads decrypted into shared memory, models sent from
 it) on a real node, over both protocols."""
 
@@ -28,10 +28,11 @@ from conftest import OPERATOR_TOKEN, wait_for
 from lifl import errors
 from lifl import format as fmt
 from lifl.client import NO_RETRY, ClientTls, ConnectionLost, Gateway
-from lifl.gateway.stream import ThreadedServer
-from lifl.net.limits import ConnectionLimits
+from lifl.gateway.stream import Conn, ConnectionProtocol, LoopServer, PeerGone, Wait
 from lifl.net.io import sendmsg_all
-from lifl.net.tls import ALPN_H2, ALPN_HTTP, ServerTls, TlsSocket
+from lifl.net.limits import ConnectionLimits
+from lifl.net.loop import Loop
+from lifl.net.tls import ALPN_H2, ALPN_HTTP, ServerTls
 
 TENANT, JOB, CLIENT = "acme", "tlsjob", "alice"
 MAX_LINE = 1 << 20  # of the echo server
@@ -110,31 +111,51 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
                rogue_client, d / "rogue-client.key")
 
 
-# -- ThreadedServer's handshake, unit level -----------------------------------------------------------
-class EchoServer(ThreadedServer):
+# -- the loop server's handshake, unit level -----------------------------------------------------------
+class EchoServer(LoopServer):
     """Answers each line with what the connection's TLS looks like from the server, then the line."""
 
-    def serve(self, sock: Any) -> None:
-        stream = self.connection(sock).stream
-        subject = dict(rdn[0] for rdn in stream.peer_certificate["subject"]) if stream.peer_certificate else {}
-        info = f"{sock.version()} {sock.selected_alpn_protocol()} cn={subject.get('commonName', '-')}\n"
+    def protocol(self, conn: Conn) -> Echo:
+        return Echo(conn)
+
+
+class Echo(ConnectionProtocol):
+    def __init__(self, conn: Conn) -> None:
+        self.conn = conn
+        conn.start_reading()
+
+    def readable(self) -> None:
+        conn = self.conn
         try:
-            while line := stream.read_until(b"\n", MAX_LINE):
-                stream.send_all(info.encode() + line)
-        except (OSError, EOFError):
+            while True:
+                end = conn.inbuf.find(b"\n")
+                if end < 0:
+                    if len(conn.inbuf) > MAX_LINE:
+                        conn.close()
+                        return
+                    conn.fill(1 << 16)
+                    continue
+                cert = conn.peer_certificate
+                subject = dict(rdn[0] for rdn in cert["subject"]) if cert else {}
+                info = f"{conn.sock.version()} {conn.sock.selected_alpn_protocol()} cn={subject.get('commonName', '-')}\n"
+                conn.write([info.encode(), conn.take(end + 1)])
+        except Wait:
             pass
+        except PeerGone:
+            conn.close()
 
 
 @pytest.fixture
 def echo(pki: Pki) -> Iterator[EchoServer]:
-    server = EchoServer("127.0.0.1", 0, ConnectionLimits(head_timeout=1.0, idle_timeout=30.0))
+    loop = Loop("echo")
+    server = EchoServer(loop, "127.0.0.1", 0, ConnectionLimits(head_timeout=1.0, idle_timeout=30.0))
     server.use_tls(pki.server().context(ALPN_HTTP))
-    server.start()
+    server.start()  # runs the loop, until stop()
     yield server
     server.stop()
 
 
-def _tls_client(server: ThreadedServer, tls: ClientTls, *, alpn: str = ALPN_HTTP,
+def _tls_client(server: LoopServer, tls: ClientTls, *, alpn: str = ALPN_HTTP,
                 context: ssl.SSLContext | None = None) -> ssl.SSLSocket:
     raw = socket.create_connection(server.address, timeout=30)
     return (context or tls.context(alpn)).wrap_socket(raw, server_hostname="127.0.0.1")
@@ -216,7 +237,7 @@ def test_a_stalled_handshake_is_dropped_after_the_head_timeout(echo: EchoServer)
         assert time.monotonic() - started >= echo.limits.head_timeout * 0.9  # by the deadline, not at once
 
 
-def test_handshakes_happen_off_the_accept_loop(echo: EchoServer, pki: Pki) -> None:
+def test_a_stalled_handshake_holds_up_no_other(echo: EchoServer, pki: Pki) -> None:
     """A peer stalling its handshake does not hold up anyone else's."""
     with socket.create_connection(echo.address, timeout=30):
         with _tls_client(echo, pki.client(cert=True)) as sock:
@@ -229,20 +250,6 @@ def test_tls_socket_writes_gather_lists_and_large_buffers(echo: EchoServer, pki:
     parts = [line[:9], memoryview(line)[9:100_009], line[100_009:100_010], line[100_010:]]
     with _tls_client(echo, pki.client()) as sock:
         assert _echo(sock, line, parts)
-
-
-def test_server_tls_socket_times_out_waiting_for_the_peer(pki: Pki) -> None:
-    listener = socket.create_server(("127.0.0.1", 0))
-    client = socket.create_connection(listener.getsockname(), timeout=30)
-    accepted, _ = listener.accept()
-    tls = TlsSocket(pki.server().context(ALPN_HTTP).wrap_socket(accepted, server_side=True, do_handshake_on_connect=False))
-    try:
-        with pytest.raises(TimeoutError):
-            tls.handshake(0.2)  # the client never says hello
-    finally:
-        tls.close()
-        client.close()
-        listener.close()
 
 
 # -- a real node ----------------------------------------------------------------------------------------

@@ -108,12 +108,19 @@ class PayloadSource(Protocol):
     def take(self, limit: int) -> bytes:
         """At least one and at most ``limit`` of the remaining bytes."""
 
+    def peek(self, limit: int) -> bytes:
+        """At least one and at most ``limit`` of the remaining bytes, left unread (``take`` them)."""
+
     def readinto(self, view: memoryview) -> int:
         """Read at least one of the remaining bytes into ``view``; how many."""
 
 
 class BlobTarget(Protocol):
     """Where a blob's bytes go (gateway.ingest.BlobSink)."""
+
+    @property
+    def ready(self) -> bool:
+        """Whether it takes bytes now (not while the agent admits the blob)."""
 
     @property
     def done(self) -> bool: ...
@@ -130,11 +137,15 @@ class MessageReader:
     Blob mode: each message is a chunk ``{meta, data}``; the first meta opens the blob
     (``open_blob``) and the bytes of every ``data`` field are received straight into it.
     Unknown fields are skipped, as protobuf requires. Malformed input raises LiflError.
+
+    The blob may not take bytes at once: ``open_blob`` may return None (the caller opens it
+    without waiting, then hands it over with ``opened``), and a blob may not be ``ready``. Then
+    ``feed`` returns with the source not consumed (``waiting``), to be called again later.
     """
 
     PREFIX, TAG, LENGTH, SKIP_VARINT, BYTES = range(5)
 
-    def __init__(self, open_blob: Callable[[bytes], BlobTarget] | None, *, max_unary: int, max_meta: int) -> None:
+    def __init__(self, open_blob: Callable[[bytes], BlobTarget | None] | None, *, max_unary: int, max_meta: int) -> None:
         self._open_blob = open_blob
         self._max_unary = max_unary
         self._max_meta = max_meta
@@ -146,6 +157,7 @@ class MessageReader:
         self._wire = 0
         self._field_left = 0
         self._meta = bytearray()
+        self.opening = False  # the meta came, the blob is being opened
         self.sink: BlobTarget | None = None
         self.unary = bytearray()
         self.messages = 0
@@ -155,8 +167,20 @@ class MessageReader:
         """No message is partly received (a stream may end only here)."""
         return self._phase == self.PREFIX and not self._prefix
 
+    @property
+    def waiting(self) -> bool:
+        """Whether the next bytes are a blob's that it cannot take yet."""
+        if self._phase != self.BYTES or self._field != DATA_FIELD or self._wire != 2:
+            return False
+        return self.opening if self.sink is None else not self.sink.ready
+
+    def opened(self, sink: BlobTarget) -> None:
+        """The blob ``open_blob`` was opening, now open."""
+        self.opening = False
+        self.sink = sink
+
     def feed(self, src: PayloadSource) -> None:
-        while src.left:
+        while src.left and not self.waiting:
             if self._phase == self.PREFIX:
                 self._prefix += src.take(MESSAGE_PREFIX_SIZE - len(self._prefix))
                 if len(self._prefix) == MESSAGE_PREFIX_SIZE:
@@ -193,10 +217,14 @@ class MessageReader:
         self._phase = self.PREFIX
 
     def _readvarint(self, src: PayloadSource) -> int | None:
-        b = src.take(1)[0]
-        self._msg_left -= 1
-        self._varint.append(b)
-        if b >= 0x80:
+        """The varint at hand once its last byte is in (None until then): its bytes are looked
+        at together and only they are taken."""
+        ahead = src.peek(min(10 - len(self._varint), self._msg_left))
+        end = next((i + 1 for i, b in enumerate(ahead) if b < 0x80), len(ahead))
+        src.take(end)
+        self._msg_left -= end
+        self._varint += ahead[:end]
+        if self._varint[-1] >= 0x80:
             if len(self._varint) >= 10 or not self._msg_left:
                 raise BadRequest("malformed protobuf varint")
             return None
@@ -254,8 +282,11 @@ class MessageReader:
 
     def _end_field(self) -> None:
         if self._field == META_FIELD and self._wire == 2:
-            if self.sink is not None:
+            if self.sink is not None or self.opening:
                 raise BadRequest("meta may only be sent in the first message", code="duplicate_meta")
             assert self._open_blob is not None
-            self.sink = self._open_blob(bytes(self._meta))
+            self.opening = True
+            sink = self._open_blob(bytes(self._meta))
+            if sink is not None:
+                self.opened(sink)
         self._phase = self.TAG

@@ -29,6 +29,7 @@ are the I/O shell's; the codec keeps ``last_activity``, the last time a stream m
 
 from __future__ import annotations
 
+import re
 import struct
 import time
 from collections import OrderedDict
@@ -297,8 +298,8 @@ class HeaderKind(Enum):
 _REQUEST_PSEUDO = frozenset({":method", ":scheme", ":path", ":authority"})
 _RESPONSE_PSEUDO = frozenset({":status"})
 _CONNECTION_SPECIFIC = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"})
-# field-name octets a name may contain: visible ASCII except uppercase (and ':' outside pseudo-headers)
-_NAME_OCTETS = frozenset(range(0x21, 0x7F)) - frozenset(range(0x41, 0x5B)) - {0x3A}
+# a field name: visible ASCII except uppercase (and ':' outside pseudo-headers), at least one octet
+_NAME = re.compile(rb"[\x21-\x39\x3b-\x40\x5b-\x7e]+")
 _VALUE_FORBIDDEN = (b"\x00", b"\r", b"\n")
 
 
@@ -311,7 +312,7 @@ def validate_headers(fields: Sequence[tuple[bytes, bytes]], kind: HeaderKind) ->
     allowed_pseudo = {HeaderKind.REQUEST: _REQUEST_PSEUDO, HeaderKind.RESPONSE: _RESPONSE_PSEUDO}.get(kind, frozenset())
     for raw_name, raw_value in fields:
         is_pseudo = raw_name[:1] == b":"
-        if not raw_name or not all(b in _NAME_OCTETS for b in (raw_name[1:] if is_pseudo else raw_name)):
+        if not raw_name or not (_NAME.fullmatch(raw_name, 1) if is_pseudo else _NAME.fullmatch(raw_name)):
             raise MalformedHeaders(f"invalid field name {raw_name[:64]!r}")
         if any(c in raw_value for c in _VALUE_FORBIDDEN) or raw_value[:1] in (b" ", b"\t") or raw_value[-1:] in (b" ", b"\t"):
             raise MalformedHeaders(f"invalid value of field {raw_name[:64]!r}")

@@ -1,8 +1,12 @@
-"""The socket I/O server and client share: gather lists, so that frame headers and payloads
-straight from a caller's memory go out together in one system call."""
+"""Blocking socket I/O, for clients (the SDK, and the gateway's own calls to other nodes'
+gateways): gather lists, so that frame headers and payloads straight from a caller's memory go
+out together in one system call, and files sent with sendfile."""
 
 from __future__ import annotations
 
+import mmap
+import os
+import select
 import socket
 import ssl
 from collections import deque
@@ -11,12 +15,13 @@ from typing import Any
 
 MAX_FRAMES_PER_WRITE = 64  # frames gathered into one sendmsg: a header and a few views each, well within IOV_MAX (1024)
 TLS_GATHER = 64 << 10  # over TLS, parts smaller than this are joined up to this size: one TLS record each, not one per part
+TLS_SEND_CHUNK = 1 << 20  # bytes of a file handed to TLS at a time, where sendfile cannot be used
 
 
 def sendmsg_all(sock: socket.socket | Any, parts: Sequence[bytes | bytearray | memoryview]) -> None:
     """Write every byte of ``parts`` (sendmsg may write part of them). A TLS socket has no
     sendmsg: small parts (frame headers) are joined with their neighbours, large ones go as they are."""
-    if isinstance(sock, ssl.SSLSocket) or not isinstance(sock, socket.socket):  # lifl.net.tls.TlsSocket too
+    if isinstance(sock, ssl.SSLSocket) or not isinstance(sock, socket.socket):
         _sendall_gathered(sock, parts)
         return
     views = [memoryview(p).cast("B") for p in parts if len(p)]
@@ -62,3 +67,36 @@ def take_views(views: deque[memoryview], size: int) -> list[memoryview]:
             views[0] = view[size:]
             size = 0
     return taken
+
+
+def sendfile_all(sock: socket.socket, fd: int, count: int, timeout: float) -> None:
+    """Send ``count`` bytes of ``fd`` from offset 0 with sendfile (the kernel copies them from
+    shared memory into the socket); TimeoutError if the peer reads nothing for ``timeout`` s.
+    Over TLS, which sendfile would bypass, the bytes are encrypted from a mapping of ``fd``."""
+    if isinstance(sock, ssl.SSLSocket):
+        _send_mapped(sock, fd, count, timeout)
+        return
+    offset = 0
+    while offset < count:
+        try:
+            sent = os.sendfile(sock.fileno(), fd, offset, count - offset)
+        except BlockingIOError:  # a socket with a timeout is non-blocking underneath
+            if not select.select([], [sock], [], timeout)[1]:
+                raise TimeoutError(f"the peer stopped reading after {offset} of {count} bytes") from None
+            continue
+        if sent == 0:
+            raise ConnectionError(f"the object ended after {offset} of {count} bytes")
+        offset += sent
+
+
+def _send_mapped(sock: ssl.SSLSocket, fd: int, count: int, timeout: float) -> None:
+    if count == 0:
+        return
+    mapping = mmap.mmap(fd, count, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
+    try:
+        sock.settimeout(timeout)  # bounds each wait for the peer to read
+        with memoryview(mapping) as view:
+            for offset in range(0, count, TLS_SEND_CHUNK):
+                sock.sendall(view[offset : offset + TLS_SEND_CHUNK])
+    finally:
+        mapping.close()

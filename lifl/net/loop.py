@@ -13,8 +13,9 @@ future and a handle per callback for nothing these processes use.
 - ``post(fn)``: from any thread, ``fn`` runs on the loop soon; ``call(fn)``: from another thread,
   run ``fn`` on the loop and wait for its result (its exception is raised in the caller).
 - ``offload(fn, done, pool=...)``: run ``fn`` (which blocks: Redis, disks, processes) on a pool,
-  then ``done(result, error)`` on the loop. Each pool has ``POOL_THREADS[pool]`` threads; work
-  beyond them waits its turn.
+  then ``done(result, error)`` on the loop. Each pool has a fixed number of threads
+  (``POOL_THREADS`` unless the loop is given others); work beyond them waits its turn.
+  ``start_pools`` creates them all at once (by default each is made when first needed).
 
 Callbacks must not block: whatever may, goes through ``offload``.
 """
@@ -53,16 +54,18 @@ class Timer:
 
 
 class Loop:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, pools: dict[str, int] | None = None) -> None:
         self.name = name
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._selector.register(self._wake_r, selectors.EVENT_READ, (self._woken, None))
+        self._watching: dict[int, tuple[int, Any, Any]] = {}  # fd -> what is watched (the loop's own fds aside)
         self._posted: deque[Callable[[], None]] = deque()
         self._signalled = False
         self._timers: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
-        self._pools = {pool: ThreadPoolExecutor(n, thread_name_prefix=f"{name}-{pool}") for pool, n in POOL_THREADS.items()}
+        self._pool_sizes = dict(pools or POOL_THREADS)
+        self._pools = {pool: ThreadPoolExecutor(n, thread_name_prefix=f"{name}-{pool}") for pool, n in self._pool_sizes.items()}
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._closed = False
@@ -70,24 +73,31 @@ class Loop:
     # -- readiness -----------------------------------------------------------------------------
     def watch(self, fileobj: Any, reader: Callable[[], None] | None, writer: Callable[[], None] | None = None) -> None:
         """Call ``reader`` when ``fileobj`` is readable and ``writer`` when writable (None: not
-        that); calling it again changes what is watched."""
+        that); calling it again changes what is watched. Unwatch a file before closing it."""
         events = (selectors.EVENT_READ if reader else 0) | (selectors.EVENT_WRITE if writer else 0)
-        try:
-            key = self._selector.get_key(fileobj)
-        except KeyError:
+        fd = fileobj if isinstance(fileobj, int) else fileobj.fileno()
+        current = self._watching.get(fd)  # not the selector's get_key: its miss formats the file's repr
+        if current is None:
             if events:
                 self._selector.register(fileobj, events, (reader, writer))
+                self._watching[fd] = (events, reader, writer)
             return
         if not events:
             self._selector.unregister(fileobj)
-        elif key.events != events or key.data != (reader, writer):
+            del self._watching[fd]
+        elif current != (events, reader, writer):
             self._selector.modify(fileobj, events, (reader, writer))
+            self._watching[fd] = (events, reader, writer)
 
     def unwatch(self, fileobj: Any) -> None:
+        fd = fileobj if isinstance(fileobj, int) else fileobj.fileno()
+        if fd >= 0 and fd not in self._watching:
+            return  # (a closed file has no fd: the selector finds it by identity)
         try:
-            self._selector.unregister(fileobj)
+            key = self._selector.unregister(fileobj)
         except (KeyError, ValueError):
-            pass
+            return
+        self._watching.pop(key.fd, None)
 
     # -- time ------------------------------------------------------------------------------------
     def later(self, delay: float, fn: Callable[[], None]) -> Timer:
@@ -124,9 +134,11 @@ class Loop:
     def post(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the loop soon (thread-safe); after ``close``, never."""
         if self._closed:
-            return
+            return  # a pool's late completion: nobody is left to run it
         self._posted.append(fn)
-        if not self._signalled and self._thread is not threading.current_thread():  # the loop itself looks before it waits
+        if self._thread is threading.current_thread():
+            return  # the loop runs what was posted before it waits again: no wake-up needed
+        if not self._signalled:
             self._signalled = True
             try:
                 os.write(self._wake_w, b"x")
@@ -172,7 +184,17 @@ class Loop:
 
     @property
     def running(self) -> bool:
+        """Whether ``run`` has started (on some thread), and neither ended nor been stopped."""
         return self._thread is not None and self._thread.is_alive() and not self._stopped
+
+    def start_pools(self) -> None:
+        """Create every pool's threads now, so that the process's threads are a fixed set from
+        here on (each waits at a barrier until all of its pool's are up)."""
+        for pool, size in self._pool_sizes.items():
+            barrier = threading.Barrier(size + 1)
+            for _ in range(size):
+                self._pools[pool].submit(barrier.wait)
+            barrier.wait()
 
     # -- running ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -207,6 +229,7 @@ class Loop:
         self.post(self._halt)
 
     def close(self) -> None:
+        """After ``stop``: end the pools (work under way finishes, its completion is dropped)."""
         self._closed = True
         for pool in self._pools.values():
             pool.shutdown(wait=False, cancel_futures=True)

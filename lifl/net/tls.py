@@ -7,25 +7,18 @@ file, with the host name checked, optionally presenting a client certificate.
 
 The kernel here has no kernel TLS, so records are encrypted and decrypted in user space.
 Received records are still decrypted straight into the caller's buffer (``recv_into`` on the
-shared-memory object: no copy beyond the decryption itself); what the front ends sent with
-``sendfile`` or ``sendmsg`` goes through ``sendall`` instead (lifl.net.io).
-
-``TlsSocket`` is the server side's connection: the gRPC front end reads a connection on one
-thread while others write to it, and an OpenSSL connection must not be used by two threads
-at once, so every TLS call it makes is non-blocking and serialised, and the waiting for the
-socket happens outside the lock.
+shared-memory object: no copy beyond the decryption itself); what is sent with ``sendfile``
+or ``sendmsg`` over plain TCP is encrypted from the same memory instead (lifl.net.io for
+blocking sockets; the gateway's event loop drives its connections' non-blocking ssl sockets,
+gateway/stream.py).
 """
 
 from __future__ import annotations
 
 import http.client
-import math
 import os
-import select
 import socket
 import ssl
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +48,7 @@ class ServerTls:
         does not chain to ``client_ca`` fails the handshake."""
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=self.client_ca)  # trusts nothing else
         ctx.minimum_version = MIN_VERSION
-        ctx.options |= ssl.OP_NO_RENEGOTIATION  # a renegotiation would need reads during writes (TlsSocket)
+        ctx.options |= ssl.OP_NO_RENEGOTIATION  # a renegotiation would interleave reads and writes of one connection
         ctx.load_cert_chain(self.cert, self.key)
         ctx.set_alpn_protocols([alpn])
         if self.client_ca:
@@ -180,90 +173,3 @@ def peer_http_connection(host: str, port: int, timeout: float) -> http.client.HT
     if _peer_context is None:
         return http.client.HTTPConnection(host, port, timeout=timeout)
     return _HTTPSConnection(host, port, timeout=timeout, context=_peer_context, server_name=host)
-
-
-# -- the server's connections -------------------------------------------------------------------------------
-class TlsSocket:
-    """A server's TLS connection, usable by several threads at once (see the module docstring).
-
-    It offers what the front ends use of a socket. ``settimeout`` bounds each wait for the
-    peer as a socket's timeout does (TimeoutError); ``sendall`` fails only if the peer reads
-    nothing for that long. ``shutdown`` is the TCP connection's (no close_notify): it wakes
-    whatever another thread waits for, as it does on a plain socket."""
-
-    def __init__(self, tls: ssl.SSLSocket) -> None:
-        self.tls = tls
-        self._timeout = tls.gettimeout()
-        tls.setblocking(False)
-        self._ssl = threading.Lock()  # one OpenSSL call at a time
-        self._sending = threading.Lock()  # one sendall at a time: a TLS write is retried with the same bytes
-
-    def handshake(self, timeout: float) -> None:
-        """Complete the handshake within ``timeout`` s in all (TimeoutError past it)."""
-        self._call(self.tls.do_handshake, deadline=time.monotonic() + timeout)
-
-    # -- socket ---------------------------------------------------------------------------------------
-    def fileno(self) -> int:
-        return self.tls.fileno()
-
-    def setsockopt(self, level: int, option: int, value: int) -> None:
-        self.tls.setsockopt(level, option, value)
-
-    def gettimeout(self) -> float | None:
-        return self._timeout
-
-    def settimeout(self, timeout: float | None) -> None:
-        self._timeout = timeout
-
-    def getpeercert(self) -> dict[str, Any] | None:
-        return self.tls.getpeercert()
-
-    def selected_alpn_protocol(self) -> str | None:
-        return self.tls.selected_alpn_protocol()
-
-    def version(self) -> str | None:
-        return self.tls.version()
-
-    def shutdown(self, how: int) -> None:
-        socket.socket.shutdown(self.tls, how)  # SSLSocket's own would drop its TLS state under another thread
-
-    def close(self) -> None:
-        self.tls.close()
-
-    # -- reading and writing ---------------------------------------------------------------------------
-    def recv(self, size: int) -> bytes:
-        return self._call(self.tls.recv, size, deadline=self._deadline())
-
-    def recv_into(self, buffer: Any, nbytes: int = 0) -> int:
-        """Decrypts straight into ``buffer`` (at most one TLS record's worth per call)."""
-        return self._call(self.tls.recv_into, buffer, nbytes, deadline=self._deadline())
-
-    def sendall(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        with self._sending:
-            while view:
-                sent = self._call(self.tls.send, view[:MAX_WRITE], deadline=self._deadline())
-                view = view[sent:]
-
-    def _deadline(self) -> float | None:
-        """When a wait for the peer that starts now gives up (None: never)."""
-        return None if self._timeout is None else time.monotonic() + self._timeout
-
-    def _call(self, operation: Any, *args: Any, deadline: float | None) -> Any:
-        """``operation(*args)`` on the non-blocking connection under the lock, waiting without it
-        for the socket as OpenSSL asks, until ``deadline``."""
-        while True:
-            with self._ssl:
-                try:
-                    return operation(*args)
-                except ssl.SSLWantReadError:
-                    event = select.POLLIN
-                except ssl.SSLWantWriteError:
-                    event = select.POLLOUT
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise TimeoutError("timed out")
-            poller = select.poll()
-            poller.register(self.tls.fileno(), event)
-            if not poller.poll(None if left is None else max(1, math.ceil(left * 1000))):
-                raise TimeoutError("timed out")
