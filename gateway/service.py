@@ -60,7 +60,7 @@ from lifl.protocol import (
     InstallReplica, Message, ModelOpened, OpenModel, Query, Submit, SubmitPartial,
 )
 from lifl.protocol import Release as ReleaseRef
-from lifl.state import ClusterState
+from lifl.state import ClusterState, stale
 from lifl.store import MappingCache
 
 PEER_POOL = "peer"  # transfers to other nodes' gateways
@@ -881,18 +881,14 @@ class GatewayService:
                 if not fresh:
                     raise _Recheck(job_name)
                 raise Conflict(f"job {meta.job!r} has no model yet", code="no_model")
-            stale = job.version - meta.base_version
+            behind = job.version - meta.base_version
             allowed = self.jobs.max_staleness(job)
-            if stale < 0 and not fresh:
+            if behind < 0 and not fresh:
                 pass  # trained from a version the cache has not seen yet: the agent's admission decides
-            elif not 0 <= stale <= allowed:
+            elif not 0 <= behind <= allowed:
                 if not fresh:
                     raise _Recheck(job_name)
-                raise Conflict(
-                    f"update was trained from version {meta.base_version}, the current version is {job.version}"
-                    + (f" (this job takes updates at most {allowed} versions stale)" if allowed else ""),
-                    code="version_conflict", extra={"version": job.version},
-                )
+                raise stale(meta.base_version, job.version, allowed)
             return Ingest(self, "update", meta.job, protocol, job.model_spec, job.spec.max_update_bytes, expected_size,
                           meta=meta)
 

@@ -10,11 +10,9 @@ Folding policy, chosen for memory traffic (every fold is one fused pass over mem
   fresh accumulator, which costs no more traffic per update than a memcpy.
 - every later batch is folded as soon as it is offered (eager), all queued inputs together,
   into a *fresh* accumulator together with the previous one (the same traffic as folding in
-  place: the old sum is read once, the new one written once). So an accumulator once reported
-  stays a complete, consistent sum of what it reports folded, even if its process is killed
-  mid-fold: a task that dies runs again from it and the inputs not folded yet. A caller that
-  has not reported the latest accumulator to anyone may fold into it ``in_place`` instead (no
-  new object per batch: small updates arrive one by one, and each fold would be a new one).
+  place: the old sum is read once, the new one written once). So the latest accumulator is
+  always a complete, consistent sum of what it reports folded, even if its process is killed
+  mid-fold: a task that dies runs again from it and the inputs not folded yet.
 - an aggregator with one input forwards it untouched: a leaf that receives a single update
   passes its key on, and a top with a single client update installs it as the model.
 
@@ -80,23 +78,14 @@ class StreamingFedAvg:
             raise ValueError(f"cannot set the fan-in to {fan_in}: {self.received} inputs arrived already")
         self.fan_in = fan_in
 
-    def offer(self, batch: Sequence[Contribution], new_accumulator: Callable[[], tuple[Tensors, Any]], *,
-              in_place: bool = False) -> list[Contribution]:
+    def offer(self, batch: Sequence[Contribution], new_accumulator: Callable[[], tuple[Tensors, Any]]) -> list[Contribution]:
         """Fold a batch of arrived inputs; returns those now folded in (the previous accumulator
-        among them unless ``in_place``: the batch is added to it), which the caller may release."""
+        among them), which the caller may release."""
         if not batch:
             return []
         if self.fan_in is not None and self.received + len(batch) > self.fan_in:
             raise ValueError(f"received {self.received + len(batch)} inputs for a fan-in of {self.fan_in}")
         self.received += len(batch)
-        frac_bits = self.fixed_point.frac_bits if self.fixed_point else 0
-        if self._acc is not None and in_place:
-            acc = self._acc
-            max_abs = fold(acc.tensors, [(c.tensors, c.weight) for c in batch], init=False, frac_bits=frac_bits)
-            self._acc = Contribution(acc.tensors, acc.samples + sum(c.samples for c in batch),
-                                     acc.updates + sum(c.updates for c in batch), True, acc.token,
-                                     self._bound([acc, *batch], np.concatenate([[0.0], max_abs])))
-            return list(batch)
         if self._acc is None:
             pending = ([self._held] if self._held else []) + list(batch)
             if len(pending) == 1:  # hold it: a second input or completion (forward) comes next
@@ -107,6 +96,7 @@ class StreamingFedAvg:
         else:
             folded = [self._acc, *batch]
         tensors, token = new_accumulator()
+        frac_bits = self.fixed_point.frac_bits if self.fixed_point else 0
         max_abs = fold(tensors, [(c.tensors, c.weight) for c in folded], init=True, frac_bits=frac_bits)
         self._acc = Contribution(tensors, sum(c.samples for c in folded), sum(c.updates for c in folded), True, token,
                                  self._bound(folded, max_abs))

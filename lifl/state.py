@@ -441,15 +441,23 @@ ACCEPT_DUPLICATE = -7  # another upload of the same client's update was counted 
 CLOSE_FINAL, CLOSE_ABANDON, CLOSE_NOT_OPEN = 1, 2, -1
 
 
-def refusal(status: int, job: str, version: int, round_id: int, goal: int) -> Exception:
+def stale(base_version: int | None, version: int, max_staleness: int) -> Conflict:
+    """An update trained from a version the job no longer takes (``base_version`` None: unknown)."""
+    trained = "another version" if base_version is None else f"version {base_version}"
+    return Conflict(f"update was trained from {trained}, the current version is {version}"
+                    + (f" (this job takes updates at most {max_staleness} versions stale)" if max_staleness else ""),
+                    code="version_conflict", extra={"version": version})
+
+
+def refusal(status: int, job: str, version: int, round_id: int, goal: int, *, base_version: int | None = None,
+            max_staleness: int = 0) -> Exception:
     """The error a client gets when it cannot take part in the round (reserve or lease)."""
     if status == RESERVE_NO_JOB:
         return NotFound(f"job {job!r} does not exist", code="no_such_job")
     if status == RESERVE_NO_MODEL:
         return Conflict(f"job {job!r} has no model yet; PUT /v1/jobs/{job}/model first", code="no_model")
     if status == RESERVE_STALE:
-        return Conflict(f"update was trained from another version; the current version is {version}",
-                        code="version_conflict", extra={"version": version})
+        return stale(base_version, version, max_staleness)
     if status == RESERVE_FULL:
         return Conflict(f"round {round_id} (version {version}) already has its {goal} updates or clients; pull the next version",
                         code="round_full", extra={"version": version})

@@ -158,6 +158,7 @@ def test_kill_agent_node_stops_and_cleans(up: Up) -> None:
     os.kill(up.pids()["agent"], signal.SIGKILL)
     wait_for(lambda: not up.shm(), what="shared memory cleaned")
     assert up.proc.wait(30) == 1  # the node cannot go on without its agent
+    assert "instance" not in up.pids()  # the agent's aggregators, left to init, were stopped with it
     assert not (PIN_ROOT / up.node).exists()  # nor is its channel left loaded
 
 
@@ -180,7 +181,7 @@ def test_kill_gateway_is_restarted_and_its_upload_released(up: Up) -> None:
 
 def test_kill_aggregator_its_task_runs_again_and_the_round_completes(up: Up) -> None:
     up.start_round()
-    killed = up.pids()["instance"]
+    killed = wait_for(lambda: up.pids().get("instance"), what="the leaf's instance")  # started after the 202
     os.kill(killed, signal.SIGKILL)
     wait_for(lambda: up.pids().get("instance") not in (None, killed), what="the leaf running again on a new instance")
     assert len(up.objects()) == 2  # the model and the acknowledged update, kept for the re-run

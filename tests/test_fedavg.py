@@ -199,25 +199,3 @@ def test_inputs_with_tensors_in_another_order_fold_by_name() -> None:
     got = memory.average(aggregate(memory, contributions, rng))
     flat = lambda d: np.concatenate([d[f"t{i}"].astype(np.float64) for i in range(6)])  # noqa: E731
     check_close(got, (flat(tensors) * 5 + flat(other) * 5) / 10, "F32")
-
-
-@pytest.mark.parametrize("dtype", ["F32", "BF16", "I64"])
-def test_folding_in_place_gives_the_same_bits_as_fresh_accumulators(dtype: str) -> None:
-    """The same batches folded into fresh accumulators and into one in place: one answer."""
-    rng = np.random.default_rng(31)
-    blobs = [make_update(rng, dtype, 50) for _ in range(7)]
-    spec = fmt.parse_layout(bytearray(blobs[0][0])).spec()
-    memory = Memory(spec)
-    results = []
-    for in_place in (False, True):
-        agg = StreamingFedAvg(7)
-        released = []
-        for batch in ([0], [1], [2, 3], [4], [5, 6]):
-            released += agg.offer([memory.contribution(blobs[i][0], i + 1) for i in batch], memory.accumulator,
-                                  in_place=in_place)
-        result = agg.result()
-        results.append(memory.average(result))
-        inputs = [c for c in released if not c.partial]
-        assert len(inputs) == 7 and (result.samples, result.updates) == (28, 7)
-        assert len(released) == (7 if in_place else 7 + 3)  # in place: no accumulator to let go
-    np.testing.assert_array_equal(results[0], results[1])

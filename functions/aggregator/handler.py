@@ -25,8 +25,6 @@ from lifl.protocol import TOP
 from lifl.functions.aggregator import top
 from lifl.runtime import Context, Invocation
 
-REPORT_BYTES = 8 << 20  # input bytes folded in place before the accumulator is reported (what a crash re-runs)
-
 _tables: dict[tuple[int, int], tuple[fmt.Layout, fmt.ModelSpec, TensorTable]] = {}
 _headers: dict[tuple[int, FixedPoint | None], tuple[fmt.ModelSpec, bytes, bytes, int]] = {}
 
@@ -69,12 +67,6 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
     queued: list[Contribution] = []  # lazy: everything waits for the last input
     latest: Any = None  # the newest accumulator's mapping (fixed point: its bound is written there)
     last_fold: tuple[list[bytes], bytes, float] | None = None  # a leaf's or middle's final fold, reported with its result
-    # Folds since the last report go into one accumulator, in place: the agent hears of them (and
-    # lets their inputs go) once per REPORT_BYTES of inputs, or with the result.
-    unreported: list[bytes] = []  # keys folded since the last report
-    unreported_updates = 0
-    unreported_bytes = 0
-    unreported_s = 0.0
 
     def new_accumulator() -> tuple[Tensors, bytes]:
         nonlocal alloc_s, latest
@@ -120,12 +112,8 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
                 bound = read_bound(mm, ctx.layout(mm)) if fixed_point and msg.partial else 0
                 queued.append(Contribution(tensors, msg.samples, msg.count, msg.partial, msg.key, bound))
             batch = [] if inv.lazy and not agg.complete_with(len(queued)) else queued
-            in_place = bool(unreported)
-            if in_place and batch and inv.role != TOP and agg.complete_with(len(batch)):
-                assert agg.state is not None
-                ctx.announce(inv, agg.state.token)  # this fold finishes the result: the parent may map it now
             t1 = time.perf_counter()
-            folded = agg.offer(batch, new_accumulator, in_place=in_place)
+            folded = agg.offer(batch, new_accumulator)
             t2 = time.perf_counter()
             recv_s += t1 - t0
             agg_s += t2 - t1
@@ -137,18 +125,14 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
                     c.tensors.release()
                     live.remove(c.tensors)
                 assert agg.state is not None
-                unreported += [c.token for c in folded]
-                unreported_updates += sum(c.updates for c in folded if not c.partial)
-                unreported_bytes += len(folded) * partial_bytes
-                unreported_s += t2 - t1
                 if fixed_point:  # before the accumulator is reported: a restarted task resumes from it
                     write_bound(latest, ctx.layout(latest), agg.state.bound)
+                keys = [c.token for c in folded]
                 if agg.complete and inv.role != TOP:  # reported with the result, in one message
-                    last_fold = unreported, agg.state.token, unreported_s
-                elif agg.complete or unreported_bytes >= REPORT_BYTES:  # the next accumulator comes with the answer
-                    ctx.folded(inv, unreported, unreported_updates, unreported_s, agg.state.token,
+                    last_fold = keys, agg.state.token, t2 - t1
+                else:  # the next fold's accumulator comes with the answer
+                    ctx.folded(inv, keys, sum(c.updates for c in folded if not c.partial), t2 - t1, agg.state.token,
                                next_size=0 if agg.complete else len(partial_header) + partial_bytes)
-                    unreported, unreported_updates, unreported_bytes, unreported_s = [], 0, 0, 0.0
         result = agg.result()
 
         # Send

@@ -21,7 +21,6 @@ from lifl.keys.record import KIND_CLOSE, KIND_PREPARE, KeyMessage
 from lifl.errors import NotFound
 from lifl.runtime import Context, Invocation
 
-from . import handler
 from .handler import handle
 
 SHAPES = {"conv.weight": (4, 1, 3, 3), "conv.bias": (4,), "fc.weight": (10, 16)}
@@ -37,7 +36,6 @@ class MemoryContext(Context):
         self.forwarded: dict[str, Any] | None = None
         self.installed: dict[str, Any] | None = None
         self.folds = 0
-        self.reports: list[tuple[list[bytes], int, bytes]] = []  # what each Folded told the agent
         self.opened: list[bytes] = []
         self.announced: list[bytes] = []
         self._keys = itertools.count(1)
@@ -72,7 +70,6 @@ class MemoryContext(Context):
     def folded(self, inv: Invocation, keys: list[bytes], updates: int, seconds: float, state: bytes,
                next_size: int = 0) -> None:
         self.folds += 1
-        self.reports.append((keys, updates, state))
 
     def forward(self, inv: Invocation, key: bytes, samples: int, updates: int, partial: bool,
                 agg_seconds: float = 0.0, folded: tuple[list[bytes], bytes, float] | None = None) -> None:
@@ -196,36 +193,3 @@ def test_an_announced_input_is_mapped_once_and_a_bad_hint_is_ignored() -> None:
     assert ctx.installed is not None
     for name, tensor in ctx.installed["tensors"].items():
         np.testing.assert_allclose(tensor, expected[name], rtol=1e-6, atol=1e-6)
-
-
-def one_at_a_time(ctx: MemoryContext) -> None:
-    original = ctx.receive
-    ctx.receive = lambda inv: [ctx.inbox.popleft()] if ctx.inbox else original(inv)  # type: ignore[method-assign]
-
-
-@pytest.mark.parametrize("report_bytes, reports", [(handler.REPORT_BYTES, 0), (1, 4)])
-def test_small_inputs_fold_in_place_and_are_reported_once_per_report_bytes(
-        report_bytes: int, reports: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Six updates one at a time: under REPORT_BYTES every fold goes into the one accumulator and
-    the agent hears of them once, with the result; past it, after each fold but the last (five
-    folds: a fresh accumulator each, the one reported last listed among the next fold's inputs)."""
-    monkeypatch.setattr(handler, "REPORT_BYTES", report_bytes)
-    models, samples = updates(6, seed=11), [1, 2, 3, 4, 5, 6]
-    ctx = MemoryContext([])
-    spec = fmt.parse_layout(fmt.encode(models[0])).spec()
-    keys = [ctx.put(fmt.encode(m)) for m in models]
-    ctx.inbox.extend(KeyMessage(dest=1, task=7, key=k, samples=s, count=1) for k, s in zip(keys, samples))
-    one_at_a_time(ctx)
-    before = len(ctx.objects)
-    handle(Invocation(7, "job", 3, "leaf", 6, False, spec), ctx)
-    assert ctx.forwarded is not None
-    for name, tensor in ctx.forwarded["tensors"].items():
-        np.testing.assert_allclose(tensor, fedavg64(models, samples)[name] * sum(samples), rtol=1e-12)
-    assert len(ctx.reports) == reports
-    last_keys, state, _ = ctx.forwarded["last_fold"]
-    assert state == ctx.forwarded["key"]
-    told = [k for keys_, _, _ in ctx.reports for k in keys_] + last_keys
-    accumulators = len(ctx.objects) - before
-    assert accumulators == (1 if reports == 0 else 1 + reports)
-    # every input is let go exactly once, and every accumulator but the result
-    assert sorted(told) == sorted(keys + [k for k in list(ctx.objects)[before:] if k != state])

@@ -138,7 +138,7 @@ class Jobs:
         slot, version = self._take(keys=[job_key(job)], args=[base_version])
         if slot < 0:
             goal = int(self.redis.hget(job_key(job), "goal") or 0)
-            raise refusal(slot, job, version, version, goal)
+            raise refusal(slot, job, version, version, goal, base_version=base_version)
         return slot, version
 
     def mark_taken(self, job: str, updates: int) -> None:

@@ -17,10 +17,30 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from lifl.keys.transport import KeyTransport
 from lifl.store import Tenant
+
+RUNTIME_MODULE = "lifl.runtime"  # what an instance runs: its command line names it and its node
+
+
+def instance_pids(node: str) -> list[int]:
+    """The running instances the node started, found by their command lines: an agent killed
+    with SIGKILL leaves its children to init, and nothing else knows them."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # exited meanwhile
+        if RUNTIME_MODULE.encode() in args and b"--node" in args and args.index(b"--node") + 1 < len(args) \
+                and args[args.index(b"--node") + 1] == node.encode():
+            found.append(int(entry.name))
+    return found
 
 STOP_GRACE = 3.0  # seconds an instance has to exit once its control connection is closed
 ACTUATORS = ("processes", "pods")  # what ``lifl up --functions`` takes
@@ -66,7 +86,7 @@ class LocalProcesses:
         chan, spec = self.keys.provision(tenant, instance)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cmd = [
-            sys.executable, "-m", "lifl.runtime", "--instance", str(instance), "--tenant", tenant.name,
+            sys.executable, "-m", RUNTIME_MODULE, "--instance", str(instance), "--tenant", tenant.name,
             "--node", self.node, "--channel", spec,
             "--control-fd", str(theirs.fileno()), "--channel-fd", str(chan.fileno()), "--handler", self.handler,
         ]

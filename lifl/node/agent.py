@@ -838,7 +838,8 @@ class Agent:
         give_back: list[tuple[str, int, Reply, LiflError]] = []
         for (holder, m, token, reply), (status, version, round_id) in zip(items, results):
             if status != RESERVE_OK:
-                reply.error(refusal(status, job, version, round_id, run.spec.goal))
+                reply.error(refusal(status, job, version, round_id, run.spec.goal, base_version=m.version,
+                                    max_staleness=run.spec.strategy_spec.max_staleness))
                 continue
             try:
                 if holder not in self._holders:

@@ -38,11 +38,12 @@ from lifl.net.flags import limit_argv, plaintext_warning, tls_argv
 from lifl.net.limits import ConnectionLimits
 from lifl.net.tls import ServerTls
 from lifl.node import operator_token
+from lifl.node.actuator import instance_pids
 from lifl.node.agent import agent_argv
 from lifl.node.privilege import (
     Identity, can_connect, current, make_private_tree, popen_as, prepare_data_dir, secure_checkpoints, service_identity,
 )
-from lifl.procs import die_with_parent, on_signals, stop_process
+from lifl.procs import die_with_parent, on_signals, stop_process, wait_exited
 from lifl.keys.ebpf import remove_node_channel
 from lifl.store import SHM_DIR, remove_node_objects
 
@@ -316,6 +317,8 @@ class Node:
             child = self.children.get(name)
             if child:
                 child.stop()
+        # aggregators a killed agent left behind: none may write an object after the cleanup
+        wait_exited(instance_pids(self.config.node), timeout=0)
         remove_node_objects(self.config.node)
         remove_node_channel(self.config.node)  # what a killed agent left pinned (a clean one unloads itself)
         for name in ("agent.sock", "redis/redis.sock"):
