@@ -21,7 +21,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Protocol
 
-import redis
+from lifl.redisconn import bulk_client
 
 KEEP = 3  # versions kept per job
 
@@ -139,7 +139,7 @@ class DirectoryStore:
 
 class RedisStore:
     def __init__(self, url: str) -> None:
-        self.redis = redis.Redis.from_url(url)
+        self.redis = bulk_client(url)
 
     @staticmethod
     def _key(job: str, version: int) -> str:

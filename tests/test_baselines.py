@@ -9,16 +9,19 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+import redis
 
 from conftest import RunningNode, wait_for
 from lifl import errors
 from lifl.baselines.aggregate import MAX_BATCH_INPUTS, Input, frame, framed_size, unframe
+from lifl.baselines.broker import Broker
 from lifl.baselines.serverful import PARTIAL_METHOD, TopClient
 from lifl.baselines.serverless import get_json
 from lifl.baselines.system import BaselineConfig, BaselineSystem
@@ -221,6 +224,18 @@ def test_batches_round_trip_and_malformed_batches_are_refused() -> None:
         with pytest.raises(errors.BadRequest) as e:
             list(unframe(batch))
         assert e.value.code == "bad_batch"
+
+
+def test_a_broker_write_waits_out_a_server_busier_than_redis_pys_default_timeout(redis_url: str) -> None:
+    """redis-py 8 gives up on a command after 5 s unless told otherwise, and a write given up
+    halfway loses the update: the broker waits up to BULK_TIMEOUT_S."""
+    broker = Broker(redis_url)
+    pause_ms = 6000  # longer than redis-py 8's default socket timeout
+    assert redis.Redis.from_url(redis_url).client_pause(pause_ms, all=False)  # writes wait; reads go on
+    started = time.monotonic()
+    broker.publish("updates", "j", 0, Input(b"x" * (1 << 20), 1, 1, False))
+    assert time.monotonic() - started >= pause_ms / 1000 * 0.9  # it did wait for the pause
+    assert broker.length("updates", "j", 0) == 1
 
 
 @pytest.mark.parametrize("baseline", ["sl"], indirect=True)

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import redis
-
 from lifl.baselines.aggregate import Input
+from lifl.redisconn import bulk_client
 
 EVENTS = "bl:events"
 EVENTS_KEPT = 10_000  # announcements are tiny; a consumer that falls this far behind re-reads streams by length
@@ -26,7 +25,7 @@ def stream(kind: str, job: str, version: int) -> str:
 
 class Broker:
     def __init__(self, url: str) -> None:
-        self.redis = redis.Redis.from_url(url)
+        self.redis = bulk_client(url)  # XREAD blocks for less than its timeout
 
     def publish(self, kind: str, job: str, version: int, item: Input) -> None:
         """Append an input to its round's stream and announce it."""

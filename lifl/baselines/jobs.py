@@ -18,11 +18,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
 from lifl import format as fmt
 from lifl import kernels
 from lifl.errors import BadRequest, Conflict, NotFound
+from lifl.redisconn import bulk_client
 from lifl.state import RESERVE_FULL, RESERVE_NO_JOB, RESERVE_NO_MODEL, RESERVE_STALE, refusal
 
 JOB_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
@@ -83,7 +82,7 @@ class Status:
 
 class Jobs:
     def __init__(self, url: str) -> None:
-        self.redis = redis.Redis.from_url(url)
+        self.redis = bulk_client(url)
         self._take = self.redis.register_script(_TAKE_SLOT)
         self._install = self.redis.register_script(_INSTALL)
         self._specs: dict[str, tuple[bytes, fmt.ModelSpec]] = {}

@@ -201,9 +201,9 @@ class S3Objects:
 
 class RedisObjects:
     def __init__(self, url: str) -> None:
-        import redis
+        from lifl.redisconn import bulk_client
 
-        self.client = redis.Redis.from_url(url)
+        self.client = bulk_client(url)
 
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         self.client.set(key, bytes(data))
