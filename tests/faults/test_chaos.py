@@ -59,8 +59,8 @@ class Update:
     samples: int
     protocol: str
     outcome: str = "pending"  # acknowledged, unknown (the connection broke after sending), refused
-    answered_at: float = 0.0  # time.monotonic() of the outcome
-    answer_lost: bool = False  # a try was sent and its answer never came: the node may have taken it
+    acknowledged_by: Up | None = None  # the run of the node that acknowledged it (in its memory until a version)
+    unanswered_by: list[Up] = field(default_factory=list)  # runs that may have taken a try whose answer was lost
 
 
 @dataclass
@@ -100,13 +100,15 @@ def push_until_answered(node: Node, job: str, shapes: dict[str, tuple[int, ...]]
     blob = fmt.encode(tensors(shapes, update.seed))
     deadline = time.monotonic() + PUSH_DEADLINE
     while time.monotonic() < deadline:
+        up = node.up  # the run this try goes to
         gw = node.gateway(update.protocol)  # a fresh client each try: the node may have been replaced
         try:
             gw.push(job, blob, client=f"c{update.seed}", samples=update.samples, base_version=base)
-            update.outcome, update.answered_at = "acknowledged", time.monotonic()
+            update.outcome, update.acknowledged_by = "acknowledged", up
             return
         except ConnectionLost:  # sent, answer lost: the retry is safe (one update per client and round)
-            update.outcome, update.answered_at, update.answer_lost = "unknown", time.monotonic(), True
+            update.outcome = "unknown"
+            update.unanswered_by.append(up)
             time.sleep(0.1)
         except errors.RetryLater as e:  # the SDK's retries ran out
             time.sleep(min(max(e.retry_after or 0.1, 0.05), 1.0))  # back-off between tries, not synchronisation
@@ -114,13 +116,12 @@ def push_until_answered(node: Node, job: str, shapes: dict[str, tuple[int, ...]]
             time.sleep(0.1)  # the node is restarting
         except errors.Conflict as e:
             if e.code == "already_acknowledged":  # an earlier try whose answer was lost was taken
-                update.outcome = "acknowledged"
-                update.answered_at = update.answered_at or time.monotonic()
+                update.outcome, update.acknowledged_by = "acknowledged", up
             else:
-                update.outcome, update.answered_at = "refused", time.monotonic()
+                update.outcome = "refused"
             return
         except errors.LiflError:
-            update.outcome, update.answered_at = "refused", time.monotonic()
+            update.outcome = "refused"
             return
         finally:
             gw.close()
@@ -161,29 +162,28 @@ class Chaos:
                                     args=(self.node, job, shapes, u, base)) for u in updates]
         for t in threads[: goal // 2]:
             t.start()
-        fault_started = float("inf")
+        faulted = self.node.up
         if fault is not None:
             wait_for(lambda: any(u.outcome == "acknowledged" for u in updates), what="an acknowledged update")
-            fault_started = time.monotonic()
             fault()
             self.ledger.faults.append(name)
         for t in threads[goal // 2:]:
             t.start()
         for t in threads:
             t.join()
-        resent = self._resend_lost(job, shapes, updates, base, fault_started) if loses_node else 0
+        resent = self._resend_lost(job, shapes, updates, base, faulted) if loses_node else 0
         self._check(job, shapes, updates, base, name, resent)
 
     def _resend_lost(self, job: str, shapes: dict[str, tuple[int, ...]], updates: list[Update], base: int,
-                     fault_started: float) -> int:
-        """The updates answered before the node went down were in its memory: the restarted node
-        gave their round up (recorded as lost), so their clients send them again."""
-        lost = [u for u in updates if u.answered_at < fault_started and u.outcome == "acknowledged"]
+                     faulted: Up) -> int:
+        """The updates the node acknowledged before it went down were in its memory: the
+        restarted node gave their round up (recorded as lost), so their clients send them again."""
+        lost = [u for u in updates if u.outcome == "acknowledged" and u.acknowledged_by is faulted]
         given_up = wait_for(lambda: self._given_up(job, base), timeout=180,
                             what=f"the round on version {base} of {job} given up")
         # recorded, not silent; a try taken just before the crash whose answer never came counts too
         # (its client was told nothing, and its retry went to the restarted node)
-        unanswered = sum(u.answer_lost for u in updates if u not in lost)
+        unanswered = sum(any(run is faulted for run in u.unanswered_by) for u in updates if u not in lost)
         assert len(lost) <= sum(given_up["lost"].values()) <= len(lost) + unanswered, given_up
         for u in lost:
             u.outcome = "pending"
