@@ -422,6 +422,14 @@ class AttachedInstance:
                 client.conn.sock.shutdown(socket.SHUT_RDWR)
 
 
+def lowest_copy(fd: int) -> int:
+    """``fd`` moved to the lowest free descriptor. An instance inherits its sockets under the
+    agent's numbers, past 1024 when the agent holds many objects, where select() cannot watch them."""
+    low = os.dup(fd)
+    os.close(fd)
+    return low
+
+
 def drop_privileges(uid: int) -> None:
     """Become the tenant (uid = gid, no other groups). Everything the instance runs is imported
     before this, so the code may live where the tenant cannot read; from here on the kernel
@@ -450,10 +458,10 @@ def main(argv: list[str] | None = None) -> None:
     load_handler(QUERY_HANDLER)  # imported before the drop, as the aggregator is
     for module in args.preload:
         importlib.import_module(module)
-    channel = attach_channel(args.channel, socket.socket(fileno=args.channel_fd))  # imports its transport: before the drop
+    channel = attach_channel(args.channel, socket.socket(fileno=lowest_copy(args.channel_fd)))  # imports its transport: before the drop
     if args.user is not None:
         drop_privileges(args.user)
-    client = Client(Connection(socket.socket(fileno=args.control_fd)))
+    client = Client(Connection(socket.socket(fileno=lowest_copy(args.control_fd))))
     ctx = Context(args.instance, args.tenant, args.node, client, channel)
     client.call(Ready())
     serve(ctx, handler)
