@@ -70,6 +70,7 @@ MAX_DOWNLOADS_PER_CONNECTION = 8
 MAX_DOWNLOADS = 256
 DOWNLOAD_PUSHBACK = 1.0  # seconds a client refused a download slot is asked to wait
 GOAWAY_TIMEOUT = 1.0  # seconds the last GOAWAY of a connection may take to write (best effort)
+GOODBYE = (h2.NO_ERROR, "the client said goodbye")  # our GOAWAY once a client's GOAWAY leaves no call open
 
 RESPONSE_HEADERS = [(":status", "200"), ("content-type", CONTENT_TYPE), ("grpc-accept-encoding", "identity")]
 OK_TRAILERS = [("grpc-status", "0")]
@@ -239,7 +240,8 @@ class GrpcConnection(ConnectionProtocol):
             self._finish(call, None)  # aborts an upload in progress: its round slot is released
 
     def _shutdown(self, goaway: tuple[int, str] | None) -> None:
-        """End the connection (with GOAWAY, if ``goaway``): every call ends with it."""
+        """End the connection: every call ends with it. With ``goaway`` it is sent after what is
+        queued, and the connection lingers; without (the peer is gone) it closes at once."""
         if self._closing:
             return
         self._closing = True
@@ -250,7 +252,7 @@ class GrpcConnection(ConnectionProtocol):
             self.conn.close()
             return
         self.conn.write([self.h2.goaway(*goaway)])  # after what is queued, within GOAWAY_TIMEOUT
-        self.conn.close_when_sent(GOAWAY_TIMEOUT)
+        self.conn.linger_when_sent(GOAWAY_TIMEOUT)
 
     # -- reading, a step at a time -------------------------------------------------------------------
     def _need(self, n: int) -> None:
@@ -341,7 +343,7 @@ class GrpcConnection(ConnectionProtocol):
             elif isinstance(ev, (h2.WindowUpdated, h2.SettingsReceived)):
                 self._pump()
         if self.h2.goaway_received and not self.calls:  # the client said goodbye and its calls are done
-            self._shutdown(None)
+            self._shutdown(GOODBYE)
 
     def _on_reset(self, ev: h2.StreamReset) -> None:
         call = self.calls.get(ev.stream_id)
@@ -779,7 +781,7 @@ class GrpcConnection(ConnectionProtocol):
         self._release_download(call)  # a model still being opened is released when it comes
         self._resume(call)
         if self.h2.goaway_received and not self.calls and not self._closing:
-            self._shutdown(None)
+            self._shutdown(GOODBYE)
 
 
 def _optional(value: Any) -> int:

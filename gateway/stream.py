@@ -526,14 +526,15 @@ class Conn:
         self.protocol = _Discard(self)
         self.start_reading()
 
-    def close_when_sent(self, timeout: float) -> None:
-        """Close once what is queued is sent, or after ``timeout`` s at the latest; read nothing more."""
+    def linger_when_sent(self, timeout: float) -> None:
+        """Linger once what is queued is sent (closing after ``timeout`` s at the latest): a
+        peer that still sends sees our last frames and a FIN, not a reset that may discard them."""
         if self.closed:
             return
         self.pause_reading()
         self.set_phase(CLOSING)
         self._close_by = self._since + timeout
-        self.write([], then=self.close)
+        self.write([], then=self.linger)
 
     def close(self) -> None:
         """Close now (what is queued is dropped); the protocol gives back what its requests held."""

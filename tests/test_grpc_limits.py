@@ -217,6 +217,41 @@ def test_a_data_frame_of_the_advertised_size_is_taken_and_one_byte_more_is_refus
     assert peer.goaway_code() == h2.FRAME_SIZE_ERROR
 
 
+def test_a_connection_error_ends_with_goaway_and_a_clean_close_however_much_the_peer_still_sends(start) -> None:
+    """The GOAWAY must reach the client, then EOF: closing with unread bytes would reset the
+    connection instead (h2spec 5.4.1 and 6.7 read a reset as a failure)."""
+    address, _, _ = start()
+    peer = Peer(address)
+    peer.until(lambda hd, p: hd.type == h2.SETTINGS and not hd.flags & h2.ACK)
+    peer.send(h2.frame_header(8, h2.PING, 0, 3), bytes(1 << 18))  # PING on a stream: a connection error, then more bytes
+    assert frames_until_eof(peer)[-1] == (h2.GOAWAY, h2.PROTOCOL_ERROR)
+
+
+def test_a_client_that_says_goodbye_gets_goaway_and_a_clean_close_however_much_it_still_sends(start) -> None:
+    address, _, _ = start()
+    peer = Peer(address)
+    peer.until(lambda hd, p: hd.type == h2.SETTINGS and not hd.flags & h2.ACK)
+    peer.send(h2.encode_frame(h2.GOAWAY, 0, 0, struct.pack(">II", 0, 0xFF)), h2.ping_frame(b"h2spec\0\0") * 20000)
+    assert frames_until_eof(peer)[-1] == (h2.GOAWAY, h2.NO_ERROR)
+
+
+def frames_until_eof(peer: Peer) -> list[tuple[int, int | None]]:
+    """The server's frames up to its close, as (type, GOAWAY's code); a reset fails the test."""
+    frames: list[tuple[int, int | None]] = []
+    while True:
+        chunk = peer.sock.recv(1 << 16)  # a reset raises here
+        if not chunk:
+            break
+        peer.buffer += chunk
+        while len(peer.buffer) >= 9 and len(peer.buffer) >= 9 + h2.parse_frame_header(peer.buffer[:9]).length:
+            header = h2.parse_frame_header(peer.buffer[:9])
+            code = struct.unpack_from(">I", peer.buffer, 9 + 4)[0] if header.type == h2.GOAWAY else None
+            frames.append((header.type, code))
+            peer.buffer = peer.buffer[9 + header.length:]
+    assert not peer.buffer
+    return frames
+
+
 # -- header list size --------------------------------------------------------------------------------------
 def headers_of_list_size(size: int) -> list[tuple[str, str]]:
     base = [(":method", "POST"), (":scheme", "http"), (":path", SERVICE + "GetRounds"), (":authority", "gw"),
