@@ -60,7 +60,7 @@ from lifl.protocol import (
     InstallReplica, Message, ModelOpened, OpenModel, Query, Submit, SubmitPartial,
 )
 from lifl.protocol import Release as ReleaseRef
-from lifl.state import ClusterState, stale
+from lifl.state import CURRENT_ROUND, ClusterState, stale
 from lifl.store import MappingCache
 
 PEER_POOL = "peer"  # transfers to other nodes' gateways
@@ -382,7 +382,7 @@ class JobCache:
 
 class RefusalCounts:
     """Refusals of updates counted in their round's accounting in Redis, on the pool: one call
-    per job at a time (the job's round read once), with every refusal of that job that came
+    per job at a time (counted in the round current then), with every refusal of that job that came
     meanwhile, as the agent batches its admissions: refusals come in bursts (a round fills up
     and every client that tries next is told so)."""
 
@@ -403,12 +403,8 @@ class RefusalCounts:
             return
         self._counting.add(job)
 
-        def count() -> None:
-            try:
-                round_id = self.state.job(job).round
-            except NotFound:
-                return  # no such job: nothing to account them to
-            self.state.run(self.state.count_call(job, [(round_id, f"rejected.{code}", 1) for code, _ in items]))
+        def count() -> None:  # one call: the script reads the round (a job that is gone counts nothing)
+            self.state.run(self.state.count_call(job, [(CURRENT_ROUND, f"rejected.{code}", 1) for code, _ in items]))
 
         def counted(_: Any, error: BaseException | None) -> None:
             self._counting.discard(job)

@@ -50,6 +50,7 @@ TENANT_UID_BASE = 610000  # tenants' functions run as uid/gid TENANT_UID_BASE + 
 HISTORY = 10000  # rounds kept per job
 EVENTS = "lifl:events"  # pub/sub channel: the name of a job whose round changed
 NODE_TTL = 6  # seconds a node's registration outlives its last refresh (refreshed every second)
+CURRENT_ROUND = "*"  # a count's round: whichever is current when it is counted (count_call)
 
 _NOW = """
 local function now_ms()
@@ -193,11 +194,13 @@ forget(KEYS[2], ARGV[1])
 return redis.call('ZREM', KEYS[1], ARGV[1])
 """
 
-# KEYS: job. ARGV: (round, field, delta) for each count. Counts only for the round it was meant for.
+# KEYS: job. ARGV: (round, field, delta) for each count. Counts only for the round it was meant
+# for (CURRENT_ROUND: whichever is current), and only for a job that exists.
 _COUNT = """
 local counted = 0
+local round = redis.call('HGET', KEYS[1], 'round')
 for i = 1, #ARGV, 3 do
-  if tonumber(redis.call('HGET', KEYS[1], 'round')) == tonumber(ARGV[i]) then
+  if round and (ARGV[i] == '*' or tonumber(round) == tonumber(ARGV[i])) then
     redis.call('HINCRBY', KEYS[1], ARGV[i + 1], ARGV[i + 2])
     counted = counted + 1
   end
@@ -651,7 +654,19 @@ class ClusterState:
         self.redis.sadd(tenant_jobs_key(spec.tenant), spec.job)
 
     def job(self, name: str) -> Job:
-        h = self.redis.hgetall(job_key(name))
+        return self._job(name, self.redis.hgetall(job_key(name)))
+
+    def round_view(self, name: str) -> tuple[Job, Shard, float]:
+        """The job, its round's shard and the Redis clock (s), read as one snapshot in one
+        round trip: what the round's duties are decided from."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hgetall(job_key(name))
+        pipe.hgetall(shard_key(name))
+        pipe.time()
+        job, shard, clock = pipe.execute()
+        return self._job(name, job), Shard.parse(shard), _ms(clock) / 1000
+
+    def _job(self, name: str, h: dict[str, str]) -> Job:
         if not h or "version" not in h:
             raise NotFound(f"job {name!r} does not exist", code="no_such_job")
         return Job(
@@ -786,9 +801,10 @@ class ClusterState:
             args += [token, round_id, f"rejected.{reason}" if reason else ""]
         return ScriptCall(self._unreserve, [job_key(name), shard_key(name), updates_key(name)], args)
 
-    def count_call(self, name: str, counts: list[tuple[int, str, int]]) -> ScriptCall:
+    def count_call(self, name: str, counts: list[tuple[int | str, str, int]]) -> ScriptCall:
         """Add to counters of rounds of the job, each (round, field, delta): rejected.<code>,
-        aggregated (counted only while that round is the current one)."""
+        aggregated (counted only while that round is the current one; ``CURRENT_ROUND``: the one
+        current when the call runs)."""
         return ScriptCall(self._count, [job_key(name)], [x for count in counts for x in count])
 
     def run(self, call: ScriptCall) -> Any:
