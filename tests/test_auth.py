@@ -274,7 +274,7 @@ def test_the_cache_alone_answers_from_fresh_entries_only(state: ClusterState) ->
 def test_refresh_keeps_hot_entries_fresh_and_forgets_revoked_and_cold_ones(state: ClusterState) -> None:
     clock = [0.0]
     here, there = Tokens(state.redis), Tokens(state.redis, clock=lambda: clock[0])
-    (kept, kept_token), (revoked, revoked_token) = here.create(TokenSpec(TENANT, "a")), here.create(TokenSpec(TENANT, "a"))
+    (_, kept_token), (revoked, revoked_token) = here.create(TokenSpec(TENANT, "a")), here.create(TokenSpec(TENANT, "a"))
     _, cold_token = here.create(TokenSpec(TENANT, "a"))
     for token in (kept_token, revoked_token, cold_token):
         assert there.authenticate(token).role == TENANT
