@@ -652,10 +652,11 @@ class GatewayService:
     def job_status(self, principal: Principal, name: str) -> dict[str, Any]:
         """The job as the whole cluster sees it: the round's progress on every node (a client sees
         its version and round only)."""
-        job = self.authorized_job(principal, Action.READ_JOB, name)
+        view = self.state.job_view(name)
+        job, shard = view.job, view.shard
+        authorize(principal, Action.READ_JOB, tenant=job.spec.tenant, job=name)
         if principal.role == CLIENT:
             return client_view(job)
-        shard = self.state.shard(name)
         has_model = job.version != NO_MODEL
         aggregators = dict.fromkeys(ROLES, 0)
         queued = 0
@@ -682,7 +683,7 @@ class GatewayService:
             "over_selection": job.spec.over_selection,
             "max_samples": job.spec.max_samples,
             "architecture": job.spec.architecture or None,
-            "retention": self.state.retention(name).to_dict(),
+            "retention": view.retention.to_dict(),
             "strategy": self._strategy_status(job),
             "fixed_point": job.spec.fixed_point or None,
             "version": job.version if has_model else None,
@@ -694,7 +695,7 @@ class GatewayService:
                 "received": job.accepted,
                 "in_progress": job.reserved - job.accepted,
                 "aggregated": job.aggregated,
-                "leases": self.state.active_leases(name),
+                "leases": view.leases,
                 "rejected": job.rejected,
                 "nodes": shard.counts if current else {},
                 "top": shard.top if current else None,

@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import select
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable
+
+from lifl.net.io import ready
 
 _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved now: safe to call between fork and exec
@@ -66,10 +67,10 @@ def wait_exited(pids: Iterable[int], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     try:
         for fd in fds:
-            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            if not ready([fd], deadline - time.monotonic()):
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(fd, signal.SIGKILL)
-                select.select([fd], [], [])  # SIGKILL cannot be ignored: it exits
+                ready([fd])  # SIGKILL cannot be ignored: it exits
     finally:
         for fd in fds:
             os.close(fd)

@@ -23,7 +23,6 @@ import dataclasses
 import importlib
 import mmap
 import os
-import select
 import socket
 import struct
 import sys
@@ -45,6 +44,7 @@ from lifl.protocol import (
     QUERY_ROLE, Alloc, Attach, CancelTask, Done, Failed, Finished, Folded, InstallResult, Invoke, Ready, StrategyInputs,
     StrategyWork, input_fields,
 )
+from lifl.net.io import ready
 from lifl.rpc import Client, Connection
 from lifl.store import MappingCache, object_name
 from lifl.strategy import StrategySpec
@@ -132,15 +132,14 @@ class Context:
             if self._stash[task]:
                 return self._stash[task].popleft()
             self._handle_pushes()
-            ready, _, _ = select.select([self.channel, self.client.conn], [], [])
-            if self.channel in ready:
+            if self.channel in ready([self.channel, self.client.conn]):
                 msg = self.channel.recv()
                 if msg is not None:
                     self._stash[msg.task].append(msg)
 
     def _handle_pushes(self) -> None:
         """Apply control pushes (cancellations) that arrived while the task ran."""
-        while self.client.pushes or select.select([self.client.conn], [], [], 0)[0]:
+        while self.client.pushes or ready([self.client.conn], 0):
             push, _ = self.client.next_push()
             if isinstance(push, CancelTask):
                 raise TaskCancelled(push.reason)
@@ -422,14 +421,6 @@ class AttachedInstance:
                 client.conn.sock.shutdown(socket.SHUT_RDWR)
 
 
-def lowest_copy(fd: int) -> int:
-    """``fd`` moved to the lowest free descriptor. An instance inherits its sockets under the
-    agent's numbers, past 1024 when the agent holds many objects, where select() cannot watch them."""
-    low = os.dup(fd)
-    os.close(fd)
-    return low
-
-
 def drop_privileges(uid: int) -> None:
     """Become the tenant (uid = gid, no other groups). Everything the instance runs is imported
     before this, so the code may live where the tenant cannot read; from here on the kernel
@@ -458,10 +449,10 @@ def main(argv: list[str] | None = None) -> None:
     load_handler(QUERY_HANDLER)  # imported before the drop, as the aggregator is
     for module in args.preload:
         importlib.import_module(module)
-    channel = attach_channel(args.channel, socket.socket(fileno=lowest_copy(args.channel_fd)))  # imports its transport: before the drop
+    channel = attach_channel(args.channel, socket.socket(fileno=args.channel_fd))  # imports its transport: before the drop
     if args.user is not None:
         drop_privileges(args.user)
-    client = Client(Connection(socket.socket(fileno=lowest_copy(args.control_fd))))
+    client = Client(Connection(socket.socket(fileno=args.control_fd)))
     ctx = Context(args.instance, args.tenant, args.node, client, channel)
     client.call(Ready())
     serve(ctx, handler)

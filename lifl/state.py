@@ -208,6 +208,13 @@ end
 return counted
 """
 
+# KEYS: job, shard, leases, retention. What a job's status shows, as one snapshot: the job's
+# and its shard's fields, the live leases, the retention policy (false: the spec's).
+_JOB_VIEW = _NOW + """
+return {redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]),
+        redis.call('ZCOUNT', KEYS[3], '(' .. now_ms(), '+inf'), redis.call('GET', KEYS[4])}
+"""
+
 # Freezes the round: no more updates; each node's count becomes final. (Lua, shared)
 _FINALIZE = """
 local function finalize(h, s)
@@ -541,6 +548,21 @@ def retained_key(name: str, round_id: int) -> str:
     return f"lifl:job:{name}:retained:{round_id}"
 
 
+def _pairs(flat: list[str]) -> dict[str, str]:
+    """A hash as a script returns it (field, value, field, value, ...)."""
+    return dict(zip(flat[::2], flat[1::2]))
+
+
+@dataclass(frozen=True)
+class JobView:
+    """What a job's status is made of (``ClusterState.job_view``)."""
+
+    job: Job
+    shard: Shard
+    leases: int
+    retention: RetentionPolicy
+
+
 def _ms(t: list[int]) -> int:
     return t[0] * 1000 + t[1] // 1000
 
@@ -616,6 +638,7 @@ class ClusterState:
             socket_connect_timeout=REDIS_CONNECT_TIMEOUT, socket_timeout=REDIS_COMMAND_TIMEOUT)
         r = self.redis
         self._reserve = r.register_script(_RESERVE)
+        self._job_view = r.register_script(_JOB_VIEW)
         self._take_lease = r.register_script(_TAKE_LEASE)
         self._heartbeat = r.register_script(_HEARTBEAT)
         self._release_lease = r.register_script(_RELEASE_LEASE)
@@ -655,6 +678,13 @@ class ClusterState:
 
     def job(self, name: str) -> Job:
         return self._job(name, self.redis.hgetall(job_key(name)))
+
+    def job_view(self, name: str) -> JobView:
+        """The job, its round's shard, its live leases and retention policy: one snapshot, one call."""
+        job, shard, leases, retention = self._job_view(keys=[job_key(name), shard_key(name), leases_key(name), retention_key(name)])
+        j = self._job(name, _pairs(job))
+        policy = RetentionPolicy.from_json(retention) if retention else j.spec.retention_policy  # none: created before retention existed
+        return JobView(j, Shard.parse(_pairs(shard)), int(leases), policy)
 
     def round_view(self, name: str) -> tuple[Job, Shard, float]:
         """The job, its round's shard and the Redis clock (s), read as one snapshot in one
@@ -831,10 +861,6 @@ class ClusterState:
     def release_lease(self, name: str, lease: str, client: str = "") -> bool:
         """Give back ``lease`` if it is ``client``'s ('' for any client's)."""
         return bool(self._release_lease(keys=[leases_key(name), lease_owners_key(name)], args=[lease, client]))
-
-    def active_leases(self, name: str) -> int:
-        now = _ms(self.redis.time())
-        return int(self.redis.zcount(leases_key(name), f"({now}", "+inf"))
 
     def count(self, name: str, round_id: int, field: str, delta: int = 1) -> bool:
         """Add to a counter of round ``round_id`` (aggregated, rejected.<code>)."""

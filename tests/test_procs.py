@@ -3,11 +3,15 @@ processes that are not our children."""
 
 from __future__ import annotations
 
+import os
+import resource
 import signal
+import socket
 import subprocess
 import sys
 
 from conftest import wait_for
+from lifl.net.io import ready
 from lifl.procs import wait_exited
 
 WAITER = """
@@ -44,3 +48,33 @@ def test_wait_exited_waits_for_an_exit_and_kills_what_outlives_its_timeout() -> 
     wait_exited([stuck.pid], timeout=0)
     assert stuck.wait(5) == -signal.SIGKILL
     wait_exited([quick.pid], timeout=0)  # reaped and gone: nothing to wait for
+
+
+def test_waits_work_with_descriptors_past_1024() -> None:
+    """A node's processes hold thousands of descriptors (one per object); select() refuses any
+    past 1024, so every blocking wait polls."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    reader, writer = (_renumbered(s, fd) for s, fd in zip(socket.socketpair(), (1500, 1501)))
+    try:
+        assert ready([reader], 0) == [] and ready([writer], 0, write=True) == [writer]
+        writer.send(b"x")
+        assert ready([reader, writer.fileno()], 60) == [reader]
+        held = [os.dup(0) for _ in range(1100)]  # the pidfd below is numbered past 1024 too
+        try:
+            stuck = subprocess.Popen(["sleep", "600"])
+            wait_exited([stuck.pid], timeout=0)
+            assert stuck.wait(5) == -signal.SIGKILL
+        finally:
+            for fd in held:
+                os.close(fd)
+    finally:
+        reader.close()
+        writer.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _renumbered(sock: socket.socket, fd: int) -> socket.socket:
+    os.dup2(sock.fileno(), fd)
+    sock.close()
+    return socket.socket(fileno=fd)

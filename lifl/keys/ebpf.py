@@ -29,7 +29,6 @@ import errno
 import json
 import os
 import platform
-import select
 import selectors
 import shutil
 import socket
@@ -46,6 +45,7 @@ from typing import NamedTuple
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from lifl.net.io import ready
 from lifl.keys.record import AGENT_ID, KIND_ACK, MESSAGE_BYTES, KeyMessage, stamped
 from lifl.store import Tenant
 
@@ -461,7 +461,7 @@ class EbpfEndpoint:
     """An instance's (or the agent's) registered TCP socket: a send is one 64-byte record, which
     the verdict redirects; what arrives is a byte stream framed here, 64 bytes a record. Reads
     take at most the rest of the current record, so nothing waits in a buffer of ours while
-    select() says the socket is idle."""
+    poll() says the socket is idle."""
 
     def __init__(self, sock: socket.socket, tenant: int) -> None:
         self._sock = sock
@@ -502,7 +502,7 @@ class EbpfEndpoint:
                     return None
                 self._acknowledge()
                 wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not select.select([self._sock], [], [], wait)[0]:
+                if not ready([self._sock], wait):
                     return None
                 continue
             if not chunk:

@@ -6,10 +6,10 @@ apart, and a message's tenant field is checked on receipt).
 from __future__ import annotations
 
 import os
-import select
 import socket
 from pathlib import Path
 
+from lifl.net.io import ready
 from lifl.keys.record import MESSAGE_BYTES, KeyMessage, stamped
 from lifl.store import Tenant
 
@@ -35,8 +35,7 @@ class UnixEndpoint:
 
     def recv(self, timeout: float | None = None) -> KeyMessage | None:
         if timeout is not None:
-            ready, _, _ = select.select([self._sock], [], [], timeout)
-            if not ready:
+            if not ready([self._sock], timeout):
                 return None
         message = KeyMessage.unpack(self._sock.recv(MESSAGE_BYTES + 1))
         if message.tenant != self.tenant:

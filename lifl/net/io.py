@@ -18,6 +18,20 @@ TLS_GATHER = 64 << 10  # over TLS, parts smaller than this are joined up to this
 TLS_SEND_CHUNK = 1 << 20  # bytes of a file handed to TLS at a time, where sendfile cannot be used
 
 
+def ready(files: Sequence[Any], timeout: float | None = None, *, write: bool = False) -> list[Any]:
+    """Those of ``files`` (sockets or descriptors) readable (``write``: writable), or closed or
+    failed, within ``timeout`` s (None: however long it takes). poll, not select: select cannot
+    watch a descriptor past 1024, and a node's processes hold more than that."""
+    poller = select.poll()
+    by_fd: dict[int, Any] = {}
+    for f in files:
+        fd = f if isinstance(f, int) else f.fileno()
+        by_fd[fd] = f
+        poller.register(fd, select.POLLOUT if write else select.POLLIN)
+    events = poller.poll(None if timeout is None else max(0.0, timeout) * 1000)
+    return [by_fd[fd] for fd, _ in events]
+
+
 def sendmsg_all(sock: socket.socket | Any, parts: Sequence[bytes | bytearray | memoryview]) -> None:
     """Write every byte of ``parts`` (sendmsg may write part of them). A TLS socket has no
     sendmsg: small parts (frame headers) are joined with their neighbours, large ones go as they are."""
@@ -81,7 +95,7 @@ def sendfile_all(sock: socket.socket, fd: int, count: int, timeout: float) -> No
         try:
             sent = os.sendfile(sock.fileno(), fd, offset, count - offset)
         except BlockingIOError:  # a socket with a timeout is non-blocking underneath
-            if not select.select([], [sock], [], timeout)[1]:
+            if not ready([sock], timeout, write=True):
                 raise TimeoutError(f"the peer stopped reading after {offset} of {count} bytes") from None
             continue
         if sent == 0:

@@ -762,8 +762,8 @@ class Agent:
 
     def _job_io(self, name: str) -> tuple[Job, Tenant, RetentionPolicy]:
         """The job as Redis has it, its tenant and its retention policy; call off the loop."""
-        j = self.state.job(name)
-        return j, self._tenant_io(j.spec.tenant), self.state.retention(name)
+        view = self.state.job_view(name)  # one call: the job and its retention policy
+        return view.job, self._tenant_io(view.job.spec.tenant), view.retention
 
     def _known(self, read: tuple[Job, Tenant, RetentionPolicy]) -> JobRun:
         """This node's record of a job read by ``_job_io`` (on the loop)."""
