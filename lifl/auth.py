@@ -36,6 +36,7 @@ import redis
 
 from lifl.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthenticated
 from lifl.jobs import JOB_NAME, TENANT_NAME
+from lifl.redisconn import SCAN_COUNT
 from lifl.state import dependency_errors
 
 OPERATOR, TENANT, CLIENT, NODE = "operator", "tenant", "client", "node"
@@ -346,7 +347,7 @@ class Tokens:
     def records(self, tenant: str | None) -> list[TokenRecord]:
         """Live tokens of ``tenant`` (None: of every tenant), without secrets, oldest first."""
         if tenant is None:
-            indexes = sorted(self.redis.scan_iter(index_key("*")))
+            indexes = sorted(self.redis.scan_iter(index_key("*"), count=SCAN_COUNT))
         else:
             indexes = [index_key(tenant)]
         now_ms = int(time.time() * 1000)

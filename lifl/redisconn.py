@@ -1,4 +1,4 @@
-"""redis-py clients for bulk values (updates, partial sums, checkpoints), with their timeout named.
+"""redis-py's defaults that lifl overrides, named: bulk clients' timeout, and SCAN's batch.
 
 redis-py 8 gives every command a 5 s socket timeout unless told otherwise. A command carrying
 an update of hundreds of MB, queued behind others on a busy server of a loaded 2-core machine,
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import redis
 
+SCAN_COUNT = 1000  # keys one SCAN call looks at: redis-py's default (10) takes a call per 10 keys of the whole keyspace
 BULK_TIMEOUT_S = 300.0  # one command moving a value of any size; a dead server fails at once (connection refused)
 
 

@@ -45,6 +45,7 @@ from lifl.format import ModelSpec
 from lifl.flstore.retention import RetentionPolicy
 from lifl.jobs import JobSpec
 from lifl.protocol import NodeStatus, record_from_json, record_json
+from lifl.redisconn import SCAN_COUNT
 
 TENANT_UID_BASE = 610000  # tenants' functions run as uid/gid TENANT_UID_BASE + n
 HISTORY = 10000  # rounds kept per job
@@ -977,7 +978,7 @@ class ClusterState:
         return json.loads(raw) if raw else None
 
     def _scan_json(self, pattern: str) -> dict[str, Any]:
-        keys = sorted(self.redis.scan_iter(pattern))
+        keys = sorted(self.redis.scan_iter(pattern, count=SCAN_COUNT))
         out = {}
         for key, raw in zip(keys, self.redis.mget(keys) if keys else []):
             if raw:

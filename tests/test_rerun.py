@@ -100,7 +100,9 @@ def test_a_task_that_keeps_failing_abandons_its_round_after_the_last_attempt(
     put_model(client, "j", fmt.encode(random_model(rng)))
     push(client, "j", 0, fmt.encode(random_model(rng)), 1)
     for attempt in range(1, MAX_TASK_ATTEMPTS + 1):
-        busy = wait_for(aggregator_pids, what=f"run {attempt} of the leaf")
+        # an instance killed before it was given the task is no failed attempt: wait for the start
+        wait_for(lambda: metric(client, "lifl_aggregator_starts_total") >= attempt, what=f"run {attempt} of the leaf")
+        busy = wait_for(aggregator_pids, what=f"the instance of run {attempt}")
         for pid in busy:
             os.kill(pid, signal.SIGKILL)
         wait_for(lambda: pid not in aggregator_pids(), what="the killed instance reaped")
