@@ -64,9 +64,16 @@ class Gateway:
         return socket.create_connection(self.address, timeout=timeout, source_address=(source, 0))
 
     def exchange(self, data: bytes, source: str = "127.0.0.1") -> tuple[int, dict]:
+        """One request on a connection of its own, which is gone from the gateway's count on return
+        (the next connections are counted against the limits without it)."""
         with self.connect(source) as s:
             s.sendall(data)
-            return read_response(s)
+            response = read_response(s)
+            s.shutdown(socket.SHUT_WR)
+            with contextlib.suppress(ConnectionResetError):
+                while s.recv(65536):  # until the gateway closes its side
+                    pass
+            return response
 
     def alive(self) -> bool:
         return self.child.proc is not None and self.child.proc.poll() is None
