@@ -14,7 +14,6 @@ in tests/test_kubernetes.py. Root only; the first build of the bed and images ta
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -22,13 +21,12 @@ from typing import Any
 import pytest
 
 from conftest import OPERATOR_TOKEN, wait_for
-from k8s.bed import REAL_NODE, ROOT, Background, get, inside, kubectl, maybe
+from k8s.bed import REAL_NODE, ROOT, SUITE_MARKS, Background, get, inside, kubectl, maybe
 from lifl import demo
 from lifl import function_labels
 from lifl.autoscaler import names
 
-pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.root,
-              pytest.mark.skipif(os.geteuid() != 0, reason="the test bed needs root (network namespaces)")]
+pytestmark = SUITE_MARKS
 
 TENANT = demo.TENANT  # `lifl demo` trains as this tenant
 NAMESPACE = TENANT  # granted to the tenant: its pods may get the tenant's identity
@@ -185,7 +183,7 @@ def test_one_round_through_the_pods_is_float64_fedavg(lifl_cluster: str) -> None
     assert result["version"] == 1 and result["max_abs_error"] <= 1e-5, result
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1200, func_only=True)
 def test_the_digits_cnn_trains_to_90_percent_through_the_node_pod(lifl_cluster: str, tmp_path: Any) -> None:
     before = sum(function_status(p)["tasks"] for p in function_pods() if ready(p))
     out = in_bed(sys.executable, "-m", "lifl", "demo", "--gateway", lifl_cluster, "--workers", "2", "--max-minutes", "12",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,12 +17,11 @@ import numpy as np
 import pytest
 
 from conftest import OPERATOR_TOKEN, wait_for
-from k8s.bed import ROOT, Background, get, inside, kubectl, maybe
+from k8s.bed import ROOT, SUITE_MARKS, Background, get, inside, kubectl, maybe
 from lifl import format as fmt
 from lifl.autoscaler import names
 
-pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.root,
-              pytest.mark.skipif(os.geteuid() != 0, reason="the test bed needs root (network namespaces)")]
+pytestmark = SUITE_MARKS
 
 READY_TIMEOUT_S = 180.0  # bounds a failure only
 
@@ -157,7 +155,7 @@ def fl_job(tenant: str, node_id: str, goal: int, redis_url: str, run_dir: Path) 
         inside("kubectl", "delete", "fljob", tenant, "--ignore-not-found", "--wait=false")
 
 
-@pytest.mark.timeout(900)  # the smoothed queue decays by 0.7 a period after the load stops
+@pytest.mark.timeout(900, func_only=True)  # the smoothed queue decays by 0.7 a period after the load stops
 def test_load_grows_the_tenants_aggregators_on_the_bestfit_node_and_their_absence_shrinks_them_to_zero(
         operator: Background, redis_url: str, run_dir: Path) -> None:
     with fl_job("load1", "kwok2", 12, redis_url, run_dir) as gw:

@@ -23,10 +23,9 @@ from typing import Any
 import pytest
 
 from conftest import wait_for
-from k8s.bed import REAL_NODE, REAL_NODE_LABEL, TESTENV, get, inside, kubectl
+from k8s.bed import REAL_NODE, REAL_NODE_LABEL, SUITE_MARKS, TESTENV, get, inside, kubectl
 
-pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.root,
-              pytest.mark.skipif(os.geteuid() != 0, reason="the test bed needs root (network namespaces)")]
+pytestmark = SUITE_MARKS
 
 IMAGE = "dev.local/lifl/lifl:0.1.0"  # imported by the bed from scripts/images.sh's archives
 POD_CIDR = ipaddress.ip_network("10.88.0.0/16")  # the real node's CNI bridge

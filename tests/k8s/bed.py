@@ -30,6 +30,11 @@ KUBELET_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "k
                    "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes")
 # lifl's own workloads in the manifests, simulated on the kwok nodes: on the real node they would
 # run for real, beside the operator and Redis the tests start themselves
+# Every suite on the bed: its first test's setup brings the bed up (images built, a cluster
+# started: minutes on a loaded machine, bounded by those steps' own timeouts), so a test's time
+# limit counts its own body only.
+SUITE_MARKS = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.root, pytest.mark.timeout(300, func_only=True),
+               pytest.mark.skipif(os.geteuid() != 0, reason="the test bed needs root (network namespaces)")]
 LIFL_WORKLOADS = (("daemonset", "lifl-node"), ("deployment", "lifl-operator"), ("deployment", "lifl-redis"))
 
 
