@@ -1370,9 +1370,10 @@ class Agent:
                 key, source = self.retainer.acquire_model(j.spec.job, run.tenant, v, holder, keep, current)
                 sources.append(source)
                 entry[what] = key.hex()
-            for client, meta in sorted(metas.items()):
-                keep = in_memory(policy, Held(UPDATE, round_id, client), newest, j.version)
-                key, source = self.retainer.acquire_update(j.spec.job, run.tenant, round_id, client, meta, holder, keep)
+            wanted = [(client, meta, in_memory(policy, Held(UPDATE, round_id, client), newest, j.version))
+                      for client, meta in sorted(metas.items())]
+            for (client, meta, _), (key, source) in zip(wanted, self.retainer.acquire_updates(
+                    j.spec.job, run.tenant, round_id, wanted, holder)):
                 sources.append(source)
                 fetched += meta["size"] if source == "store" else 0
                 entry["updates"].append({"client": client, "samples": meta["samples"], "key": key.hex()})
@@ -1747,12 +1748,9 @@ class Agent:
                                   f"{len(set(local) | set(indexed))} are retained for its strategy after "
                                   f"{STRATEGY_INPUTS_TIMEOUT_S:g} s", code="updates_missing", retry_after=1.0)
             time.sleep(0.05)  # other nodes' write-behind: Redis offers nothing to wait on here
-        out: dict[str, tuple[bytes, int, int]] = {}
-        for client in sorted(set(local) | set(indexed)):
-            meta = indexed.get(client) or local[client]
-            key, _ = self.retainer.acquire_update(job, run.tenant, task.round, client, meta, holder, keep=True)
-            out[client] = (key, int(meta["version"]), int(meta["samples"]))
-        return out
+        wanted = [(client, indexed.get(client) or local[client], True) for client in sorted(set(local) | set(indexed))]
+        lookups = self.retainer.acquire_updates(job, run.tenant, task.round, wanted, holder)
+        return {client: (key, int(meta["version"]), int(meta["samples"])) for (client, meta, _), (key, _) in zip(wanted, lookups)}
 
     # -- effects ----------------------------------------------------------------------------------
     def _board_context(self) -> tuple[dict[int, tree.Task], Callable[[int], list[int]], Callable[[str], str], float]:

@@ -290,22 +290,29 @@ class Retainer:
                 if (item.job, item.kind, item.index) == (job, UPDATE, round_id) and item.key is not None}
 
     # -- queries ---------------------------------------------------------------------------------------
-    def acquire_update(self, job: str, tenant: Tenant, round_id: int, client: str, meta: dict[str, Any],
-                       holder: Hashable, keep: bool) -> Lookup:
-        """An object of a retained update for a query (``holder`` lets go of it); ``keep``: the
-        policy keeps it in memory, so a copy fetched back stays. (Off the loop.)"""
+    def acquire_updates(self, job: str, tenant: Tenant, round_id: int, wanted: list[tuple[str, dict[str, Any], bool]],
+                        holder: Hashable) -> list[Lookup]:
+        """Objects of retained updates of a round for a query (``holder`` lets go of them), each
+        wanted as (client, its retention record, ``keep``: the policy keeps it in memory, so a
+        copy fetched back stays). Those in memory are taken in one turn of the loop; the others
+        are fetched back. (Off the loop.)"""
 
-        def hit() -> tuple[Kept | None, Lookup | None]:
-            item = self.items.get((job, UPDATE, round_id, client))
-            return item, self._hit(item, holder) if item is not None and item.key is not None else None
+        def hits() -> list[tuple[Kept | None, Lookup | None]]:
+            out = []
+            for client, _, _ in wanted:
+                item = self.items.get((job, UPDATE, round_id, client))
+                out.append((item, self._hit(item, holder) if item is not None and item.key is not None else None))
+            return out
 
-        item, found = self.on_loop(hit)
-        if found is not None:
-            return found
-        if item is None:
-            item = Kept(job, tenant, UPDATE, round_id, int(meta["size"]), None, True, client, int(meta["samples"]),
-                        int(meta["version"]), str(meta["blob"]))
-        return self._miss(item, holder, keep)
+        lookups = []
+        for (client, meta, keep), (item, found) in zip(wanted, self.on_loop(hits)):
+            if found is None:
+                if item is None:
+                    item = Kept(job, tenant, UPDATE, round_id, int(meta["size"]), None, True, client, int(meta["samples"]),
+                                int(meta["version"]), str(meta["blob"]))
+                found = self._miss(item, holder, keep)
+            lookups.append(found)
+        return lookups
 
     def acquire_model(self, job: str, tenant: Tenant, version: int, holder: Hashable, keep: bool,
                       current: bytes | None = None) -> Lookup:
