@@ -209,11 +209,12 @@ end
 return counted
 """
 
-# KEYS: job, shard, leases, retention. What a job's status shows, as one snapshot: the job's
+# KEYS: job, shard, leases, retention. A job as one snapshot: the Redis clock (ms), the job's
 # and its shard's fields, the live leases, the retention policy (false: the spec's).
 _JOB_VIEW = _NOW + """
-return {redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]),
-        redis.call('ZCOUNT', KEYS[3], '(' .. now_ms(), '+inf'), redis.call('GET', KEYS[4])}
+local now = now_ms()
+return {now, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]),
+        redis.call('ZCOUNT', KEYS[3], '(' .. now, '+inf'), redis.call('GET', KEYS[4])}
 """
 
 # Freezes the round: no more updates; each node's count becomes final. (Lua, shared)
@@ -556,12 +557,14 @@ def _pairs(flat: list[str]) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class JobView:
-    """What a job's status is made of (``ClusterState.job_view``)."""
+    """A job as one snapshot (``ClusterState.job_view``): what its status shows and its round's
+    duties are decided from."""
 
     job: Job
     shard: Shard
     leases: int
     retention: RetentionPolicy
+    now: float  # the Redis clock (s), the one deadlines are measured by
 
 
 def _ms(t: list[int]) -> int:
@@ -681,21 +684,13 @@ class ClusterState:
         return self._job(name, self.redis.hgetall(job_key(name)))
 
     def job_view(self, name: str) -> JobView:
-        """The job, its round's shard, its live leases and retention policy: one snapshot, one call."""
-        job, shard, leases, retention = self._job_view(keys=[job_key(name), shard_key(name), leases_key(name), retention_key(name)])
+        """The job, its round's shard, its live leases, its retention policy and the clock: one
+        snapshot, one call."""
+        now, job, shard, leases, retention = self._job_view(
+            keys=[job_key(name), shard_key(name), leases_key(name), retention_key(name)])
         j = self._job(name, _pairs(job))
         policy = RetentionPolicy.from_json(retention) if retention else j.spec.retention_policy  # none: created before retention existed
-        return JobView(j, Shard.parse(_pairs(shard)), int(leases), policy)
-
-    def round_view(self, name: str) -> tuple[Job, Shard, float]:
-        """The job, its round's shard and the Redis clock (s), read as one snapshot in one
-        round trip: what the round's duties are decided from."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hgetall(job_key(name))
-        pipe.hgetall(shard_key(name))
-        pipe.time()
-        job, shard, clock = pipe.execute()
-        return self._job(name, job), Shard.parse(shard), _ms(clock) / 1000
+        return JobView(j, Shard.parse(_pairs(shard)), int(leases), policy, int(now) / 1000)
 
     def _job(self, name: str, h: dict[str, str]) -> Job:
         if not h or "version" not in h:

@@ -155,8 +155,8 @@ def test_a_batch_whose_answer_is_lost_is_sent_again_and_counts_each_update_once(
     assert proxy.fired.is_set() and not errors, errors
     job, shard = state.job("j"), state.shard("j")
     assert (job.reserved, job.accepted, shard.counts, shard.inflight) == (sent, sent, {agent.node: sent}, {agent.node: 0})
-    view_job, view_shard, clock = state.round_view("j")  # the round's duties read the same in one snapshot
-    assert (view_job, view_shard) == (job, shard) and abs(clock - state.now()) < 60
+    view = state.job_view("j")  # the round's duties read the same in one snapshot
+    assert (view.job, view.shard) == (job, shard) and abs(view.now - state.now()) < 60
     push(client, "j", 0, fmt.encode(updates[sent]), samples[sent])
     wait_for(lambda: state.version("j") == 1, what="version 1")
     summary = state.job("j").last_round

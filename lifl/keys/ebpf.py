@@ -45,8 +45,8 @@ from typing import NamedTuple
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from lifl.net.io import ready
 from lifl.keys.record import AGENT_ID, KIND_ACK, MESSAGE_BYTES, KeyMessage, stamped
+from lifl.net.io import ready
 from lifl.store import Tenant
 
 BPF_DIR = Path(__file__).resolve().parents[2] / "bpf"  # in a source checkout (make builds it)

@@ -9,8 +9,8 @@ import os
 import socket
 from pathlib import Path
 
-from lifl.net.io import ready
 from lifl.keys.record import MESSAGE_BYTES, KeyMessage, stamped
+from lifl.net.io import ready
 from lifl.store import Tenant
 
 

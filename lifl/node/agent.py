@@ -1942,8 +1942,9 @@ class Agent:
     def _settle_io(self, job: str, live: set[str] | None) -> Shard:
         """The round's duties, performed until there are none (off the loop); the shard as it is then."""
         for _ in range(SETTLE_PASSES):
-            j, shard, now = self.state.round_view(job)
-            todo = cluster_rounds.duties(j, shard, now, live if live is not None else _assume_live(shard))
+            view = self.state.job_view(job)
+            j, shard = view.job, view.shard
+            todo = cluster_rounds.duties(j, shard, view.now, live if live is not None else _assume_live(shard))
             if not todo:
                 return shard
             for duty in todo:
@@ -2026,8 +2027,9 @@ class Agent:
         report = step.report if step is not None else {}
 
         def next_round() -> tuple[float, dict[str, Any]]:
-            j, shard, now = self.state.round_view(job)
-            aggregated = now - seconds  # the checkpoint is written between aggregation and installation
+            view = self.state.job_view(job)
+            j, shard = view.job, view.shard
+            aggregated = view.now - seconds  # the checkpoint is written between aggregation and installation
             summary = self._summary(j, shard, version, "complete" if e.input.updates >= j.spec.goal else "partial",
                                     updates=e.input.updates, samples=e.input.samples, checkpoint_s=round(seconds, 6),
                                     seconds=round(aggregated - shard.first_update, 6) if shard.first_update else None)
