@@ -45,6 +45,7 @@ from lifl.auth import Principal
 from lifl.errors import BadRequest, Internal, LiflError, Overloaded
 from lifl.gateway.service import GatewayService, Ingest, ModelView
 from lifl.gateway.stream import OPEN, READ_AHEAD, Conn, ConnectionProtocol, LoopServer, PeerGone, Wait
+from lifl.jobs import version_wait_params
 from lifl.net import h2
 from lifl.net import lifl_pb2 as pb
 from lifl.net.grpc import CONTENT_TYPE, BlobTarget, MessageReader, chunk_messages, message_prefix, status_trailers
@@ -53,7 +54,7 @@ from lifl.net.limits import ConnectionLimits
 from lifl.net.loop import IO_POOL, SLOW_POOL
 
 SERVICE = "/lifl.v1.Gateway/"
-UNARY = ("CreateJob", "ListJobs", "GetJob", "GetModel", "TakeLease", "Heartbeat", "ReleaseLease", "GetRounds", "GetAssignment",
+UNARY = ("CreateJob", "ListJobs", "GetJob", "WaitForVersion", "GetModel", "TakeLease", "Heartbeat", "ReleaseLease", "GetRounds", "GetAssignment",
          "CreateToken", "ListTokens", "RevokeToken", "Query", "GetRetention", "SetRetention")
 SLOW_UNARY = ("Query",)  # on the slow pool
 BLOB_UPLOADS = ("SetModel", "PushUpdate")
@@ -520,10 +521,29 @@ class GrpcConnection(ConnectionProtocol):
             self._start_download(call, job)
             return
         caller, method = call.caller, call.method
+        if method == "WaitForVersion":
+            self._wait_for_version(call, caller, pb.WaitForVersionRequest.FromString(request))
+            return
         self._serving += 1
         pool = SLOW_POOL if method in SLOW_UNARY else IO_POOL
         self.server.loop.offload(lambda: self._unary(caller, method, request).SerializeToString(),
                                  lambda reply, error: self._answered(call, reply, error), pool)
+
+    def _wait_for_version(self, call: Call, caller: Principal, req: Any) -> None:
+        after, wait_s = version_wait_params(req.after, req.wait_s)
+
+        def answered(view: dict[str, Any] | None, error: BaseException | None) -> None:
+            reply = None if view is None else pb.JobVersion(
+                job=view["job"], tenant=view["tenant"], version=_optional(view["version"]),
+                round=_optional(view["round"]["id"]), closed=view["round"]["closed"]).SerializeToString()
+            self._answered(call, reply, error)
+
+        self._serving += 1
+        try:
+            self.service.wait_for_version(caller, req.job, after, wait_s, answered)
+        except BaseException:
+            self._serving -= 1
+            raise
 
     def _finished_blob(self, call: Call, ingest: Ingest, result: dict[str, Any] | None, error: BaseException | None) -> None:
         self._serving -= 1

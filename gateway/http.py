@@ -32,6 +32,7 @@ from lifl.auth import Principal
 from lifl.errors import BadRequest, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge, Unauthenticated
 from lifl.gateway.service import GatewayService, Ingest, ModelView, PartialMeta
 from lifl.gateway.stream import BODY, BUSY, HEAD, IDLE, READ_AHEAD, Conn, ConnectionProtocol, LoopServer, PeerGone, Wait
+from lifl.jobs import version_wait_query
 from lifl.net.limits import ConnectionLimits
 from lifl.net.loop import IO_POOL, SLOW_POOL
 
@@ -371,6 +372,7 @@ LOCAL = "local"  # handler(req) -> Response, on the loop (cheap: health checks)
 BLOCKING = "blocking"  # handler(req, caller, *groups) -> Response, on the pool (Redis, other nodes)
 UPLOAD = "upload"  # handler(req, caller, *groups, done): an Ingest to receive the body into, on the loop
 DOWNLOAD = "download"  # handler(req, caller, *groups, done): a ModelView to send, on the loop
+DEFERRED = "deferred"  # handler(req, caller, *groups, done): done(Response, error) on the loop when it is ready
 
 
 @dataclass(frozen=True)
@@ -400,6 +402,7 @@ class HttpServer(LoopServer):
             Route("GET", re.compile(r"/v1/jobs/([^/]+)"), BLOCKING, self.get_job),
             Route("PUT", re.compile(r"/v1/jobs/([^/]+)/model"), UPLOAD, self.put_model, status=201),
             Route("GET", re.compile(r"/v1/jobs/([^/]+)/model"), DOWNLOAD, self.get_model),
+            Route("GET", re.compile(r"/v1/jobs/([^/]+)/version"), DEFERRED, self.get_version),
             Route("POST", re.compile(r"/v1/jobs/([^/]+)/updates"), UPLOAD, self.post_update, status=202),
             Route("POST", re.compile(r"/v1/jobs/([^/]+)/queries"), BLOCKING, self.post_query, MAX_QUERY_BODY, pool=SLOW_POOL),
             Route("GET", re.compile(r"/v1/jobs/([^/]+)/retention"), BLOCKING, self.get_retention),
@@ -537,6 +540,15 @@ class HttpServer(LoopServer):
     def get_model(self, req: Request, caller: Principal, job: str, done: Callable[..., None]) -> None:
         self.service.open_model(caller, job, done)
 
+    def get_version(self, req: Request, caller: Principal, job: str, done: Callable[..., None]) -> None:
+        """The job's version once it passes ``after`` (or when ``wait_s`` ends): a long poll."""
+        after, wait_s = version_wait_query(req.query)
+
+        def answered(view: dict[str, Any] | None, error: BaseException | None) -> None:
+            done(json_response(200, view) if view is not None else None, error)
+
+        self.service.wait_for_version(caller, job, after, wait_s, answered)
+
     def get_local_model(self, req: Request, caller: Principal, job: str, done: Callable[..., None]) -> None:
         """The model if this node holds it, never fetched from elsewhere (what peers ask for)."""
         self.service.open_peer_model(caller, job, done)
@@ -667,6 +679,8 @@ class HttpConnection(ConnectionProtocol):
                     self._run()
             elif route.kind == UPLOAD:
                 route.handler(req, caller, *self.groups, done=self._ingest_opened)
+            elif route.kind == DEFERRED:
+                route.handler(req, caller, *self.groups, done=self._answered)
             else:
                 route.handler(req, caller, *self.groups, done=self._model_opened)
         except LiflError as e:

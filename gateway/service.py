@@ -10,7 +10,8 @@ to the agent (``AgentLink``), so that the agent batches the admissions of many c
 Threads: the loop's, and its pools' (created at start, a fixed set): ``IO_POOL`` for Redis
 (tokens, jobs, leases, rounds, the registration and the token cache's refresh),
 ``SLOW_POOL`` for queries and models fetched from other nodes, ``PEER_POOL`` for transfers to
-other nodes' gateways (partials forwarded, a split query's parts).
+other nodes' gateways (partials forwarded, a split query's parts); and one that follows the
+rounds' events for clients waiting for a version (``lifl.gateway.versions``).
 
 It is also the node's door to the other nodes (paper appendix A, inter-node routing): it
 streams the agent's partial results to the gateway of the node hosting a round's top, takes
@@ -51,6 +52,7 @@ from lifl.fixedpoint import partial_spec
 from lifl.flstore.retention import RetentionPolicy
 from lifl.gateway.agentlink import AgentLink, Reply, agent_unavailable
 from lifl.gateway.ingest import BlobSink, LayoutCache
+from lifl.gateway.versions import VersionWatch
 from lifl.jobs import MAX_SAMPLES, JobSpec
 from lifl.net.io import sendfile_all
 from lifl.net.loop import IO_POOL, SLOW_POOL, Loop, Timer
@@ -330,20 +332,48 @@ class PartialMeta:
                    _integer("X-Lifl-Updates", updates, 1, MAX_UPDATES_PER_PARTIAL), partial == "1")
 
 
-class ModelView:
-    """A read reference to a job's current model; release it when sent (from any thread)."""
+class ModelRef:
+    """A read reference to a job's model, held from the agent, that downloads share while the
+    version it was opened at is current; given back once none of them uses it. On the loop."""
 
-    def __init__(self, agent: AgentLink, reply: ModelOpened, fd: int) -> None:
+    def __init__(self, agent: AgentLink, reply: ModelOpened, fd: int, generation: int, opened_at: float) -> None:
         self.agent, self.fd = agent, fd
         self.key, self.version, self.size = reply.key, reply.version, reply.size
-        self._released = False
+        self.generation, self.opened_at = generation, opened_at  # of the job's round events (VersionWatch)
+        self.users = 0
+        self.shared = True  # False: the next download opens another
 
-    def release(self) -> None:
-        if self._released:
-            return
-        self._released = True
+    def view(self) -> ModelView:
+        self.users += 1
+        return ModelView(self)
+
+    def retire(self) -> None:
+        """Share it no more; give it back once its downloads are sent."""
+        self.shared = False
+        if not self.users:
+            self._give_back()
+
+    def done_with(self) -> None:
+        self.users -= 1
+        if not self.users and not self.shared:
+            self._give_back()
+
+    def _give_back(self) -> None:
         os.close(self.fd)
         self.agent.request(ReleaseRef(self.key))
+
+
+class ModelView:
+    """One download's use of a job's model; release it when sent (on the loop)."""
+
+    def __init__(self, ref: ModelRef) -> None:
+        self.fd, self.version, self.size = ref.fd, ref.version, ref.size
+        self._ref: ModelRef | None = ref
+
+    def release(self) -> None:
+        if self._ref is not None:
+            self._ref, ref = None, self._ref
+            ref.done_with()
 
 
 class _Recheck(Exception):
@@ -437,6 +467,9 @@ class GatewayService:
         self.metrics = GatewayMetrics()
         self.jobs = JobCache()
         self.refusals = RefusalCounts(self.loop, state, self._logged("counting refusals"))
+        self.versions = VersionWatch(self.loop, state)
+        self._models: dict[str, ModelRef] = {}  # per job, the model reference its downloads share
+        self.versions.on_change(lambda job: self._share(job, None))
         self._forwarder = AgentLink(self.loop, agent_socket, "forwarder", self._on_push)
         self._duties: list[Timer] = []
         self._token_refresh: Timer | None = None
@@ -468,6 +501,7 @@ class GatewayService:
             self.loop.offload(lambda: self.state.publish_gateway(self.node, addresses), self._logged("registration"))
 
         self._duties.append(self.loop.every("gateway registration", REGISTER_EVERY, register))
+        self.versions.start()
         self._forwarder.connect()
         self.agent.connect()
 
@@ -476,6 +510,9 @@ class GatewayService:
             timer.cancel()
         if self._token_refresh is not None:
             self._token_refresh.cancel()
+        self.versions.stop()
+        for job in list(self._models):
+            self._share(job, None)
         self._forwarder.close()
         self.agent.close()
 
@@ -708,6 +745,18 @@ class GatewayService:
             "model": {"node": job.model_node, "checkpoint": job.checkpoint,
                       "checkpoint_error": job.checkpoint_error or None} if has_model else None,
         }
+
+    def wait_for_version(self, principal: Principal, name: str, after: int, wait_s: float,
+                         done: Callable[[dict[str, Any] | None, BaseException | None], None]) -> None:
+        """(On the loop.) ``done(client_view)`` once the job's version passes ``after``, or after
+        ``wait_s`` seconds with the version then (``lifl.gateway.versions``)."""
+        def check(job: Job) -> None:
+            authorize(principal, Action.READ_JOB, tenant=job.spec.tenant, job=name)
+
+        def answer(job: Job | None, error: BaseException | None) -> None:
+            done(client_view(job) if job is not None else None, error)
+
+        self.versions.wait(name, after, wait_s, check, answer)
 
     # -- retention and queries (lifl.flstore) -----------------------------------------------------
     def query(self, principal: Principal, name: str, body: Any) -> dict[str, Any]:
@@ -974,16 +1023,36 @@ class GatewayService:
                                                                job=job_name), authorized)
 
     def open_local_model(self, job_name: str, done: Callable[[ModelView | None, BaseException | None], None]) -> None:
-        """The model if this node holds it (``model_elsewhere`` otherwise), from the agent."""
+        """The model if this node holds it (``model_elsewhere`` otherwise): the reference the
+        downloads of its version share while no round event of the job says it may have
+        changed, else a new one from the agent."""
+        shared = self._models.get(job_name)
+        if shared is not None and self.versions.unchanged(job_name, shared.generation, shared.opened_at):
+            done(shared.view(), None)
+            return
+        generation, began = self.versions.generation(job_name), self.versions.clock()
 
         def opened(reply: Reply | None, error: BaseException | None) -> None:
             if error is not None:
                 done(None, error)
                 return
             assert reply is not None
-            done(ModelView(self.agent, reply[0], reply[1][0]), None)
+            ref = ModelRef(self.agent, reply[0], reply[1][0], generation, began)
+            view = ref.view()
+            if self.versions.unchanged(job_name, generation, began):
+                self._share(job_name, ref)
+            else:
+                ref.retire()  # the job changed while it was opened: this download only
+            done(view, None)
 
         self.agent.request(OpenModel(job_name), done=opened)
+
+    def _share(self, job_name: str, ref: ModelRef | None) -> None:
+        old = self._models.pop(job_name, None)
+        if old is not None:
+            old.retire()
+        if ref is not None:
+            self._models[job_name] = ref
 
     def _fetch_replica(self, job_name: str, node: str) -> None:
         """(On the pool.) Copy the model from ``node`` unless another fetch did meanwhile."""
@@ -992,7 +1061,7 @@ class GatewayService:
         with lock:  # one fetch per job at a time; the others then find it here
             try:
                 reply, fds = self.agent.call(OpenModel(job_name))
-                ModelView(self.agent, reply, fds[0]).release()
+                ModelRef(self.agent, reply, fds[0], 0, 0.0).retire()
                 return
             except NotFound as e:
                 if e.code != "model_elsewhere":

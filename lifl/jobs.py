@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import re
+import urllib.parse
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -21,6 +23,10 @@ DEFAULT_MAX_UPDATE_BYTES = 4 << 30
 MAX_SAMPLES = 1 << 53  # X-Lifl-Samples of any update: counts stay exact in float64 weights
 AUTO_LEAF_BYTES = 4 << 20  # leaf_fan_in 0: a leaf takes about this many bytes of updates
 AUTO_FAN_IN = (2, 256)  # ... and between this many updates
+# A wait for a job's next version (GET /v1/jobs/{job}/version?after=N&wait_s=S):
+NO_VERSION = -1  # after=-1: any version (a job without a model yet has none)
+MAX_VERSION = 1 << 62
+MAX_VERSION_WAIT_S = 60.0  # the longest a wait is held (a client asks again after it)
 
 
 @dataclass(frozen=True)
@@ -144,3 +150,33 @@ class JobSpec:
     @classmethod
     def from_json(cls, text: str) -> JobSpec:
         return cls(**json.loads(text))
+
+
+_INTEGER = re.compile(r"-?[0-9]{1,19}")
+_SECONDS = re.compile(r"[0-9]{1,9}(\.[0-9]{1,9})?")
+
+
+def version_wait_query(query: str) -> tuple[int, float]:
+    """``after`` and ``wait_s`` of a wait from a URL's query (``after=N&wait_s=S``; both optional)."""
+    params = urllib.parse.parse_qs(query, keep_blank_values=True)
+    unknown = sorted(set(params) - {"after", "wait_s"})
+    if unknown:
+        raise BadRequest(f"unknown query parameter {unknown[0][:64]!r}: give after=VERSION and wait_s=SECONDS",
+                         code="bad_version_wait")
+    if any(len(values) > 1 for values in params.values()):
+        raise BadRequest("give each of after and wait_s at most once", code="bad_version_wait")
+    return version_wait_params(params.get("after", [str(NO_VERSION)])[0], params.get("wait_s", ["0"])[0])
+
+
+def version_wait_params(after: int | str, wait_s: float | str) -> tuple[int, float]:
+    """``after`` and ``wait_s`` of a wait, checked (as a query's text or as gRPC's numbers)."""
+    if isinstance(after, str) and not _INTEGER.fullmatch(after) or not isinstance(after, (int, str)) or isinstance(after, bool):
+        raise BadRequest(f"after must be an integer version, got {str(after)[:32]!r}", code="bad_version_wait")
+    if isinstance(wait_s, str) and not _SECONDS.fullmatch(wait_s) or not isinstance(wait_s, (int, float, str)):
+        raise BadRequest(f"wait_s must be a number of seconds, got {str(wait_s)[:32]!r}", code="bad_version_wait")
+    version, seconds = int(after), float(wait_s)
+    if not NO_VERSION <= version <= MAX_VERSION:
+        raise BadRequest(f"after must be an integer in [{NO_VERSION}, {MAX_VERSION}], got {version}", code="bad_version_wait")
+    if not (math.isfinite(seconds) and 0 <= seconds <= MAX_VERSION_WAIT_S):
+        raise BadRequest(f"wait_s must be in [0, {MAX_VERSION_WAIT_S:g}] seconds, got {seconds:g}", code="bad_version_wait")
+    return version, seconds

@@ -31,6 +31,8 @@ import functools
 import json
 import math
 import secrets
+import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -50,6 +52,7 @@ from lifl.redisconn import SCAN_COUNT
 TENANT_UID_BASE = 610000  # tenants' functions run as uid/gid TENANT_UID_BASE + n
 HISTORY = 10000  # rounds kept per job
 EVENTS = "lifl:events"  # pub/sub channel: the name of a job whose round changed
+EVENTS_RETRY_S = 0.5  # seconds between attempts to subscribe again while Redis is away
 NODE_TTL = 6  # seconds a node's registration outlives its last refresh (refreshed every second)
 CURRENT_ROUND = "*"  # a count's round: whichever is current when it is counted (count_call)
 
@@ -1017,3 +1020,19 @@ class ClusterState:
                 yield message["data"] if message else None
         finally:
             pubsub.close()
+
+    def follow_events(self, on_job: Callable[[str], None], stopping: Callable[[], bool], who: str) -> None:
+        """Call ``on_job(name)`` for each round change published until ``stopping()`` (checked at
+        least every second), subscribing again while Redis restarts. A message missed meanwhile
+        only delays: whoever follows also re-reads on a timer."""
+        while not stopping():
+            try:
+                for job in self.events():
+                    if stopping():
+                        return
+                    if job is not None:
+                        on_job(job)
+            except (redis.RedisError, OSError) as e:
+                if not stopping():
+                    print(f"{who}: lost the round events ({type(e).__name__}: {e}); subscribing again", file=sys.stderr)
+                    time.sleep(EVENTS_RETRY_S)

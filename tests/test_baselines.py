@@ -70,7 +70,7 @@ def run_rounds(address: str, rounds: list[list[tuple[dict[str, np.ndarray], int]
         for version, updates in enumerate(rounds):
             for i, (update, samples) in enumerate(updates):
                 assert gateway.push(job, to_blob(update), samples=samples, base_version=version, client=f"c{i}")["version"] == version
-            wait_for(lambda: gateway.job(job)["version"] == version + 1, what=f"version {version + 1}")
+            assert gateway.wait_for_version(job, version, 60)["version"] == version + 1  # held until the install
             got_version, blob = gateway.model(job)
             assert got_version == version + 1
             results.append(from_blob(blob))

@@ -19,6 +19,8 @@ import json
 import queue
 import re
 import threading
+import time
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from lifl import kernels
@@ -27,12 +29,13 @@ from lifl.baselines.aggregate import Input
 from lifl.baselines.broker import UPDATES, Broker
 from lifl.baselines.jobs import Jobs
 from lifl.errors import BadRequest, NotFound
+from lifl.jobs import NO_VERSION, version_wait_query
 from lifl.procs import die_with_parent, on_signals
 
 MAX_UPDATE_BYTES = 1 << 30  # an update (or model) body; the largest model of the comparisons is 230 MB
 MAX_JSON_BYTES = 64 << 10
 MAX_SAMPLES = 1 << 40
-_JOB_PATH = re.compile(r"/v1/jobs/([^/?]+)(/model|/updates)?")
+_JOB_PATH = re.compile(r"/v1/jobs/([^/?]+)(/model|/updates|/version)?")
 
 
 class Sink(Protocol):
@@ -71,6 +74,34 @@ class Frontend:
         self.sink = sink
         self._models: dict[str, tuple[int, bytes]] = {}  # the last model served per job, by version
         self._lock = threading.Lock()  # held while a new version is fetched: the others wait for it
+        self._versions: dict[str, int] = {}  # the latest version installed per job, as announced
+        self._installed = threading.Condition()  # notified with each announcement
+
+    def follow_installs(self, stop: threading.Event) -> None:
+        """Keep the versions waits look at up to date from the installs announced, in a thread of
+        its own; subscribed before this returns, so that no wait misses an install."""
+        installs = self.jobs.installs()
+        threading.Thread(target=self._follow, args=(installs, stop), daemon=True).start()
+
+    def _follow(self, installs: Iterator[tuple[str, int] | None], stop: threading.Event) -> None:
+        for installed in installs:
+            if stop.is_set():
+                return
+            if installed is not None:
+                job, version = installed
+                with self._installed:
+                    self._versions[job] = max(version, self._versions.get(job, NO_VERSION))
+                    self._installed.notify_all()
+
+    def wait_for_version(self, job: str, after: int, wait_s: float) -> dict[str, Any]:
+        """The job's status once its version passes ``after``, or after ``wait_s`` seconds."""
+        deadline = time.monotonic() + wait_s
+        status = self.jobs.status(job)
+        if status.version > after or wait_s <= 0:
+            return status.to_dict()
+        with self._installed:
+            self._installed.wait_for(lambda: self._versions.get(job, NO_VERSION) > after, max(0.0, deadline - time.monotonic()))
+        return self.jobs.status(job).to_dict()
 
     def model(self, job: str) -> tuple[int, bytes]:
         """The current model, fetched from the store once per version however many clients ask
@@ -108,6 +139,9 @@ def handler_for(frontend: Frontend) -> type[httpd.Handler]:
                 what, job = self.route()
                 if what == "job":
                     self.send_json(200, self.jobs_status(job))
+                elif what == "version":
+                    after, wait_s = version_wait_query(self.path.partition("?")[2])
+                    self.send_json(200, frontend.wait_for_version(job, after, wait_s))
                 elif what == "model":
                     version, blob = frontend.model(job)
                     self.send_parts(200, [blob], "application/octet-stream", {"X-Lifl-Version": str(version)})
@@ -170,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         frontend = Frontend(jobs, sink)
     else:
         frontend = Frontend(jobs, BrokerSink(Broker(args.redis)))
+    frontend.follow_installs(stop)
     server = httpd.serve(handler_for(frontend), args.http, MAX_UPDATE_BYTES)
     print(f"frontend listening on {server.address}", flush=True)
     while not stop.wait(0.5):

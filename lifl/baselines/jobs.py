@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from lifl.state import RESERVE_FULL, RESERVE_NO_JOB, RESERVE_NO_MODEL, RESERVE_S
 
 JOB_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 MAX_GOAL = 10_000
+INSTALLS = "bl:installs"  # pub/sub: "<job> <version>" each time a job's version is installed
 
 # -> {slot, version} on success, else {RESERVE_*, version}
 _TAKE_SLOT = """
@@ -40,13 +42,14 @@ redis.call('HINCRBY', h, 'accepted', 1)
 return {accepted, version}
 """ % (RESERVE_NO_JOB, RESERVE_NO_MODEL, RESERVE_STALE, RESERVE_FULL)
 
-# ARGV: version the model is the result of, its blob, the round's record -> 1 installed, 0 stale
+# ARGV: version the model is the result of, its blob, the round's record, the job -> 1 installed, 0 stale
 _INSTALL = """
 local h = KEYS[1]
 if tonumber(redis.call('HGET', h, 'version')) ~= tonumber(ARGV[1]) then return 0 end
 redis.call('SET', KEYS[2], ARGV[2])
 redis.call('HSET', h, 'version', tonumber(ARGV[1]) + 1, 'accepted', 0)
 redis.call('RPUSH', KEYS[3], ARGV[3])
+redis.call('PUBLISH', '""" + INSTALLS + """', ARGV[4] .. ' ' .. (tonumber(ARGV[1]) + 1))
 return 1
 """
 
@@ -120,6 +123,7 @@ class Jobs:
             raise Conflict(f"job {job!r} already has a model", code="model_exists")
         self.redis.set(model_key(job), bytes(blob))
         self.redis.hset(job_key(job), "version", 0)
+        self.redis.publish(INSTALLS, f"{job} 0")
         return 0
 
     def model(self, job: str) -> tuple[int, bytes]:
@@ -161,7 +165,27 @@ class Jobs:
             return False
         record = json.dumps({"version": version + 1, "samples": samples, "updates": updates,
                              "installed_at": time.time(), "aggregation_s": time.time() - started})
-        return bool(self._install(keys=[job_key(job), model_key(job), rounds_key(job)], args=[version, bytes(blob), record]))
+        return bool(self._install(keys=[job_key(job), model_key(job), rounds_key(job)], args=[version, bytes(blob), record, job]))
+
+    def installs(self) -> Iterator[tuple[str, int] | None]:
+        """(job, version) as versions are installed, subscribed before this returns; None every
+        second of quiet."""
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(INSTALLS)
+        return self._installs(pubsub)
+
+    @staticmethod
+    def _installs(pubsub: Any) -> Iterator[tuple[str, int] | None]:
+        try:
+            while True:
+                message = pubsub.get_message(timeout=1.0)
+                if message is None:
+                    yield None
+                    continue
+                job, _, version = message["data"].decode().partition(" ")
+                yield job, int(version)
+        finally:
+            pubsub.close()
 
     def round_count(self, job: str) -> int:
         return int(self.redis.llen(rounds_key(job)))

@@ -29,8 +29,7 @@ from lifl.workload import evaluate, load_digits_split, client_turn, slot_clients
 
 JOB = "digits"
 SAMPLE_INTERVAL_S = 0.5
-VERSION_POLL_S = 0.05  # the driver's, to evaluate each version as it appears
-CLIENT_POLL_S, CLIENT_POLL_MAX_S = 0.02, 1.0
+CLIENT_WAIT_S = 2.0  # the longest a client's wait for the next version is held by the system
 
 
 @dataclass
@@ -84,15 +83,13 @@ class Run:
 
 
 def wait_for_version(gateway: Any, after: int, stop: threading.Event) -> int:
-    """Poll for a version past ``after`` with the SDK's backoff (``Participant.wait_for_version``:
-    20 ms, then half as long again each time, up to a second)."""
-    delay = CLIENT_POLL_S
+    """Wait for a version past ``after`` as the SDK does (``Participant.wait_for_version``: the
+    system holds each call until there is one), a call at most CLIENT_WAIT_S long so that a
+    stopped run ends soon."""
     while not stop.is_set():
-        version = gateway.job(JOB)["version"]
+        version = gateway.wait_for_version(JOB, after, CLIENT_WAIT_S)["version"]
         if version > after:
             return version
-        stop.wait(delay)
-        delay = min(delay * 1.5, CLIENT_POLL_MAX_S)
     return after
 
 
@@ -106,7 +103,7 @@ def run_slot(slot: int, args: argparse.Namespace, data: Any, taken: set[int], lo
     for client, rng in slot_clients(slot, args, data, taken, lock, stop):
         with client_turn(client, stop):
             while not stop.is_set():
-                version = gateway.job(JOB)["version"]
+                version = gateway.wait_for_version(JOB)["version"]
                 if version != cached[0]:
                     version, blob = gateway.model(JOB)
                     cached = (version, from_blob(blob, as_torch=True))
@@ -219,15 +216,15 @@ def run_job(http: str, token: str, setup: JobSetup, cpu_seconds: Callable[[], fl
                     arrived = sum(1 for _, at, _ in run.arrivals if at >= wall0)
                 run.samples.append(Sample(now - t0, arrived, aggregators(), cpu_seconds() - cpu0))
                 next_sample += SAMPLE_INTERVAL_S
-            version = gateway.job(JOB)["version"]
-            if version > run.evaluations[-1][1] and setup.rounds:
+            last = run.evaluations[-1][1]
+            version = gateway.wait_for_version(JOB, last, max(0.0, next_sample - time.monotonic()))["version"]
+            if version > last and setup.rounds:
                 run.evaluations.append((time.monotonic() - t0, version, math.nan, cpu_seconds() - cpu0))
-            elif version > run.evaluations[-1][1]:
+            elif version > last:
                 version, blob = gateway.model(JOB)
                 model.load_state_dict(from_blob(blob, as_torch=True))
                 run.evaluations.append((time.monotonic() - t0, version, evaluate(model, test), cpu_seconds() - cpu0))
                 log(f"version {version}: accuracy {run.evaluations[-1][2]:.3f} at {run.evaluations[-1][0]:.1f} s")
-            time.sleep(VERSION_POLL_S)
         run.samples.append(Sample(time.monotonic() - t0, len(run.arrivals), aggregators(), cpu_seconds() - cpu0))
     finally:
         for w in workers:

@@ -195,6 +195,8 @@ def _read_body(response: http.client.HTTPResponse) -> bytes | bytearray:
 
 
 TOKEN_ENV = "LIFL_TOKEN"  # the token a Gateway presents when it is given none
+NO_VERSION = -1  # wait_for_version's ``after`` for any version
+MAX_VERSION_WAIT_S = 60.0  # the longest a gateway holds a version wait (lifl.jobs.MAX_VERSION_WAIT_S)
 
 
 class Gateway:
@@ -375,6 +377,20 @@ class Gateway:
         status = self._rpc("GetJob", self._pb.JobStatus.FromString, self._pb.GetJobRequest(job=job).SerializeToString(),
                            idempotent=True)
         return _status_dict(status)
+
+    def wait_for_version(self, job: str, after: int = NO_VERSION, wait_s: float = 0.0) -> dict[str, Any]:
+        """What a client sees of its job ({"job", "tenant", "version", "round": {"id", "version",
+        "closed"}}) once its version passes ``after`` (-1: any), or when ``wait_s`` seconds (at
+        most MAX_VERSION_WAIT_S, and half this connection's timeout) end without one: the gateway
+        holds the call meanwhile, so a client between rounds asks once per version, not polling."""
+        wait_s = min(wait_s, MAX_VERSION_WAIT_S, self.timeout / 2)
+        if self.protocol == "http":
+            return self._json("GET", f"/v1/jobs/{job}/version?after={after}&wait_s={wait_s:.3f}", idempotent=True)
+        v = self._rpc("WaitForVersion", self._pb.JobVersion.FromString,
+                      self._pb.WaitForVersionRequest(job=job, after=after, wait_s=wait_s).SerializeToString(), idempotent=True)
+        version = None if v.version < 0 else v.version
+        return {"job": v.job, "tenant": v.tenant, "version": version,
+                "round": {"id": None if v.round < 0 else v.round, "version": version, "closed": v.closed}}
 
     # -- non-training workloads (docs/flstore.md) --------------------------------------------------
     def query(self, job: str, body: Mapping[str, Any]) -> dict[str, Any]:

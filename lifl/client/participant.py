@@ -107,15 +107,15 @@ class Participant:
         finally:
             gateway.close()
 
-    def wait_for_version(self, after: int, timeout: float) -> int:
-        """Poll (with backoff) until the job's version passes ``after``; returns the version seen."""
-        deadline, delay = time.monotonic() + timeout, 0.02
+    def wait_for_version(self, after: int, timeout: float) -> int | None:
+        """Wait until the job's version passes ``after`` (the gateway holds each call until it does,
+        for at most ``MAX_VERSION_WAIT_S``), or ``timeout`` seconds; returns the version seen."""
+        deadline = time.monotonic() + timeout
         while True:
-            version = self.gateway.job(self.job)["version"]
+            left = max(0.0, deadline - time.monotonic())
+            version = self.gateway.wait_for_version(self.job, after, left)["version"]
             if version is not None and version > after or time.monotonic() >= deadline:
                 return version
-            time.sleep(delay)
-            delay = min(delay * 1.5, 1.0)
 
 
 class _Heartbeats:

@@ -49,6 +49,11 @@ class GatewayStub:
                 request_serializer=lifl_dot_net_dot_lifl__pb2.GetJobRequest.SerializeToString,
                 response_deserializer=lifl_dot_net_dot_lifl__pb2.JobStatus.FromString,
                 _registered_method=True)
+        self.WaitForVersion = channel.unary_unary(
+                '/lifl.v1.Gateway/WaitForVersion',
+                request_serializer=lifl_dot_net_dot_lifl__pb2.WaitForVersionRequest.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.JobVersion.FromString,
+                _registered_method=True)
         self.SetModel = channel.stream_unary(
                 '/lifl.v1.Gateway/SetModel',
                 request_serializer=lifl_dot_net_dot_lifl__pb2.ModelChunk.SerializeToString,
@@ -138,6 +143,14 @@ class GatewayServicer:
 
     def GetJob(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WaitForVersion(self, request, context):
+        """The job's version once it passes `after` (-1: any), or when `wait_s` (at most 60) ends: a
+        long poll for clients between rounds. The same as HTTP's GET /v1/jobs/{job}/version.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -251,6 +264,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.GetJob,
                     request_deserializer=lifl_dot_net_dot_lifl__pb2.GetJobRequest.FromString,
                     response_serializer=lifl_dot_net_dot_lifl__pb2.JobStatus.SerializeToString,
+            ),
+            'WaitForVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitForVersion,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.WaitForVersionRequest.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.JobVersion.SerializeToString,
             ),
             'SetModel': grpc.stream_unary_rpc_method_handler(
                     servicer.SetModel,
@@ -404,6 +422,33 @@ class Gateway:
             '/lifl.v1.Gateway/GetJob',
             lifl_dot_net_dot_lifl__pb2.GetJobRequest.SerializeToString,
             lifl_dot_net_dot_lifl__pb2.JobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitForVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lifl.v1.Gateway/WaitForVersion',
+            lifl_dot_net_dot_lifl__pb2.WaitForVersionRequest.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.JobVersion.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1986,17 +1986,9 @@ class Agent:
 
     def _round_events(self) -> None:
         """React at once when a round changes (the duties' timer covers missed messages)."""
-        while not self._stopping:
-            try:
-                for job in self.state.events():
-                    if self._stopping:
-                        return
-                    if job is not None:
-                        self.loop.post(lambda job=job: self.settle(job) if job in self.trees.rounds or job in self.jobs else None)
-            except Exception:  # Redis restarting: subscribe again
-                time.sleep(0.5)
-                if not self._stopping:
-                    traceback.print_exc()
+        self.state.follow_events(
+            lambda job: self.loop.post(lambda: self.settle(job) if job in self.trees.rounds or job in self.jobs else None),
+            lambda: self._stopping, "lifl agent")
 
     # -- installing a round's model ---------------------------------------------------------------
     def _install(self, e: tree.Install) -> None:
