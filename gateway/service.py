@@ -333,13 +333,12 @@ class PartialMeta:
 
 
 class ModelRef:
-    """A read reference to a job's model, held from the agent, that downloads share while the
-    version it was opened at is current; given back once none of them uses it. On the loop."""
+    """A read reference to a job's model, held from the agent, that downloads share while its
+    version is the job's current one; given back once none of them uses it. On the loop."""
 
-    def __init__(self, agent: AgentLink, reply: ModelOpened, fd: int, generation: int, opened_at: float) -> None:
+    def __init__(self, agent: AgentLink, reply: ModelOpened, fd: int) -> None:
         self.agent, self.fd = agent, fd
         self.key, self.version, self.size = reply.key, reply.version, reply.size
-        self.generation, self.opened_at = generation, opened_at  # of the job's round events (VersionWatch)
         self.users = 0
         self.shared = True  # False: the next download opens another
 
@@ -1023,26 +1022,35 @@ class GatewayService:
                                                                job=job_name), authorized)
 
     def open_local_model(self, job_name: str, done: Callable[[ModelView | None, BaseException | None], None]) -> None:
-        """The model if this node holds it (``model_elsewhere`` otherwise): the reference the
-        downloads of its version share while no round event of the job says it may have
-        changed, else a new one from the agent."""
-        shared = self._models.get(job_name)
-        if shared is not None and self.versions.unchanged(job_name, shared.generation, shared.opened_at):
-            done(shared.view(), None)
+        """The model if this node holds it (``model_elsewhere`` otherwise). Downloads share one
+        reference per job while Redis says its version is current (one read, not a call to the
+        agent and its read); a round event of the job gives it back early."""
+        if job_name not in self._models:
+            self._open_from_agent(job_name, done)
             return
-        generation, began = self.versions.generation(job_name), self.versions.clock()
 
+        def current(version: int | None, error: BaseException | None) -> None:
+            shared = self._models.get(job_name)
+            if error is None and shared is not None and shared.version == version:
+                done(shared.view(), None)
+            else:
+                self._open_from_agent(job_name, done)  # it has the answer (or the error) that counts
+
+        self.loop.offload(lambda: self.state.version(job_name), current)
+
+    def _open_from_agent(self, job_name: str, done: Callable[[ModelView | None, BaseException | None], None]) -> None:
         def opened(reply: Reply | None, error: BaseException | None) -> None:
             if error is not None:
                 done(None, error)
                 return
             assert reply is not None
-            ref = ModelRef(self.agent, reply[0], reply[1][0], generation, began)
+            ref = ModelRef(self.agent, reply[0], reply[1][0])
             view = ref.view()
-            if self.versions.unchanged(job_name, generation, began):
+            shared = self._models.get(job_name)
+            if shared is None or shared.version <= ref.version:
                 self._share(job_name, ref)
             else:
-                ref.retire()  # the job changed while it was opened: this download only
+                ref.retire()  # a newer version is shared already: this download only
             done(view, None)
 
         self.agent.request(OpenModel(job_name), done=opened)
@@ -1061,7 +1069,7 @@ class GatewayService:
         with lock:  # one fetch per job at a time; the others then find it here
             try:
                 reply, fds = self.agent.call(OpenModel(job_name))
-                ModelRef(self.agent, reply, fds[0], 0, 0.0).retire()
+                ModelRef(self.agent, reply, fds[0]).retire()
                 return
             except NotFound as e:
                 if e.code != "model_elsewhere":

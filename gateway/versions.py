@@ -94,12 +94,12 @@ class VersionWatch:
     but for the events' thread, which only posts to it).
 
     A job read while no round event for it came is *fresh* for RECHECK_S: waits and version
-    checks are answered from it without Redis, and ``changed`` listeners (the gateway's shared
-    model references) drop what they hold of a job as soon as an event for it comes."""
+    checks are answered from it without Redis, so an answer may lag an install by the event's
+    delivery (milliseconds; RECHECK_S at most if the event is lost). ``on_change`` listeners
+    (the gateway's shared model references) hear of each event as it comes."""
 
-    def __init__(self, loop: Loop, state: ClusterState, limit: int = MAX_VERSION_WAITERS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.loop, self.state, self.clock = loop, state, clock
+    def __init__(self, loop: Loop, state: ClusterState, limit: int = MAX_VERSION_WAITERS) -> None:
+        self.loop, self.state = loop, state
         self.waits = VersionWaits(limit)
         self._generations: dict[str, int] = {}  # round events seen per job
         self._fresh: dict[str, tuple[Job, int, float]] = {}  # job -> (read, its generation, when the read began)
@@ -123,30 +123,30 @@ class VersionWatch:
             self._recheck.cancel()
 
     # -- what is current ------------------------------------------------------------------------
-    def generation(self, job: str) -> int:
+    def _generation(self, job: str) -> int:
         """A number that changes with each round event of ``job`` (compare it before and after)."""
         return self._generations.get(job, 0)
 
-    def unchanged(self, job: str, generation: int, since: float) -> bool:
+    def _unchanged(self, job: str, generation: int, since: float) -> bool:
         """No round event of ``job`` came since ``generation`` was taken at ``since`` (clock), and
         that was less than RECHECK_S ago (an event missed meanwhile goes unseen no longer)."""
-        return self.generation(job) == generation and self.clock() - since < RECHECK_S
+        return self._generation(job) == generation and time.monotonic() - since < RECHECK_S
 
     def on_change(self, listener: Callable[[str], None]) -> None:
         self._listeners.append(listener)
 
     def fresh(self, job: str) -> Job | None:
         entry = self._fresh.get(job)
-        if entry is None or not self.unchanged(job, entry[1], entry[2]):
+        if entry is None or not self._unchanged(job, entry[1], entry[2]):
             return None
         return entry[0]
 
     def _read(self, job: str, done: Answer) -> None:
         """Read ``job`` from Redis on the pool; remembered as fresh if no event came meanwhile."""
-        generation, began = self.generation(job), self.clock()
+        generation, began = self._generation(job), time.monotonic()
 
         def read(found: Job | None, error: BaseException | None) -> None:
-            if found is not None and self.generation(job) == generation:
+            if found is not None and self._generation(job) == generation:
                 if len(self._fresh) >= MAX_FRESH_JOBS and job not in self._fresh:
                     self._fresh.clear()
                 self._fresh[job] = (found, generation, began)
@@ -158,7 +158,7 @@ class VersionWatch:
         if len(self._generations) >= MAX_FRESH_JOBS and job not in self._generations:
             self._generations.clear()  # every entry changes generation: nothing is taken as unchanged
             self._fresh.clear()
-        self._generations[job] = self.generation(job) + 1
+        self._generations[job] = self._generation(job) + 1
         self._fresh.pop(job, None)
         for listener in self._listeners:
             listener(job)

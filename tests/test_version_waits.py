@@ -15,7 +15,7 @@ import pytest
 
 from conftest import RunningNode, wait_for
 from lifl import format as fmt
-from lifl.client import Gateway
+from lifl.client import Gateway, from_blob
 from lifl.cluster_types import Job
 from lifl.errors import BadRequest, NotFound, Overloaded
 from lifl.gateway.versions import VersionWaits, VersionWatch, Waiter
@@ -235,3 +235,17 @@ def test_version_waits_refuse_bad_input_and_callers_outside_their_scope(node: Ru
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     reply = stub.WaitForVersion(pb.WaitForVersionRequest(job="lp-scope", after=-1))
     assert (reply.version, reply.round, reply.closed) == (0, 0, False)
+
+
+@pytest.mark.slow
+def test_a_download_after_a_version_shows_is_that_version(node: RunningNode) -> None:
+    """Downloads share one model reference per version: never one older than the status shows."""
+    gw = Gateway(node.http)
+    gw.create_job("lp-fresh", 2)
+    gw.set_model("lp-fresh", fmt.encode(MODEL))
+    for version in range(4):
+        assert gw.model("lp-fresh")[0] == version  # shared from here on, until the version changes
+        _round(node, "lp-fresh", version, 2)
+        wait_for(lambda: gw.job("lp-fresh")["version"] == version + 1, what=f"version {version + 1}")
+        got, blob = gw.model("lp-fresh")
+        assert got == version + 1 and from_blob(blob)["w"][0] == 1.0
