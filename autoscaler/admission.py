@@ -94,6 +94,16 @@ class ServiceWebhookServer(kopf.WebhookServer):
             yield {"service": dict(self.service), **({"caBundle": config["caBundle"]} if "caBundle" in config else {})}
 
 
+def host_run_dir() -> str:
+    """The host directory function pods mount as the node's run dir: the node DaemonSet's
+    hostPath, ``LIFL_HOST_RUN_DIR`` if set (the manifests' /run/lifl otherwise)."""
+    directory = os.environ.get(names.HOST_RUN_DIR_ENV) or names.RUN_DIR
+    if not os.path.isabs(directory):
+        raise ValueError(f"{names.HOST_RUN_DIR_ENV} must be an absolute path (the node DaemonSet's run dir "
+                         f"on its hosts), got {directory!r}")
+    return directory
+
+
 def webhook_server(listen: str, service: str | None, directory: Path) -> kopf.WebhookServer:
     addr, port = parse_listen(listen)
     if service:
@@ -111,6 +121,7 @@ def configure_webhook(settings: kopf.OperatorSettings, **_: Any) -> None:
         log.warning("%s is not set: lifl's function pods get no shared memory or identity from this operator "
                     "(run the webhook in one operator of the cluster)", names.WEBHOOK_LISTEN_ENV)
         return
+    host_run_dir()  # a bad setting stops the operator here, not each pod's admission
     directory = Path(tempfile.mkdtemp(prefix="lifl-webhook-"))
     settings.admission.server = webhook_server(listen, os.environ.get(names.WEBHOOK_SERVICE_ENV), directory)
     settings.admission.managed = names.WEBHOOK_CONFIGURATION
@@ -133,7 +144,7 @@ def function_pod(body: kopf.Body, namespace: str | None, patch: kopf.Patch, kube
     if state is None:
         raise kopf.AdmissionError(f"the operator has no Redis (LIFL_REDIS) to look tenant {tenant!r}'s uid up in")
     try:
-        desired = resources.function_pod_spec(body.get("spec") or {}, tenant, state.tenant_id(tenant))
+        desired = resources.function_pod_spec(body.get("spec") or {}, tenant, state.tenant_id(tenant), host_run_dir())
     except resources.InvalidFunction as e:
         raise kopf.AdmissionError(f"a function pod of tenant {tenant!r}: {e}") from None
     if desired != body.get("spec"):

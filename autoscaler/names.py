@@ -43,8 +43,11 @@ FAAS_FUNCTION_LABEL = "faas_function"
 OPENFAAS_NAMESPACE_ENV = "LIFL_OPENFAAS_NAMESPACE"
 
 # What a function pod needs of its node: the agent's sockets and the key channel's live in this
-# host directory (the node DaemonSet's run dir), mounted at the same path in the pod.
+# directory of the node pod (its run dir), mounted at the same path in the function's pod.
 RUN_DIR = "/run/lifl"
+# The host directory behind it, if not RUN_DIR: the node DaemonSet's hostPath, which the operator
+# mounts into function pods (the Kubernetes test bed keeps its real node's in the bed's own state).
+HOST_RUN_DIR_ENV = "LIFL_HOST_RUN_DIR"
 RUN_VOLUME = "lifl-run"
 AGENT_SOCKET = RUN_DIR + "/functions.sock"
 # A namespace's annotation granting it tenants (comma-separated): only there do pods labelled

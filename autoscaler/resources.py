@@ -249,15 +249,16 @@ def granted_tenants(namespace_annotations: Mapping[str, str]) -> set[str]:
     return {t.strip() for t in listed.split(",") if TENANT_NAME.fullmatch(t.strip())}
 
 
-def function_pod_spec(spec: Object, tenant: str, uid: int) -> dict[str, Any]:
+def function_pod_spec(spec: Object, tenant: str, uid: int, host_run_dir: str = names.RUN_DIR) -> dict[str, Any]:
     """The pod spec a tenant's function pod runs with: ``spec`` plus what lifl's aggregators need
     of their node and a Knative Service or an OpenFaaS stack file cannot say (equal to ``spec``
     when it has it all):
 
     - ``hostIPC``: the node's POSIX shared memory, where the objects are;
-    - the host's /run/lifl at /run/lifl, read-only, in the function's container (the first: Knative
-      and faas-netes put it there): the agent's function socket and the key channel's sockets
-      (connecting to a socket needs no write access to its file system);
+    - the host's ``host_run_dir`` (the node DaemonSet's run dir) at /run/lifl, read-only, in the
+      function's container (the first: Knative and faas-netes put it there): the agent's function
+      socket and the key channel's sockets (connecting to a socket needs no write access to its
+      file system);
     - the tenant's uid and gid, not root, on the pod and on the function's container (a
       container's user wins over the pod's): the agent checks the peer's uid, and only the
       tenant's group may read its objects; no privilege escalation and no capabilities;
@@ -272,7 +273,7 @@ def function_pod_spec(spec: Object, tenant: str, uid: int) -> dict[str, Any]:
     if not containers:
         raise InvalidFunction("its pod has no container")
     identity = {"runAsUser": uid, "runAsGroup": uid, "runAsNonRoot": True}
-    volume = {"name": names.RUN_VOLUME, "hostPath": {"path": names.RUN_DIR, "type": "Directory"}}
+    volume = {"name": names.RUN_VOLUME, "hostPath": {"path": host_run_dir, "type": "Directory"}}
     mount = {"name": names.RUN_VOLUME, "mountPath": names.RUN_DIR, "readOnly": True}
     expression = {"key": names.placement_label(tenant), "operator": "In", "values": ["true"]}
 
@@ -283,7 +284,7 @@ def function_pod_spec(spec: Object, tenant: str, uid: int) -> dict[str, Any]:
     if have_volume is None:
         volumes.append(volume)
     elif have_volume != volume:
-        raise InvalidFunction(f"its volume {names.RUN_VOLUME} is not the host's {names.RUN_DIR}: {have_volume}")
+        raise InvalidFunction(f"its volume {names.RUN_VOLUME} is not the host's {host_run_dir}: {have_volume}")
     required = (out.setdefault("affinity", {}).setdefault("nodeAffinity", {})
                 .setdefault("requiredDuringSchedulingIgnoredDuringExecution", {}))
     terms = required.setdefault("nodeSelectorTerms", [])

@@ -376,7 +376,7 @@ class GrpcConnection(ConnectionProtocol):
                                         max_meta=limits.max_meta_message)
         else:
             call.reader = MessageReader(None, max_unary=limits.max_unary_message, max_meta=limits.max_meta_message)
-        self.service.identify(headers.get("authorization"), self.conn.peer_certificate,
+        self.service.identify(headers.get("authorization"), self.conn.peer_certificate, self.conn.peer,
                               lambda caller, error: self._identified(call, caller, error))
 
     def _identified(self, call: Call, caller: Principal | None, error: BaseException | None) -> None:

@@ -28,8 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from lifl.auth import Principal
+from lifl.auth import Action, Principal, authorize
 from lifl.errors import BadRequest, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge, Unauthenticated
+from lifl.gateway.auth_backoff import TooManyAuthFailures
 from lifl.gateway.service import GatewayService, Ingest, ModelView, PartialMeta
 from lifl.gateway.stream import BODY, BUSY, HEAD, IDLE, READ_AHEAD, Conn, ConnectionProtocol, LoopServer, PeerGone, Wait
 from lifl.jobs import version_wait_query
@@ -50,8 +51,8 @@ REASONS = {
     100: "Continue", 200: "OK", 201: "Created", 202: "Accepted", 204: "No Content", 400: "Bad Request",
     401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
     405: "Method Not Allowed", 408: "Request Timeout", 409: "Conflict", 413: "Payload Too Large",
-    422: "Unprocessable Entity", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
-    503: "Service Unavailable",
+    422: "Unprocessable Entity", 429: "Too Many Requests", 431: "Request Header Fields Too Large",
+    500: "Internal Server Error", 503: "Service Unavailable",
 }
 
 
@@ -337,7 +338,9 @@ def error_response(e: LiflError) -> Response:
     if isinstance(e, Unauthenticated):
         headers["WWW-Authenticate"] = 'Bearer realm="lifl"'  # RFC 6750
     response = json_response(e.status, e.body(), headers)
-    response.close = isinstance(e, RequestTimeout)  # the client stalled mid-request: nothing more to read
+    # the client stalled mid-request (nothing more to read), or keeps failing to authenticate
+    # (each further guess costs it a connection)
+    response.close = isinstance(e, (RequestTimeout, TooManyAuthFailures))
     return response
 
 
@@ -384,6 +387,7 @@ class Route:
     body_limit: int = 0  # BLOCKING: the JSON body read before the handler runs, at most this long (0: none)
     status: int = 200  # UPLOAD: the status of the answer once the blob is handed over
     pool: str = IO_POOL  # BLOCKING: where it runs
+    internal: bool = False  # gateway to gateway: the caller's role is checked before anything of the request is read
 
 
 class HttpServer(LoopServer):
@@ -392,7 +396,7 @@ class HttpServer(LoopServer):
         super().__init__(service.loop, host, port, limits, reserve=limits.reserved)
         self.service = service
         # Every route but the health check needs a caller (metrics too, unless they are open);
-        # the service authorizes each operation.
+        # the service authorizes each operation (an internal route's caller is checked first, here).
         self.routes: list[Route] = [
             Route("POST", re.compile(r"/v1/tokens"), BLOCKING, self.create_token, MAX_JSON_BODY),
             Route("GET", re.compile(r"/v1/tokens"), BLOCKING, self.list_tokens),
@@ -411,10 +415,10 @@ class HttpServer(LoopServer):
             Route("POST", re.compile(r"/v1/jobs/([^/]+)/leases"), BLOCKING, self.take_lease, MAX_JSON_BODY),
             Route("GET", re.compile(r"/v1/jobs/([^/]+)/assignment"), BLOCKING, self.get_assignment),
             Route("POST", re.compile(r"/v1/internal/jobs/([^/]+)/rounds/([0-9]{1,18})/partials"), UPLOAD, self.post_partial,
-                  status=202),
-            Route("GET", re.compile(r"/v1/internal/jobs/([^/]+)/model"), DOWNLOAD, self.get_local_model),
+                  status=202, internal=True),
+            Route("GET", re.compile(r"/v1/internal/jobs/([^/]+)/model"), DOWNLOAD, self.get_local_model, internal=True),
             Route("POST", re.compile(r"/v1/internal/jobs/([^/]+)/queries"), BLOCKING, self.post_peer_query, MAX_QUERY_BODY,
-                  pool=SLOW_POOL),
+                  pool=SLOW_POOL, internal=True),
             Route("PUT", re.compile(r"/v1/jobs/([^/]+)/leases/([^/]+)"), BLOCKING, self.heartbeat),
             Route("DELETE", re.compile(r"/v1/jobs/([^/]+)/leases/([^/]+)"), BLOCKING, self.release_lease),
             Route("GET", re.compile(r"/metrics"), BLOCKING, self.metrics),
@@ -659,7 +663,7 @@ class HttpConnection(ConnectionProtocol):
         elif not self.server.needs_caller(req.path):
             self._authenticated(None, None)
         else:
-            self.service.identify(req.headers.get("authorization"), req.peer_certificate, self._authenticated)
+            self.service.identify(req.headers.get("authorization"), req.peer_certificate, self.conn.peer, self._authenticated)
 
     def _authenticated(self, caller: Principal | None, error: BaseException | None) -> None:
         if self.conn.closed:
@@ -671,6 +675,9 @@ class HttpConnection(ConnectionProtocol):
         route, req = self.route, self.request
         assert route is not None and req is not None
         try:
+            if route.internal:
+                assert caller is not None  # internal routes need one
+                authorize(caller, Action.INTERNAL)  # the service checks the job too, once the request is read
             if route.kind == BLOCKING:
                 if route.body_limit:
                     req.body.check_size(route.body_limit)

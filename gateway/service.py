@@ -51,6 +51,7 @@ from lifl.errors import (
 from lifl.fixedpoint import partial_spec
 from lifl.flstore.retention import RetentionPolicy
 from lifl.gateway.agentlink import AgentLink, Reply, agent_unavailable
+from lifl.gateway.auth_backoff import AuthBackoff
 from lifl.gateway.ingest import BlobSink, LayoutCache
 from lifl.gateway.versions import VersionWatch
 from lifl.jobs import MAX_SAMPLES, JobSpec
@@ -339,6 +340,7 @@ class ModelRef:
     def __init__(self, agent: AgentLink, reply: ModelOpened, fd: int) -> None:
         self.agent, self.fd = agent, fd
         self.key, self.version, self.size = reply.key, reply.version, reply.size
+        self.epoch = agent.epoch  # the agent connection that holds it
         self.users = 0
         self.shared = True  # False: the next download opens another
 
@@ -357,9 +359,16 @@ class ModelRef:
         if not self.users and not self.shared:
             self._give_back()
 
+    @property
+    def held(self) -> bool:
+        """Whether the agent still holds it for this gateway: once the connection it was opened on
+        closed, the agent let it go (it may recycle the object, a new agent knows nothing of it)."""
+        return self.agent.epoch == self.epoch
+
     def _give_back(self) -> None:
         os.close(self.fd)
-        self.agent.request(ReleaseRef(self.key))
+        if self.held:
+            self.agent.request(ReleaseRef(self.key))
 
 
 class ModelView:
@@ -456,7 +465,7 @@ class GatewayService:
         self.node = node
         self.state = state
         self.loop = loop or Loop(f"lifl gateway {node}", pools=POOLS)
-        self.tokens = Tokens(state.redis)
+        self.tokens = Tokens(state.redis, outage=state.outage)
         self.open_metrics = open_metrics  # GET /metrics without a token (it names jobs of every tenant)
         self.agent = AgentLink(self.loop, agent_socket)
         self.placement = placement
@@ -473,6 +482,7 @@ class GatewayService:
         self._duties: list[Timer] = []
         self._token_refresh: Timer | None = None
         self._refreshing = False
+        self._auth_backoff = AuthBackoff()  # failed authentications per client address (on the loop)
         self._fetching: dict[str, threading.Lock] = {}  # replica fetches, one per job at a time (pool threads)
         self._fetching_lock = threading.Lock()
         self._last_problem: dict[str, str] = {}  # the last failure of each periodic duty (logged once)
@@ -536,6 +546,7 @@ class GatewayService:
         for extra in fds[1:]:
             os.close(extra)
         fd = fds[0]
+        epoch = self._forwarder.epoch  # the answer is for this connection's agent: refs mean nothing to the next
 
         def forward() -> Forwarded:
             """Stream one object out of shared memory to another node's gateway (sendfile: the
@@ -554,17 +565,20 @@ class GatewayService:
         def forwarded(reply: Forwarded | None, error: BaseException | None) -> None:
             if reply is None:  # a bug: the agent is told, and retries
                 reply = Forwarded(message.ref, False, f"{type(error).__name__}: {error}", retry=True)
-            self._forwarder.push(reply)
+            if self._forwarder.epoch == epoch:  # else it resends what it was forwarding, or is a new agent
+                self._forwarder.push(reply)
 
         self.loop.offload(forward, forwarded, PEER_POOL)
 
     # -- callers ----------------------------------------------------------------------------------
-    def identify(self, authorization: str | None, certificate: dict[str, Any] | None,
+    def identify(self, authorization: str | None, certificate: dict[str, Any] | None, peer: str,
                  done: Callable[[Principal | None, BaseException | None], None]) -> None:
-        """The caller of a request (on the loop): its bearer token's (``Authorization`` header or
-        gRPC metadata), from the token cache when it can answer, else from Redis on the pool
-        (the request waits, not the loop); else its verified TLS client certificate's;
-        Unauthenticated without either. ``done`` may run before this returns."""
+        """The caller of a request from address ``peer`` (on the loop): its bearer token's
+        (``Authorization`` header or gRPC metadata), from the token cache when it can answer,
+        else from Redis on the pool (the request waits, not the loop); else its verified TLS
+        client certificate's; Unauthenticated without either, or TooManyAuthFailures once
+        ``peer`` has failed too often lately (gateway/auth_backoff.py). ``done`` may run before
+        this returns."""
         if self._token_refresh is None:
             self._token_refresh = self.loop.every("token cache refresh", REFRESH_SECONDS, self._refresh_tokens)
         try:
@@ -576,12 +590,20 @@ class GatewayService:
             else:
                 principal = self.tokens.cached(token)
         except LiflError as e:
-            done(None, e)
+            done(None, self._auth_failure(peer, e))
             return
         if principal is not None:
             done(principal, None)
             return
-        self.loop.offload(lambda: self.tokens.authenticate(token), done)
+        self.loop.offload(lambda: self.tokens.authenticate(token),
+                          lambda caller, error: done(caller, None if error is None else self._auth_failure(peer, error)))
+
+    def _auth_failure(self, peer: str, error: BaseException) -> BaseException:
+        """What a failed identification answers: its error, or 429 while ``peer`` backs off. Only
+        refused credentials count (a Redis outage is no guess)."""
+        if not isinstance(error, Unauthenticated):
+            return error
+        return self._auth_backoff.failed(peer, time.monotonic()) or error
 
     def _refresh_tokens(self) -> None:
         if self._refreshing:
@@ -1023,15 +1045,15 @@ class GatewayService:
 
     def open_local_model(self, job_name: str, done: Callable[[ModelView | None, BaseException | None], None]) -> None:
         """The model if this node holds it (``model_elsewhere`` otherwise). Downloads share one
-        reference per job while Redis says its version is current (one read, not a call to the
-        agent and its read); a round event of the job gives it back early."""
+        reference per job while Redis says its version is current and the agent still holds it
+        (one read, not a call to the agent and its read); a round event of the job gives it back early."""
         if job_name not in self._models:
             self._open_from_agent(job_name, done)
             return
 
         def current(version: int | None, error: BaseException | None) -> None:
             shared = self._models.get(job_name)
-            if error is None and shared is not None and shared.version == version:
+            if error is None and shared is not None and shared.version == version and shared.held:
                 done(shared.view(), None)
             else:
                 self._open_from_agent(job_name, done)  # it has the answer (or the error) that counts
@@ -1047,7 +1069,7 @@ class GatewayService:
             ref = ModelRef(self.agent, reply[0], reply[1][0])
             view = ref.view()
             shared = self._models.get(job_name)
-            if shared is None or shared.version <= ref.version:
+            if shared is None or not shared.held or shared.version <= ref.version:
                 self._share(job_name, ref)
             else:
                 ref.retire()  # a newer version is shared already: this download only

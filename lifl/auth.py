@@ -37,6 +37,7 @@ import redis
 from lifl.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthenticated
 from lifl.jobs import JOB_NAME, TENANT_NAME
 from lifl.redisconn import SCAN_COUNT
+from lifl.net.resp import Outage
 from lifl.state import dependency_errors
 
 OPERATOR, TENANT, CLIENT, NODE = "operator", "tenant", "client", "node"
@@ -305,8 +306,9 @@ class Tokens:
     REFRESH_SECONDS, so that requests rarely find them stale. The cache is shared by the
     loop's thread and the pool's: a lock guards the dictionary, never a Redis call."""
 
-    def __init__(self, client: redis.Redis, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, client: redis.Redis, clock: Callable[[], float] = time.monotonic, outage: Outage | None = None) -> None:
         self.redis = client
+        self.outage = outage or Outage()  # shared with the ClusterState whose client this is
         self._clock = clock  # ages cache entries
         self._create = client.register_script(_CREATE)
         self._cache: dict[str, _Entry] = {}

@@ -47,13 +47,17 @@ from lifl.format import ModelSpec
 from lifl.flstore.retention import RetentionPolicy
 from lifl.jobs import JobSpec
 from lifl.protocol import NodeStatus, record_from_json, record_json
-from lifl.redisconn import SCAN_COUNT
+from lifl.net.resp import Outage
+from lifl.redisconn import SCAN_COUNT, STATE_TIMEOUT_S
 
 TENANT_UID_BASE = 610000  # tenants' functions run as uid/gid TENANT_UID_BASE + n
 HISTORY = 10000  # rounds kept per job
 EVENTS = "lifl:events"  # pub/sub channel: the name of a job whose round changed
 EVENTS_RETRY_S = 0.5  # seconds between attempts to subscribe again while Redis is away
-NODE_TTL = 6  # seconds a node's registration outlives its last refresh (refreshed every second)
+NODE_TTL = 6  # seconds of the store answering others in which a node did not refresh its membership (every second): it is gone
+STORE_STALL_S = 3  # seconds in which nobody reached the store: it stalled (frozen, restarting), not its nodes
+NODE_FORGET_S = 3600  # seconds after which a gone node's membership is removed
+NODES, NODES_SEEN, STORE_PULSE = "lifl:nodes", "lifl:nodes:seen", "lifl:pulse"
 CURRENT_ROUND = "*"  # a count's round: whichever is current when it is counted (count_call)
 
 _NOW = """
@@ -65,6 +69,27 @@ local function field(h, f) return tonumber(redis.call('HGET', h, f)) end
 -- a closed round is full (-4) when it met its goal, else closed by its deadline (-5)
 local function closed_status(h) if field(h, 'accepted') >= field(h, 'goal') then return -4 end return -5 end
 """
+
+# A call whose answer was not awaited any more may still run: its command can wait in a frozen
+# server's socket buffer and run when the server resumes, after its caller told the client 503
+# and gave its slot back. Admissions and acceptances therefore carry the time after which they
+# must not act (their last argument, the caller's clock in ms, STATE_TIMEOUT_S after sending;
+# nodes' clocks must agree with Redis's to well within that), and a late one answers {LATE}.
+STATE_LATE = -99
+_IN_TIME = """
+if now_ms() > tonumber(ARGV[#ARGV]) then return {""" + str(STATE_LATE) + """} end
+"""
+
+
+def late(reply: Any) -> bool:
+    """Whether a script's reply says it came too late to act (_IN_TIME)."""
+    return isinstance(reply, list) and reply == [STATE_LATE]
+
+
+def not_after_ms() -> int:
+    """The last moment (ms, this machine's clock) a call sent now may act: its caller stops waiting then."""
+    return int((time.time() + STATE_TIMEOUT_S) * 1000)
+
 
 # Leases are bound to the client that took them: the hash ``owners`` maps 'lease.<id>' to its
 # client and 'client.<id>' to the one lease a client may hold.
@@ -93,7 +118,7 @@ end
 # alone. A client whose update of the round was counted gets -6. A lease that is not the
 # client's is ignored. The slot is also counted against the node whose gateway receives the
 # update, so that the slots of a node that dies with uploads in progress can be given back.
-_RESERVE = _NOW + _LEASES + """
+_RESERVE = _NOW + _LEASES + _IN_TIME + """
 local h = KEYS[1]
 local function reserve(token, base, lease, node, client)
   if redis.call('EXISTS', h) == 0 then return {-1, 0, 0} end
@@ -101,8 +126,9 @@ local function reserve(token, base, lease, node, client)
   if v < 0 then return {-2, v, r} end
   if token ~= '' and redis.call('HEXISTS', KEYS[6], 'slot.' .. token) == 1 then return {0, v, r} end  -- sent again
   if base > v or v - base > (field(h, 'max_staleness') or 0) then return {-3, v, r} end
-  if field(h, 'closed') == 1 then return {closed_status(h), v, r} end
+  -- before closed: a client told 503 whose update was counted after all hears so when it sends again
   if client ~= '' and redis.call('HEXISTS', KEYS[6], 'client.' .. client) == 1 then return {-6, v, r} end
+  if field(h, 'closed') == 1 then return {closed_status(h), v, r} end
   if client ~= '' and redis.call('SISMEMBER', KEYS[5], client) == 1 then return {-7, v, r} end
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms())
   if lease ~= '' and owns(KEYS[4], lease, client) then
@@ -116,7 +142,7 @@ local function reserve(token, base, lease, node, client)
   return {0, v, r}
 end
 local out = {}
-for i = 2, #ARGV, 4 do
+for i = 2, #ARGV - 1, 4 do
   local status = reserve(ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], ARGV[1], ARGV[i + 3])
   out[#out + 1] = status[1]
   out[#out + 1] = status[2]
@@ -241,7 +267,7 @@ end
 # each: 1 closed it, 0 counted, -1 another round, -5 closed, -6 this node was declared dead for
 # this round, -7 the client's update of this round was counted already (its slot is given back).
 # An update whose token was accepted already gets the same answer again.
-_ACCEPT = _NOW + _FINALIZE + """
+_ACCEPT = _NOW + _FINALIZE + _IN_TIME + """
 local h, s, t, node = KEYS[1], KEYS[2], KEYS[3], ARGV[1]
 local function decided(token, status, accepted)
   if token ~= '' then
@@ -278,7 +304,7 @@ local function accept(token, round, client)
   return decided(token, 0, accepted)
 end
 local out = {}
-for i = 3, #ARGV, 3 do
+for i = 3, #ARGV - 1, 3 do
   local status, accepted = accept(ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2])
   out[#out + 1] = status
   out[#out + 1] = accepted
@@ -434,6 +460,48 @@ redis.call('HINCRBY', s, 'assigned.' .. chosen, 1)
 return chosen
 """
 
+# Membership. KEYS: statuses, last seen (ms), pulse. ARGV: node ('' to read only), its status json,
+# ttl ms, stall ms, forget ms. Refreshes the node's membership; -> [node, status] of each live node.
+# Every call is a pulse: a gap of more than ``stall`` between pulses means nobody could reach the
+# store (it was frozen or restarting), so no node could refresh either; each gets a fresh ttl
+# from now instead of being declared gone. Real loss is still seen: the others keep pulsing.
+_MEMBERSHIP = _NOW + """
+local now = now_ms()
+local pulse = tonumber(redis.call('GET', KEYS[3]) or '0')
+if pulse > 0 and now - pulse > tonumber(ARGV[4]) then
+  for _, node in ipairs(redis.call('HKEYS', KEYS[2])) do redis.call('HSET', KEYS[2], node, now) end
+end
+redis.call('SET', KEYS[3], now)
+if ARGV[1] ~= '' then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+  redis.call('HSET', KEYS[2], ARGV[1], now)
+end
+local live = {}
+local seen = redis.call('HGETALL', KEYS[2])
+for i = 1, #seen, 2 do
+  local node, age = seen[i], now - tonumber(seen[i + 1])
+  if age > tonumber(ARGV[5]) then
+    redis.call('HDEL', KEYS[1], node)
+    redis.call('HDEL', KEYS[2], node)
+  elseif age <= tonumber(ARGV[3]) then
+    local status = redis.call('HGET', KEYS[1], node)
+    if status then live[#live + 1] = node; live[#live + 1] = status end
+  end
+end
+return live
+"""
+
+# KEYS: updates. ARGV: node, token prefix. -> the tokens of the round slots the node holds (its run's only).
+_HELD_SLOTS = """
+local held = {}
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local f = all[i]
+  if all[i + 1] == ARGV[1] and string.sub(f, 1, 5 + #ARGV[2]) == 'slot.' .. ARGV[2] then held[#held + 1] = string.sub(f, 6) end
+end
+return held
+"""
+
 # KEYS: lease. ARGV: holder, ttl ms. Takes or renews a lease; -> 1 if ``holder`` holds it.
 _LEAD = """
 local current = redis.call('GET', KEYS[1])
@@ -574,34 +642,45 @@ def _ms(t: list[int]) -> int:
     return t[0] * 1000 + t[1] // 1000
 
 
-# A Redis outage: each command tries a few quick reconnects, then the caller gets Unavailable
-# (503 / UNAVAILABLE with Retry-After) instead of hanging; the next call reconnects.
+# A Redis outage: each command tries a few quick reconnects (a restarting server refuses at
+# once), and waits STATE_TIMEOUT_S for an answer (a frozen one never answers); then the caller
+# gets Unavailable (503 / UNAVAILABLE with Retry-After), and until Redis answers again every call
+# does at once (redisconn.Outage). A command that got no answer is not sent again: it may have run.
 REDIS_RETRIES = 2
 REDIS_BACKOFF = ExponentialBackoff(cap=0.5, base=0.05)  # seconds
 REDIS_CONNECT_TIMEOUT = 2.0  # seconds
-REDIS_COMMAND_TIMEOUT = 10.0  # seconds: a stopped (not dead) server must not hang a request forever
 REDIS_RETRY_AFTER = 2.0  # seconds a client is told to wait
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 
 
+def state_unavailable(detail: str) -> Unavailable:
+    return Unavailable(f"the cluster state (Redis) is unavailable: {detail}", code="state_unavailable",
+                       retry_after=REDIS_RETRY_AFTER)
+
+
 def _unavailable_when_unreachable(method: F) -> F:
     @functools.wraps(method)
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def call(self: ClusterState, *args: Any, **kwargs: Any) -> Any:
+        if not self.outage.admits():
+            raise state_unavailable("it did not answer the last call")
         try:
-            return method(*args, **kwargs)
+            result = method(self, *args, **kwargs)
         except (redis.ConnectionError, redis.TimeoutError) as e:  # BusyLoadingError too: still loading its data
-            raise Unavailable(f"the cluster state (Redis) is unavailable: {e}", code="state_unavailable",
-                              retry_after=REDIS_RETRY_AFTER) from None
+            self.outage.failed()
+            raise state_unavailable(str(e)) from None
+        self.outage.answered()
+        return result
     return call  # type: ignore[return-value]
 
 
 def dependency_errors(cls: type) -> type:
-    """Every public call of ``cls`` reports Redis being unreachable as Unavailable (generators
-    excepted: their consumers handle a broken subscription)."""
+    """Every public call of ``cls`` reports Redis being unreachable as Unavailable (the event
+    followers excepted: they wait for Redis themselves; and the ``*_call`` builders: no I/O)."""
     for name, member in list(vars(cls).items()):
-        if callable(member) and not name.startswith("_") and name != "events":
+        if (callable(member) and not name.startswith("_") and name not in ("events", "follow_events")
+                and not name.endswith("_call")):
             setattr(cls, name, _unavailable_when_unreachable(member))
     return cls
 
@@ -640,9 +719,9 @@ class ClusterState:
     def __init__(self, url: str) -> None:
         self.url = url
         self.redis = redis.Redis.from_url(
-            url, decode_responses=True, retry=Retry(REDIS_BACKOFF, REDIS_RETRIES),
-            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-            socket_connect_timeout=REDIS_CONNECT_TIMEOUT, socket_timeout=REDIS_COMMAND_TIMEOUT)
+            url, decode_responses=True, retry=Retry(REDIS_BACKOFF, REDIS_RETRIES, supported_errors=(redis.ConnectionError,)),
+            socket_connect_timeout=REDIS_CONNECT_TIMEOUT, socket_timeout=STATE_TIMEOUT_S)
+        self.outage = Outage()
         r = self.redis
         self._reserve = r.register_script(_RESERVE)
         self._job_view = r.register_script(_JOB_VIEW)
@@ -660,6 +739,8 @@ class ClusterState:
         self._assign = r.register_script(_ASSIGN)
         self._set_plan = r.register_script(_SET_PLAN)
         self._lead = r.register_script(_LEAD)
+        self._membership = r.register_script(_MEMBERSHIP)
+        self._held_slots = r.register_script(_HELD_SLOTS)
         self._specs: dict[str, Any] = {}  # parsed JobSpecs and ModelSpecs, by their text
 
     def ping(self) -> None:
@@ -812,7 +893,8 @@ class ClusterState:
 
     def reserve_call(self, name: str, node: str, items: list[tuple[str, int, str, str]]) -> ScriptCall:
         return ScriptCall(self._reserve, [job_key(name), leases_key(name), shard_key(name), lease_owners_key(name),
-                                          excluded_key(name), updates_key(name)], [node, *[x for item in items for x in item]])
+                                          excluded_key(name), updates_key(name)],
+                          [node, *[x for item in items for x in item], not_after_ms()])
 
     def unreserve(self, name: str, round_id: int, node: str, token: str = "") -> bool:
         """Give back the slot of an upload that will not be accepted."""
@@ -830,6 +912,10 @@ class ClusterState:
             args += [token, round_id, f"rejected.{reason}" if reason else ""]
         return ScriptCall(self._unreserve, [job_key(name), shard_key(name), updates_key(name)], args)
 
+    def held_slots_call(self, name: str, node: str, prefix: str) -> ScriptCall:
+        """The tokens of the round slots ``node`` holds in ``name``, of those starting with ``prefix``."""
+        return ScriptCall(self._held_slots, [updates_key(name)], [node, prefix])
+
     def count_call(self, name: str, counts: list[tuple[int | str, str, int]]) -> ScriptCall:
         """Add to counters of rounds of the job, each (round, field, delta): rejected.<code>,
         aggregated (counted only while that round is the current one; ``CURRENT_ROUND``: the one
@@ -838,7 +924,10 @@ class ClusterState:
 
     def run(self, call: ScriptCall) -> Any:
         """Run a script call here (blocking)."""
-        return call.script(keys=call.keys, args=call.args)
+        result = call.script(keys=call.keys, args=call.args)
+        if late(result):
+            raise state_unavailable("the call reached Redis after its caller stopped waiting (it did nothing)")
+        return result
 
     def take_lease(self, spec: JobSpec, client: str) -> tuple[str, int, int]:
         """``client``'s lease for training in the current round, bound to it: (lease id, version,
@@ -888,7 +977,7 @@ class ClusterState:
 
     def accept_call(self, name: str, node: str, items: list[tuple[str, int, str]]) -> ScriptCall:
         return ScriptCall(self._accept, [job_key(name), shard_key(name), updates_key(name)],
-                          [node, name, *[x for item in items for x in item]])
+                          [node, name, *[x for item in items for x in item], not_after_ms()])
 
     def close_round(self, name: str, round_id: int, min_updates: int) -> int:
         """Close round ``round_id`` at its deadline: CLOSE_FINAL (finishes with what arrived),
@@ -956,13 +1045,18 @@ class ClusterState:
         self.redis.hsetnx("lifl:tenants", tenant, candidate)
         return int(self.redis.hget("lifl:tenants", tenant))
 
-    def publish_node(self, node: str, status: NodeStatus, ttl: int = NODE_TTL) -> None:
-        """A node agent's status; its presence is the node's liveness."""
-        self.redis.set(f"lifl:node:{node}", json.dumps(record_json(status)), ex=ttl)
+    def publish_node(self, node: str, status: NodeStatus) -> None:
+        """A node agent's status; its refreshes are the node's liveness (_MEMBERSHIP)."""
+        self._membership_call(node, json.dumps(record_json(status)))
 
     def nodes(self) -> dict[str, NodeStatus]:
         """Live nodes' statuses."""
-        return {node: record_from_json(NodeStatus, status) for node, status in self._scan_json("lifl:node:*").items()}
+        return self._membership_call("", "")
+
+    def _membership_call(self, node: str, status: str) -> dict[str, NodeStatus]:
+        flat = self._membership(keys=[NODES, NODES_SEEN, STORE_PULSE],
+                                args=[node, status, NODE_TTL * 1000, STORE_STALL_S * 1000, NODE_FORGET_S * 1000])
+        return {name: record_from_json(NodeStatus, json.loads(text)) for name, text in _pairs(flat).items()}
 
     def publish_gateway(self, node: str, addresses: dict[str, str], ttl: int = NODE_TTL) -> None:
         """Where clients and other gateways reach a node's gateway."""

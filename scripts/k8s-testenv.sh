@@ -20,7 +20,9 @@
 # Its pods get IPs on a CNI bridge (10.88.0.0/16) reachable from the namespace, and run lifl's
 # images, which scripts/images.sh builds and imports (nothing is ever pulled). Its processes and
 # pods live in the cgroup `lifl-testenv` of every hierarchy; `down` removes them, their mounts and
-# cgroups, and restores the host sysctls the kubelet sets.
+# cgroups, and restores the host sysctls the kubelet sets. Host directories of its pods belong under
+# its state too: tests/k8s/bed.py points lifl's node DaemonSet's (/run/lifl, /var/lib/lifl on a
+# real host) to $STATE/real1/host/..., which `down` removes with the rest of the state.
 #
 # Needs root (network namespaces), Go 1.24+, etcd-server and openssl, and for the real node
 # containerd, runc, containernetworking-plugins and what scripts/images.sh needs (scripts/install.sh

@@ -250,7 +250,8 @@ def test_back_pressure_is_retried_no_sooner_than_retry_after(scripted_http: Any,
 @pytest.mark.parametrize(("body", "cls"), [(error_body("overloaded"), errors.Overloaded),
                                            (error_body("inflight_budget"), errors.Overloaded),
                                            (error_body("unavailable"), errors.Unavailable),
-                                           (error_body("state_unavailable"), errors.Unavailable)])
+                                           (error_body("state_unavailable"), errors.Unavailable),
+                                           (error_body("agent_unavailable"), errors.Unavailable)])
 def test_503_gives_up_after_max_attempts_with_the_gateways_error(scripted_http: Any, body: bytes, cls: type) -> None:
     server = scripted_http([(503, {"Retry-After": "0"}, body)])
     gw = Gateway(server.address, retry=RetryPolicy(max_attempts=3, base_delay_s=0.01, max_delay_s=0.01))
@@ -513,7 +514,7 @@ def dead(pid: int) -> bool:
 
 class Outage:
     """The test's node, with `lifl up`'s supervisor (``Node.supervise``) run in a thread once
-    ``supervise()`` is called: until then a killed gateway stays down."""
+    ``supervise()`` is called: until then a killed gateway or agent stays down."""
 
     def __init__(self, running: RunningNode) -> None:
         self.running, self.node = running, running.node
@@ -523,13 +524,14 @@ class Outage:
     def address(self, protocol: str) -> str:
         return self.running.http if protocol == "http" else self.running.grpc
 
-    def gateway_pid(self) -> int:
-        return self.node.pids()["gateway"][0]
+    def pid(self, role: str) -> int:
+        return self.node.pids()[role][0]
 
-    def kill_gateway(self) -> int:
-        pid = self.gateway_pid()
+    def kill(self, role: str) -> int:
+        """kill -9 the node's gateway or agent; its pid."""
+        pid = self.pid(role)
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: dead(pid), what="the gateway to die")
+        wait_for(lambda: dead(pid), what=f"the {role} to die")
         return pid
 
     def supervise(self) -> None:
@@ -537,7 +539,7 @@ class Outage:
         self._supervisor.start()
 
     def wait_restarted(self, old_pid: int) -> None:
-        wait_for(lambda: self.gateway_pid() != old_pid and self._answers(), timeout=120, what="the gateway restarted")
+        wait_for(lambda: self.pid("gateway") != old_pid and self._answers(), timeout=120, what="the gateway restarted")
 
     def _answers(self) -> bool:
         try:
@@ -576,7 +578,7 @@ def test_gateway_client_fails_clearly_during_an_outage_and_works_after_the_resta
     # gives up within a few seconds, and reconnects grpcio's channel as often
     gw = Gateway(outage.address(protocol), protocol, retry=RetryPolicy(max_attempts=10_000, max_elapsed_s=5.0, max_delay_s=0.25))
     gw.push("a", UPDATE, client="before", samples=1, base_version=0)
-    old = outage.kill_gateway()
+    old = outage.kill("gateway")
 
     # The first push meets the connection kept from the last one: it fails before sending, or
     # breaks under way (then the gateway might have taken it, but a round takes one update per
@@ -608,11 +610,11 @@ def test_calls_made_during_an_outage_succeed_once_the_gateway_is_back(outage: Ou
     outage.create_job("b")
     gw = Gateway(outage.address(protocol), protocol, retry=PATIENT)
     assert gw.job("b")["version"] == 0  # a connection is kept ...
-    old = outage.kill_gateway()  # ... and broken
+    old = outage.kill("gateway")  # ... and broken
     outage.supervise()  # restarted while the calls below are refused and retried
     assert gw.job("b")["version"] == 0
     gw.push("b", UPDATE, client="during", samples=1, base_version=0)
-    assert outage.gateway_pid() != old and outage.round("b")["received"] == 1
+    assert outage.pid("gateway") != old and outage.round("b")["received"] == 1
     gw.close()
 
 
@@ -623,7 +625,7 @@ def test_participant_round_completes_across_a_gateway_restart(outage: Outage, pr
     participant = Participant(outage.address(protocol), "c", "p", protocol=protocol, retry=PATIENT)
 
     def train(state: dict, version: int) -> tuple[dict, int]:
-        outage.kill_gateway()  # the gateway dies under the round; its supervisor brings it back
+        outage.kill("gateway")  # the gateway dies under the round; its supervisor brings it back
         outage.supervise()
         return {"w": state["w"] + 1}, 3
 
@@ -641,7 +643,7 @@ def test_participant_round_that_fails_during_an_outage_releases_its_lease(outage
 
     def train(state: dict, version: int) -> tuple[dict, int]:
         assert outage.round("d")["leases"] == 1
-        outage.kill_gateway()
+        outage.kill("gateway")
         outage.supervise()
         raise RuntimeError("the GPU fell over")
 
@@ -675,10 +677,37 @@ def test_participant_without_a_gateway_fails_clearly_holding_no_lease(outage: Ou
     outage.create_job("f")
     participant = Participant(outage.address(protocol), "f", "p", protocol=protocol,
                               retry=RetryPolicy(max_attempts=3, base_delay_s=0.01, max_delay_s=0.01))
-    old = outage.kill_gateway()
+    old = outage.kill("gateway")
     with pytest.raises(errors.Unavailable if protocol == "http" else ConnectionLost):
         participant.run_round(lambda state, version: (state, 1))
     outage.supervise()
     outage.wait_restarted(old)
     assert outage.round("f")["leases"] == 0
     participant.close()
+
+
+@pytest.mark.slow
+@PROTOCOLS
+def test_without_its_agent_calls_are_unavailable_and_a_push_succeeds_once_it_is_back(outage: Outage, protocol: str) -> None:
+    outage.create_job("g")
+    gw = Gateway(outage.address(protocol), protocol, retry=PATIENT)
+    assert gw.model("g") == (0, MODEL)  # the agent's model reference, shared by the gateway's downloads
+    gateway = outage.pid("gateway")
+    outage.kill("agent")  # not restarted until supervise()
+    headers = {"X-Lifl-Client": "raw", "X-Lifl-Samples": "1", "X-Lifl-Base-Version": "0"}
+    status, answer_headers, body = outage.running.request("POST", "/v1/jobs/g/updates", UPDATE, headers)
+    assert status == 503 and int(answer_headers["Retry-After"]) >= 1, body
+    assert json.loads(body)["error"]["code"] == "agent_unavailable"
+    impatient = Gateway(outage.address(protocol), protocol, retry=NO_RETRY)
+    with pytest.raises(errors.Unavailable) as info:  # over gRPC, the status UNAVAILABLE
+        impatient.push("g", UPDATE, client="refused", samples=1, base_version=0)
+    assert info.value.code == "agent_unavailable" and info.value.retry_after >= 1
+    impatient.close()
+
+    with futures.ThreadPoolExecutor(1) as pool:
+        pushed = pool.submit(gw.push, "g", UPDATE, client="during", samples=1, base_version=0)  # retried meanwhile
+        outage.supervise()  # brings the agent back; the gateway connects to it again
+        assert pushed.result(timeout=180) == {"version": 0}
+    assert outage.round("g")["received"] == 1 and outage.pid("gateway") == gateway
+    assert gw.model("g") == (0, MODEL)  # restored by the new agent from its checkpoint
+    gw.close()

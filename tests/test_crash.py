@@ -1,6 +1,7 @@
 """Nothing of lifl stays in /dev/shm: after a clean stop, and after kill -9 of any process of a
-node (if both the agent and its supervisor die, the next start cleans up); a killed aggregator
-loses nothing (its task runs again), nor does a Redis outage."""
+node (if both the agent and its supervisor die, the next start cleans up); a killed agent or
+gateway is restarted while the rest of the node runs on; a killed aggregator loses nothing (its
+task runs again), nor does a Redis outage."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from conftest import OPERATOR_TOKEN, auth, wait_for
 from lifl.keys import ebpf
 from lifl import format as fmt
 from lifl import procstat
+from lifl.client import Gateway, RetryPolicy
 from lifl.keys.ebpf import PIN_ROOT
 from lifl.net import lifl_pb2, lifl_pb2_grpc
 
@@ -152,14 +154,24 @@ def test_clean_stop_leaves_nothing(up: Up, sig: int) -> None:
     assert up.shm() == [] and set(up.pids()) == {"supervisor"}
 
 
-def test_kill_agent_node_stops_and_cleans(up: Up) -> None:
+def test_kill_agent_is_restarted_clean_and_the_same_gateway_serves_again(up: Up) -> None:
     up.start_round()
-    assert (PIN_ROOT / up.node).exists()  # its key channel is eBPF (root, the object is built)
-    os.kill(up.pids()["agent"], signal.SIGKILL)
-    wait_for(lambda: not up.shm(), what="shared memory cleaned")
-    assert up.proc.wait(30) == 1  # the node cannot go on without its agent
-    assert "instance" not in up.pids()  # the agent's aggregators, left to init, were stopped with it
-    assert not (PIN_ROOT / up.node).exists()  # nor is its channel left loaded
+    before = up.pids()
+    stale = set(up.shm())
+    instance = wait_for(lambda: up.pids().get("instance"), what="the leaf's instance")
+    program = ebpf.program_id(PIN_ROOT / up.node)  # its key channel is eBPF (root, the object is built)
+    os.kill(before["agent"], signal.SIGKILL)
+    wait_for(lambda: up.pids().get("agent") not in (None, before["agent"]), what="the agent restarted")
+    assert not running(instance)  # the killed agent's aggregators, left to init, were stopped first
+    # retried through 503 agent_unavailable until the gateway has connected to the new agent
+    gw = Gateway(up.http, retry=RetryPolicy(max_attempts=10_000, max_elapsed_s=120.0, max_delay_s=0.5))
+    assert gw.push("j", MODEL, client="after", samples=1, base_version=0) == {"version": 0}
+    assert up.pids()["gateway"] == before["gateway"] and up.proc.poll() is None
+    assert ebpf.program_id(PIN_ROOT / up.node) != program  # the killed agent's channel unloaded, a new one loaded
+    assert not stale & set(up.shm()) and len(up.objects()) == 2  # the model, restored from its checkpoint, and the new update
+    given_up = gw.rounds("j")[-1]  # the round the killed agent held an update of, recorded as lost
+    assert given_up["outcome"] == "interrupted" and sum(given_up["lost"].values()) == 1, given_up
+    gw.close()
 
 
 def test_kill_supervisor_children_stop_and_clean(up: Up) -> None:

@@ -83,6 +83,32 @@ def test_what_a_pod_says_about_identity_and_the_socket_is_overridden(given: dict
     assert function["volumeMounts"] == [RUN_MOUNT]
 
 
+def test_the_run_dir_comes_from_where_the_node_keeps_it_on_its_hosts() -> None:
+    """A node DaemonSet whose hostPath is not /run/lifl (the test bed's real node): the function's
+    pod mounts that host directory, still at /run/lifl, where the shim looks for the agent."""
+    host_run_dir = "/run/lifl-testenv/real1/host/run/lifl"
+    spec = function_pod_spec(knative_pod(), "acme", UID, host_run_dir)
+    assert spec["volumes"][-1] == {"name": "lifl-run", "hostPath": {"path": host_run_dir, "type": "Directory"}}
+    assert spec["containers"][0]["volumeMounts"] == [RUN_MOUNT]
+    with pytest.raises(InvalidFunction, match=f"is not the host's {host_run_dir}"):
+        function_pod_spec(knative_pod() | {"volumes": [RUN_VOLUME]}, "acme", UID, host_run_dir)
+
+
+@pytest.mark.parametrize("setting,error", [
+    (None, None), ("/run/lifl-testenv/real1/host/run/lifl", None), ("run/lifl", "must be an absolute path"),
+])
+def test_the_host_run_dir_setting_is_checked(monkeypatch: pytest.MonkeyPatch, setting: str | None, error: str | None) -> None:
+    if setting is None:
+        monkeypatch.delenv("LIFL_HOST_RUN_DIR", raising=False)
+    else:
+        monkeypatch.setenv("LIFL_HOST_RUN_DIR", setting)
+    if error is None:
+        assert admission.host_run_dir() == (setting or "/run/lifl")
+    else:
+        with pytest.raises(ValueError, match=f"LIFL_HOST_RUN_DIR {error}"):
+            admission.host_run_dir()
+
+
 @pytest.mark.parametrize("pod,problem", [
     ({"containers": []}, "no container"),
     ({"containers": [{"name": "f"}], "volumes": [{"name": "lifl-run", "emptyDir": {}}]}, "is not the host's /run/lifl"),

@@ -83,7 +83,7 @@ class FakeService:
         self.ingests: list[FakeIngest] = []
         self.released = 0
 
-    def identify(self, authorization: str | None, certificate: dict | None, done) -> None:
+    def identify(self, authorization: str | None, certificate: dict | None, peer: str, done) -> None:
         done(Principal(OPERATOR), None)  # the server's limits are the subject here, not who calls
 
     def begin_update(self, caller: Principal, job: str, fields: dict, protocol: str, size: int | None, done) -> None:

@@ -33,6 +33,16 @@ def request(sid: int, *, end_stream: bool = True, headers: list | None = None, *
     return h2.headers_frame(sid, block(headers if headers is not None else REQUEST), end_stream=end_stream, **kw)
 
 
+def header_frames(sid: int, whole: bytes, *, end_stream: bool = True, end_headers: bool = True) -> bytes:
+    """A header block as a HEADERS frame and CONTINUATIONs, each of MAX_HEADER_FRAME_SIZE at most."""
+    size = h2.MAX_HEADER_FRAME_SIZE
+    pieces = [whole[i : i + size] for i in range(0, len(whole), size)]
+    out = h2.headers_frame(sid, pieces[0], end_stream=end_stream, end_headers=end_headers and len(pieces) == 1)
+    for i, piece in enumerate(pieces[1:], 2):
+        out += h2.continuation_frame(sid, piece, end_headers=end_headers and i == len(pieces))
+    return out
+
+
 def frames(data: bytes) -> list[tuple[h2.FrameHeader, bytes]]:
     out = []
     while data:
@@ -112,10 +122,15 @@ CONNECTION_ERRORS = [
      h2.PROTOCOL_ERROR),
     ("data-padding-too-long", OPEN + h2.encode_frame(h2.DATA, h2.PADDED, 1, b"\x05abc"), h2.PROTOCOL_ERROR),
     ("padded-data-without-pad-length", OPEN + h2.encode_frame(h2.DATA, h2.PADDED, 1), h2.FRAME_SIZE_ERROR),
-    ("header-block-over-header-list-size", request(1, end_headers=False)
-     + h2.continuation_frame(1, bytes(h2.Limits().max_header_list_size)), h2.ENHANCE_YOUR_CALM),
-    ("header-list-over-header-list-size", h2.headers_frame(1, block(REQUEST + [("x-big", "v" * 40000)] * 2)),
+    ("header-block-over-header-list-size", header_frames(1, block(REQUEST) + bytes(h2.Limits().max_header_list_size)),
      h2.ENHANCE_YOUR_CALM),
+    ("header-list-over-header-list-size", header_frames(1, block(REQUEST + [("x-big", "v" * 40000)] * 2)),
+     h2.ENHANCE_YOUR_CALM),
+    # header frames stay within the protocol's default frame size, whatever SETTINGS_MAX_FRAME_SIZE says
+    ("headers-over-header-frame-size", h2.headers_frame(1, block(REQUEST) + bytes(h2.MAX_HEADER_FRAME_SIZE)),
+     h2.FRAME_SIZE_ERROR),
+    ("continuation-over-header-frame-size", request(1, end_headers=False)
+     + h2.continuation_frame(1, bytes(h2.MAX_HEADER_FRAME_SIZE + 1)), h2.FRAME_SIZE_ERROR),
 ]
 
 
@@ -327,9 +342,14 @@ def test_a_frame_header_is_checked_before_its_payload_is_read() -> None:
     with pytest.raises(h2.H2ConnectionError) as info:
         conn.receive_header(too_long)
     assert info.value.code == h2.FRAME_SIZE_ERROR
-    headers_too_long = h2.frame_header(h2.Limits().max_header_list_size + 1, h2.HEADERS, h2.END_HEADERS, 1)
+    headers_too_long = h2.frame_header(h2.MAX_HEADER_FRAME_SIZE + 1, h2.HEADERS, h2.END_HEADERS, 1)
     with pytest.raises(h2.H2ConnectionError) as info:
         server().receive_header(headers_too_long)
+    assert info.value.code == h2.FRAME_SIZE_ERROR
+    conn = server()
+    conn.receive_bytes(header_frames(1, bytes(h2.Limits().max_header_list_size - 1), end_headers=False))
+    with pytest.raises(h2.H2ConnectionError) as info:
+        conn.receive_header(h2.frame_header(2, h2.CONTINUATION, h2.END_HEADERS, 1))
     assert info.value.code == h2.ENHANCE_YOUR_CALM
 
 
@@ -430,12 +450,12 @@ def test_a_client_call_from_request_to_trailers() -> None:
     client.initiate()
     opening = client.data_to_send()
     assert opening.startswith(h2.PREFACE)
-    client.receive_bytes(h2.settings_frame([(h2.MAX_FRAME_SIZE, 16384)]))
+    client.receive_bytes(h2.settings_frame([(h2.MAX_FRAME_SIZE, 1 << 20)]))  # large frames: for DATA only
     sid = client.new_stream_id()
-    client.send_headers(sid, REQUEST + [("x-big", "v" * 40000)])  # larger than a frame: HEADERS + CONTINUATIONs
+    client.send_headers(sid, REQUEST + [("x-big", "v" * 40000)])  # larger than a header frame: HEADERS + CONTINUATIONs
     sent = frames(client.data_to_send())
     assert [hd.type for hd, _ in sent] == [h2.SETTINGS, h2.HEADERS, h2.CONTINUATION, h2.CONTINUATION]
-    assert all(hd.length <= 16384 for hd, _ in sent) and sent[-1][0].flags & h2.END_HEADERS
+    assert all(hd.length <= h2.MAX_HEADER_FRAME_SIZE for hd, _ in sent) and sent[-1][0].flags & h2.END_HEADERS
     head = client.send_data(sid, 3, end_stream=True)
     assert frames(head + b"abc") == [(h2.FrameHeader(3, h2.DATA, h2.END_STREAM, 1, 3), b"abc")]
     events = client.receive_bytes(h2.headers_frame(1, block([(":status", "200")])) + h2.data_frame(1, b"reply")

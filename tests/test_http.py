@@ -251,7 +251,7 @@ class _BrokenService:
         self.loop = Loop("broken gateway")
         self.open_metrics = False
 
-    def identify(self, authorization: str | None, certificate: dict | None, done) -> None:
+    def identify(self, authorization: str | None, certificate: dict | None, peer: str, done) -> None:
         done(Principal(OPERATOR), None)
 
     def job_names(self, caller: Principal) -> list[str]:

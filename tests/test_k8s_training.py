@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from conftest import OPERATOR_TOKEN, wait_for
-from k8s.bed import REAL_NODE, ROOT, SUITE_MARKS, Background, get, inside, kubectl, maybe
+from k8s.bed import REAL_NODE, REAL_NODE_LIFL_DIRS, ROOT, SUITE_MARKS, Background, get, inside, kubectl, maybe
 from lifl import demo
 from lifl import function_labels
 from lifl.autoscaler import names
@@ -102,7 +102,8 @@ def lifl_cluster(testbed: None) -> Iterator[str]:
             "metadata": {"name": NAMESPACE, "annotations": {names.TENANTS_ANNOTATION: TENANT}}}))
         operator = Background("operator", [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces",
                                            "-m", "lifl.autoscaler.handlers"],
-                              {"LIFL_REDIS": REDIS, names.WEBHOOK_LISTEN_ENV: WEBHOOK})
+                              {"LIFL_REDIS": REDIS, names.WEBHOOK_LISTEN_ENV: WEBHOOK,
+                               names.HOST_RUN_DIR_ENV: str(REAL_NODE_LIFL_DIRS["run"])})  # where the bed keeps the node's
         wait_for(lambda: maybe("mutatingwebhookconfiguration", names.WEBHOOK_CONFIGURATION), READY_TIMEOUT_S, 0.5,
                  "the operator's webhook")
         # the bed keeps lifl's workloads on kwok nodes: this node pod runs on the real one
@@ -164,6 +165,7 @@ def test_function_pods_get_the_nodes_memory_and_the_tenants_identity_and_attach(
         function = spec["containers"][0]
         uids.add(function["securityContext"]["runAsUser"])
         assert {"name": names.RUN_VOLUME, "mountPath": names.RUN_DIR, "readOnly": True} in function["volumeMounts"]
+        assert {"name": names.RUN_VOLUME, "hostPath": {"path": str(REAL_NODE_LIFL_DIRS["run"]), "type": "Directory"}} in spec["volumes"]
         status = function_status(pod)
         assert status["ready"] and status["node"] == REAL_NODE and status["tenant"] == TENANT
     (uid,) = uids

@@ -213,6 +213,51 @@ def test_other_users_are_denied_the_nodes_data_and_sockets(start_node: Callable[
                        str(data): "denied", str(data / FILE_NAME): "denied"}
 
 
+def closed_to_others(directory: Path) -> Path:
+    """``directory``, root's and 0700: as a /var/lib/lifl that something else left behind."""
+    directory.mkdir()
+    os.chmod(directory, 0o700)
+    return directory
+
+
+def refusal(data_dir: Path, blocked: Path) -> str:
+    """What `lifl up` says when the service user cannot pass ``blocked`` on the way to its redis's directory."""
+    return (f"lifl: the service user {service_identity()} runs the gateway and redis-server and cannot reach "
+            f"redis-server's directory {data_dir / 'redis'}: {blocked} (drwx------, owner root:root) does not let it pass; "
+            f"make that directory searchable by the service user (e.g. chmod o+x {blocked}), or choose another with --service-user")
+
+
+def test_a_data_dir_the_service_user_cannot_get_to_is_refused_before_redis_starts(run_dir: Path, shm_node: str) -> None:
+    blocked = closed_to_others(run_dir.parent / "lib")
+    data_dir = blocked / shm_node
+    node = Node(NodeConfig(node=shm_node, http="127.0.0.1:0", grpc="127.0.0.1:0", run_dir=run_dir, data_dir=data_dir,
+                           shm_capacity=1 << 30))
+    try:
+        with pytest.raises(SystemExit) as refused:
+            node.start()
+    finally:
+        node.stop()
+    assert str(refused.value) == refusal(data_dir, blocked)
+    assert node.children == {}  # neither redis-server nor anything after it was started
+    assert not (data_dir / "redis").exists()
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["lifl up", "lifl up --nodes 2"])
+def test_lifl_up_names_the_directory_in_the_way_instead_of_redis_servers_error(run_dir: Path, shm_node: str,
+                                                                              cluster: bool) -> None:
+    blocked = closed_to_others(run_dir.parent / "lib")
+    data_dir = blocked / "cluster" if cluster else blocked / shm_node
+    argv = [sys.executable, "-m", "lifl", "up", "--run-dir", str(run_dir), "--data-dir", str(data_dir), "--shm-limit", "256m"]
+    if cluster:  # a prefix and subnet of this test's own (tests/test_cluster.py has liflt and 10.78.0.0/24)
+        argv += ["--nodes", "2", "--node", "pv", "--cluster-prefix", "liflpv", "--subnet", "10.81.0.0/24"]
+    else:
+        argv += ["--node", shm_node, "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == refusal(data_dir, blocked), done.stderr
+    assert "FATAL" not in done.stderr and "is up" not in done.stdout
+
+
 def test_a_generated_operator_token_is_private_registered_and_kept(start_node: Callable[..., Node]) -> None:
     node = start_node()
     assert node.config.data_dir is not None

@@ -23,7 +23,9 @@ from typing import Any
 import pytest
 
 from conftest import wait_for
-from k8s.bed import REAL_NODE, REAL_NODE_LABEL, SUITE_MARKS, TESTENV, get, inside, kubectl
+from k8s.bed import (
+    LIFL_HOST_DIRS, REAL_NODE, REAL_NODE_LABEL, REAL_NODE_LIFL_DIRS, SUITE_MARKS, TESTENV, get, inside, kubectl,
+)
 
 pytestmark = SUITE_MARKS
 
@@ -166,6 +168,28 @@ def test_a_pod_reaches_a_unix_socket_the_host_serves_through_a_host_path(testbed
         listener.close()
         (directory / "agent.sock").unlink(missing_ok=True)
         directory.rmdir()
+
+
+def test_lifls_node_pod_writes_into_the_beds_own_host_directories_not_the_machines(testbed: None) -> None:
+    """The bed points lifl's node DaemonSet's host directories into its state (the fixture checks,
+    once the bed it started is down, that they are gone and that /run/lifl and /var/lib/lifl were
+    not made): a pod with the DaemonSet's volumes and mounts writes there, this machine's get nothing."""
+    node_pod = get("daemonset", "lifl-node", "-n", "lifl-system")["spec"]["template"]["spec"]
+    volumes = [v for v in node_pod["volumes"] if v["name"] in REAL_NODE_LIFL_DIRS]
+    assert {v["name"]: v["hostPath"]["path"] for v in volumes} == {name: str(d) for name, d in REAL_NODE_LIFL_DIRS.items()}
+    mounts = [m for m in node_pod["containers"][0]["volumeMounts"] if m["name"] in REAL_NODE_LIFL_DIRS]
+    assert {m["mountPath"] for m in mounts} == {str(d) for d in LIFL_HOST_DIRS.values()}  # where lifl up writes in the pod
+    token = secrets.token_hex(8)
+    write = " && ".join(f"echo {token} > {m['mountPath']}/{token}" for m in mounts)
+    try:
+        with running_pod(pod("hostdirs", ["sh", "-c", write], container={"volumeMounts": mounts}, volumes=volumes)) as name:
+            succeeded(name)
+        assert {name: (d / token).read_text() for name, d in REAL_NODE_LIFL_DIRS.items()} == {
+            name: f"{token}\n" for name in REAL_NODE_LIFL_DIRS}
+        assert not [d / token for d in LIFL_HOST_DIRS.values() if (d / token).exists()]
+    finally:
+        for directory in REAL_NODE_LIFL_DIRS.values():
+            (directory / token).unlink(missing_ok=True)
 
 
 def test_up_refuses_an_unknown_option_and_a_bad_real_node_setting() -> None:

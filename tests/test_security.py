@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -22,6 +23,8 @@ from lifl import format as fmt
 from lifl.auth import CACHE_SECONDS, Tokens
 from lifl.client import Gateway
 from lifl.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthenticated, Unprocessable
+from lifl.gateway.auth_backoff import AUTH_FAILURE_WINDOW_S, MAX_AUTH_FAILURES
+from lifl.net import lifl_pb2 as pb
 
 pytestmark = pytest.mark.slow
 MODEL = {"w": np.zeros(8, np.float32)}
@@ -155,17 +158,50 @@ def test_an_unauthenticated_upload_is_refused_before_its_body(node: RunningNode)
 
 def test_internal_routes_take_only_peer_gateways(node: RunningNode) -> None:
     world = World(node)
-    for who in ("tenant a", "client a"):
+    well_formed = {"X-Lifl-From-Node": "n9", "X-Lifl-Epoch": "0", "X-Lifl-Samples": "1", "X-Lifl-Updates": "1", "X-Lifl-Partial": "1"}
+    malformed = {"X-Lifl-From-Node": "not a node!", "X-Lifl-Epoch": "-1", "X-Lifl-Samples": "many", "X-Lifl-Partial": "2"}
+    for who in ("tenant a", "client a", "tenant b", "client b"):
         status, _, _ = node.request("GET", "/v1/internal/jobs/a1/model", headers=auth(world.tokens[who]))
         assert status == 403, who
-        status, _, _ = node.request("POST", "/v1/internal/jobs/a1/rounds/0/partials", b"x", headers={
-            **auth(world.tokens[who]), "X-Lifl-From-Node": "n9", "X-Lifl-Epoch": "0", "X-Lifl-Samples": "1",
-            "X-Lifl-Updates": "1", "X-Lifl-Partial": "1"})
-        assert status == 403, who
+        # the caller's role is refused before anything of the request is parsed (headers, body)
+        for headers in (well_formed, malformed):
+            refused = node.json("POST", "/v1/internal/jobs/a1/rounds/0/partials", b"x", {**auth(world.tokens[who]), **headers})
+            assert refused == (403, {"error": {"code": "forbidden", "message": f"a {who.split()[0]} token may not call a "
+                                                                                "gateway-to-gateway route"}}), who
+        status, body = node.json("POST", "/v1/internal/jobs/a1/queries", b"{not json", auth(world.tokens[who]))
+        assert (status, body["error"]["code"]) == (403, "forbidden"), who
     assert node.request("GET", "/v1/internal/jobs/a1/model", headers={"Authorization": None})[0] == 401
     internal = Tokens(node.state.redis).internal_token()  # what peer gateways present
     status, headers, _ = node.request("GET", "/v1/internal/jobs/a1/model", headers=auth(internal))
     assert status == 200 and headers["X-Lifl-Version"] == "0"
+
+
+def test_failed_authentication_backs_off_per_address_but_valid_callers_are_served(node: RunningNode) -> None:
+    world = World(node)
+    garbage = auth(world.tokens["garbage"])
+    for _ in range(MAX_AUTH_FAILURES - 1):
+        assert node.request("GET", "/v1/jobs", headers=garbage)[0] == 401
+    revoked = node.grpc_stub(world.tokens["revoked"])
+    with pytest.raises(grpc.RpcError) as info:
+        revoked.ListJobs(pb.ListJobsRequest())  # failures over gRPC count for the address as well: the limit
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    status, headers, body = node.request("GET", "/v1/jobs", headers=garbage)  # past the limit
+    assert (status, json.loads(body)["error"]["code"]) == (429, "too_many_auth_failures")
+    assert 1 <= int(headers["Retry-After"]) <= AUTH_FAILURE_WINDOW_S and headers["Connection"] == "close"
+    assert node.request("GET", "/v1/jobs", headers={"Authorization": None})[0] == 429  # no token at all
+    with pytest.raises(grpc.RpcError) as info:
+        revoked.ListJobs(pb.ListJobsRequest())
+    trailers = dict(info.value.trailing_metadata() or ())
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and trailers["lifl-error-code"] == "too_many_auth_failures"
+    assert 0 < int(trailers["grpc-retry-pushback-ms"]) <= AUTH_FAILURE_WINDOW_S * 1000
+
+    # valid callers from the backing-off address are served: tokens never used before (read from
+    # Redis), and cached ones
+    assert node.json("GET", "/v1/jobs", headers=auth(world.tokens["tenant a"])) == (200, {"jobs": ["a1"]})
+    assert node.json("GET", "/v1/jobs") == (200, {"jobs": ["a1", "b1"]})
+    assert list(node.grpc_stub(world.tokens["client a"]).ListJobs(pb.ListJobsRequest()).jobs) == ["a1"]
+    assert node.request("GET", "/v1/jobs", headers=garbage)[0] == 429  # while its failures are still refused
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

@@ -48,7 +48,7 @@ _BY_GRPC = {"INVALID_ARGUMENT": errors.BadRequest, "NOT_FOUND": errors.NotFound,
             "UNIMPLEMENTED": errors.BadRequest}
 # HTTP 503 serves both Overloaded and Unavailable: these codes are Unavailable's (the gateway's
 # raisers of it), any other is back-pressure. Either way the call is retried alike.
-_UNAVAILABLE_CODES = frozenset({errors.Unavailable.default_code, "state_unavailable", "checkpoint_failed"})
+_UNAVAILABLE_CODES = frozenset({errors.Unavailable.default_code, "state_unavailable", "agent_unavailable", "checkpoint_failed"})
 # The gateway answered and did nothing: any call may be sent again once its Retry-After has passed.
 _BACK_PRESSURE = (errors.Overloaded, errors.Unavailable)
 # What lifl.client.grpcwire raises when its connection fails (ConnectionError and TimeoutError are OSErrors).
@@ -440,7 +440,8 @@ class Gateway:
              client: str | None = None) -> dict[str, Any]:
         """Send one update; returns {"version"}: the version it counts towards. ``client`` is the
         token's own with a client token (leave it out), and names the client an operator acts as.
-        Unlike other calls that change state, a push whose answer was lost is sent again: a round
+        Unlike other calls that change state, a push whose answer was lost (or answered 503: the
+        cluster state did not answer in time, and may still count it) is sent again: a round
         takes one update per client, so if the first try was taken the retry is answered
         ``already_acknowledged``, and this returns {"version": base_version, "acknowledged_earlier": True}."""
         sent = False
@@ -449,7 +450,7 @@ class Gateway:
             nonlocal sent
             try:
                 return self._push_once(job, blob, client, samples, base_version, lease)
-            except ConnectionLost:
+            except (ConnectionLost, errors.Unavailable):  # the node may have counted it after all (docs/state.md)
                 sent = True
                 raise
             except errors.Conflict as e:

@@ -21,7 +21,8 @@ as a ``StreamReset`` event with ``by_peer=False``; the connection goes on. The s
 raise ``StreamClosedError`` for a stream that has been reset or closed meanwhile.
 
 Every limit a peer could abuse is named in ``Limits``: frame size and header-list size
-(checked before the payload is read or decoded), concurrent streams, flood rates of SETTINGS,
+(checked before the payload is read or decoded; frames of a header block are held to
+``MAX_HEADER_FRAME_SIZE`` whatever the frame size), concurrent streams, flood rates of SETTINGS,
 PING, empty frames, CONTINUATION and stream resets (GOAWAY ENHANCE_YOUR_CALM). Time limits
 are the I/O shell's; the codec keeps ``last_activity``, the last time a stream made progress
 (PINGs do not count), for its idle timeout.
@@ -64,6 +65,10 @@ DEFAULT_MAX_FRAME_SIZE = 1 << 14
 LARGEST_FRAME_SIZE = (1 << 24) - 1
 MAX_WINDOW = (1 << 31) - 1
 DEFAULT_HEADER_TABLE_SIZE = 4096
+# HEADERS and CONTINUATION frames carry at most the protocol's default frame size either way,
+# sent or received (FRAME_SIZE_ERROR): the larger SETTINGS_MAX_FRAME_SIZE we advertise is for
+# DATA (uploads), and peers such as h2spec assume header frames over 16 KiB are refused.
+MAX_HEADER_FRAME_SIZE = DEFAULT_MAX_FRAME_SIZE
 
 # Payloads of frames other than DATA and header blocks are buffered whole only up to the frame
 # size every HTTP/2 endpoint must accept; GOAWAY debug data beyond it and unknown frame types
@@ -96,7 +101,7 @@ MAX_RESETS_DEFAULT = 500
 class Limits:
     """What one connection may cost us; advertised in SETTINGS where HTTP/2 has a setting."""
 
-    max_frame_size: int = MAX_FRAME_SIZE_DEFAULT  # SETTINGS_MAX_FRAME_SIZE
+    max_frame_size: int = MAX_FRAME_SIZE_DEFAULT  # SETTINGS_MAX_FRAME_SIZE (header frames: MAX_HEADER_FRAME_SIZE)
     max_header_list_size: int = MAX_HEADER_LIST_SIZE_DEFAULT  # SETTINGS_MAX_HEADER_LIST_SIZE; also caps a header block's bytes
     max_concurrent_streams: int = MAX_CONCURRENT_STREAMS_DEFAULT  # SETTINGS_MAX_CONCURRENT_STREAMS
     stream_window: int = STREAM_WINDOW_DEFAULT  # SETTINGS_INITIAL_WINDOW_SIZE
@@ -533,6 +538,9 @@ class Connection:
             raise H2ConnectionError(PROTOCOL_ERROR, "the first frame must be SETTINGS")
         if length > self.limits.max_frame_size:
             raise H2ConnectionError(FRAME_SIZE_ERROR, f"frame of {length} bytes exceeds SETTINGS_MAX_FRAME_SIZE")
+        if ftype in (HEADERS, CONTINUATION) and length > MAX_HEADER_FRAME_SIZE:
+            raise H2ConnectionError(FRAME_SIZE_ERROR, f"{FRAME_NAMES[ftype]} frame of {length} bytes exceeds "
+                                                      f"{MAX_HEADER_FRAME_SIZE}, the most a header frame may carry")
         block = self._header_block
         if block is not None and (ftype != CONTINUATION or sid != block.stream_id):
             raise H2ConnectionError(PROTOCOL_ERROR, f"header block of stream {block.stream_id} interrupted")
@@ -678,8 +686,8 @@ class Connection:
         return self._next_local_stream
 
     def send_headers(self, stream_id: int, headers: Sequence[tuple[str, str]], end_stream: bool = False) -> None:
-        """Queue a header block (split into HEADERS and CONTINUATION frames as the peer's frame
-        size requires); opens the stream if it is our next one."""
+        """Queue a header block (split into HEADERS and CONTINUATION frames of at most the peer's
+        frame size and MAX_HEADER_FRAME_SIZE); opens the stream if it is our next one."""
         stream = self._streams.get(stream_id)
         if stream is None and stream_id == self._next_local_stream and self.side is Side.CLIENT:
             stream = self._streams[stream_id] = _Stream(stream_id, self._peer_initial_window, self._recv_initial_window)
@@ -687,7 +695,7 @@ class Connection:
         if stream is None or stream.local_closed:
             raise StreamClosedError(f"stream {stream_id} is closed")
         block = self._encoder.encode(headers)
-        max_frame = self.peer_max_frame_size
+        max_frame = min(self.peer_max_frame_size, MAX_HEADER_FRAME_SIZE)
         first, rest = block[:max_frame], block[max_frame:]
         flags = (END_STREAM if end_stream else 0) | (0 if rest else END_HEADERS)
         self._out += encode_frame(HEADERS, flags, stream_id, first)

@@ -8,7 +8,8 @@ so any number may be in flight: the pending callbacks are a queue.
 
 Failures: a connection that breaks, or a command not answered within ``timeout`` (a frozen
 server), fails every pending command with ``ConnectionError`` (the caller decides what that
-means: the answer is unknown) and closes; the next command connects again. A script the
+means: the answer is unknown) and closes; the next command connects again. Until Redis answers
+again, commands fail at once but for one probe now and then (``Outage``, which the blocking clients of ``lifl.state`` share). A script the
 server does not have (it restarted) is loaded once and its call sent again.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -26,14 +28,51 @@ import hiredis
 
 Done = Callable[[Any, BaseException | None], None]
 RECEIVE_BYTES = 1 << 16
-DEFAULT_TIMEOUT = 10.0  # seconds a command may wait for its answer
+PROBE_EVERY_S = 0.25  # while Redis is known to be down, one call this often finds out whether it is back
+
+
+class Outage:
+    """Redis known to be unreachable or frozen: calls fail at once instead of each waiting out
+    its timeout (a pool of blocked threads would hold every later request for longer), and one
+    call per PROBE_EVERY_S goes through to find out whether it is back. Thread-safe."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._down = False
+        self._next_probe = 0.0
+
+    def admits(self) -> bool:
+        """Whether a call may go to Redis now (always, unless it is known to be down)."""
+        if not self._down:  # the common case, without the lock (a bool is read atomically)
+            return True
+        with self._lock:
+            now = self._clock()
+            if not self._down:
+                return True
+            if now < self._next_probe:
+                return False
+            self._next_probe = now + PROBE_EVERY_S
+            return True
+
+    def failed(self) -> None:
+        """A call found Redis unreachable or got no answer in time."""
+        with self._lock:
+            self._down = True
+            self._next_probe = self._clock() + PROBE_EVERY_S
+
+    def answered(self) -> None:
+        if self._down:
+            with self._lock:
+                self._down = False
 
 
 class Resp:
-    def __init__(self, loop: Any, url: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, loop: Any, url: str, timeout: float) -> None:
         self.loop = loop
         self.url = url
-        self.timeout = timeout
+        self.timeout = timeout  # seconds a command may wait for its answer
+        self.outage = Outage()
         self._sock: socket.socket | None = None
         self._reader = hiredis.Reader()
         self._pending: deque[tuple[Done, float]] = deque()  # callbacks, and when their command was sent
@@ -45,12 +84,21 @@ class Resp:
     def command(self, args: Sequence[Any], done: Done) -> None:
         """Send ``args`` (a Redis command); ``done(reply, None)`` or ``done(None, error)`` on the loop.
         An error Redis answers with is a ``hiredis.ReplyError``; a failed connection, ``ConnectionError``."""
+        if not self.outage.admits():
+            self._refuse(done, ConnectionError(f"Redis at {self.url} did not answer the last command"))
+            return
         try:
             self._connected()
         except OSError as e:
-            done(None, ConnectionError(f"Redis at {self.url} is unreachable: {e}"))
+            self.outage.failed()
+            self._refuse(done, ConnectionError(f"Redis at {self.url} is unreachable: {e}"))
             return
         self._send(args, done)
+
+    def _refuse(self, done: Done, error: BaseException) -> None:
+        """A command fails from the loop, never from inside ``command`` (a send may fail at once):
+        its caller may not have finished recording it yet."""
+        self.loop.post(lambda: done(None, error))
 
     def script(self, sha: str, text: str, keys: Sequence[str], args: Sequence[Any], done: Done) -> None:
         """Run the script ``text`` by its SHA-1 (EVALSHA; loaded first if the server does not have it)."""
@@ -149,6 +197,7 @@ class Resp:
             if reply is False:
                 break
             done, _ = self._pending.popleft()
+            self.outage.answered()
             if isinstance(reply, hiredis.ReplyError):
                 done(None, reply)
             else:
@@ -166,6 +215,7 @@ class Resp:
 
     def _fail(self, error: BaseException) -> None:
         """Every pending command fails (its outcome is unknown) and the connection closes."""
+        self.outage.failed()
         if self._sock is not None:
             self.loop.unwatch(self._sock)
             self._sock.close()
@@ -176,4 +226,4 @@ class Resp:
             self._timer = None
         pending, self._pending = self._pending, deque()
         for done, _ in pending:
-            done(None, error)
+            self._refuse(done, error)

@@ -85,8 +85,9 @@ from lifl.protocol import (
 )
 from lifl.rpc import MessageStream, error_reply, reply_frame
 from lifl.net.resp import Resp
+from lifl.redisconn import STATE_TIMEOUT_S
 from lifl.state import (
-    ACCEPT_CLOSED_ROUND, REDIS_COMMAND_TIMEOUT, RESERVE_OK, ClusterState, ScriptCall, accept_refusal, accepted, refusal, reserved,
+    ACCEPT_CLOSED_ROUND, RESERVE_OK, late, ClusterState, ScriptCall, accept_refusal, accepted, refusal, reserved,
     retained_index,
 )
 from lifl.store import SHM_DIR, ObjectStore, Segment, Tenant, remove_node_objects
@@ -104,7 +105,7 @@ QUERY_TIMEOUT_S = 300.0  # a query not answered by then is called off (its insta
 MAX_QUERY_ROUNDS = 100  # rounds one reputation query reads at most
 HANDOFF_WAIT_S = 5.0  # how long a parent's report of folding a key sent ahead waits for that key's hand-off
 MAX_BATCH = 256  # uploads admitted (or accepted) by one Redis call at most; the rest wait for the next
-REDIS_ANSWER_BUDGET_S = 2.0  # how long a batch is sent again while Redis cannot be reached, before its uploads hear 503
+REDIS_ANSWER_BUDGET_S = 2.0  # how long a batch may be sent again while Redis cannot be reached, before its uploads hear 503
 REDIS_RETRY_S = (0.02, 0.05, 0.1, 0.2, 0.5)  # between those attempts; the last repeats
 LISTEN_BACKLOG = 64
 
@@ -384,7 +385,7 @@ class Batches:
 
     def _send(self, job: str, items: list[Any], deadline: float, attempt: int) -> None:
         def finished(result: Any, error: BaseException | None) -> None:
-            if isinstance(error, ConnectionError) and time.monotonic() < deadline:
+            if isinstance(error, ConnectionError) and time.monotonic() + STATE_TIMEOUT_S < deadline:  # it may hang that long
                 delay = REDIS_RETRY_S[min(attempt, len(REDIS_RETRY_S) - 1)]
                 self.loop.later(delay, lambda: self._send(job, items, deadline, attempt + 1))
                 return
@@ -393,7 +394,10 @@ class Batches:
             finally:
                 self._start(job)
 
-        self._call(job, items, finished)
+        try:
+            self._call(job, items, finished)
+        except Exception as e:  # noqa: BLE001 - the job's calls must go on: its items hear of it
+            self.loop.post(lambda error=e: finished(None, error))
 
 
 def _unavailable(error: BaseException) -> LiflError:
@@ -410,7 +414,7 @@ class Agent:
         self.node = config.node
         self.state = state
         self.loop = Loop(f"lifl agent {config.node}")
-        self.resp = Resp(self.loop, config.redis_url, REDIS_COMMAND_TIMEOUT)  # the hot path's Redis calls, from the loop
+        self.resp = Resp(self.loop, config.redis_url, STATE_TIMEOUT_S)  # the hot path's Redis calls, from the loop
         self.store = ObjectStore(config.node, config.shm_capacity, config.pool_limit)
         self.metrics = Metrics()
         data_dir = config.data_dir or config.run_dir
@@ -461,6 +465,7 @@ class Agent:
         self._reserves = Batches(self.loop, self._reserve_call, self._reserved, self.metrics.batch_sizes.labels("reserve"))
         self._accepts = Batches(self.loop, self._accept_call, self._accepted, self.metrics.batch_sizes.labels("accept"))
         self._boot = secrets.token_hex(4)  # upload tokens start with it: unique across this node's restarts
+        self._slots = uploads.Slots()  # the round slots this node holds in Redis
         self._tokens = 0
         self._gateway_handlers: dict[type[Message], Callable[[Hashable], Handler]] = {
             Admit: lambda h: lambda m, f, r: self.admit(h, m, r),
@@ -493,8 +498,8 @@ class Agent:
         os.chmod(self.config.run_dir, 0o755)
         os.chmod(self.config.chan_dir, 0o755)
         self._loop_thread = self.loop.start()
+        self._restore_models()  # first: a round whose version was checkpointed is complete, not given up
         self._give_up_previous_rounds()
-        self._restore_models()
         self.state.publish_node(self.node, self.loop.call(self.status))
         path = self.config.socket_path
         path.unlink(missing_ok=True)
@@ -508,7 +513,10 @@ class Agent:
         functions.unlink(missing_ok=True)
         attaching = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         attaching.bind(str(functions))
-        os.chmod(functions, 0o666)  # pods run as their tenant's uid: peer credentials are the check
+        # world-connectable: pods reach it through a hostPath as their tenant's uid, allocated as tenants
+        # appear, so no fixed group or ACL names them; the check is the connection's kernel-recorded peer
+        # credentials, which Attach (all it serves first) must match (privilege.attach_refusal)
+        os.chmod(functions, 0o666)
         attaching.listen(LISTEN_BACKLOG)
         self._listeners = [gateways, attaching]
 
@@ -529,6 +537,7 @@ class Agent:
                 ("warm_instances", 0.5, self.warm_instances),
                 ("apply_retention", 1.0, self.apply_retention),
                 ("count_aggregated", 0.05, self._count_aggregated),
+                ("reconcile_slots", 1.0, self.reconcile_slots),
             ):
                 self.loop.every(name, period, duty)
 
@@ -610,9 +619,11 @@ class Agent:
                 return seg.key
 
             key = self.loop.call(restore)
-            if latest > j.version:
-                summary = self._summary(j, self.state.shard(name), None, "interrupted",
-                                        reason=f"node {self.node} restarted with version {latest}, which Redis had lost")
+            if latest > j.version:  # the round made it (its updates are in the checkpoint): one record, no loss
+                summary = self._summary(j, self.state.shard(name), latest, "complete" if j.accepted >= j.spec.goal else "partial",
+                                        updates=j.accepted, lost={},
+                                        reason=f"node {self.node} restarted with version {latest} checkpointed, "
+                                               "which Redis did not have yet")
                 self.state.next_round(name, j.round, latest, key=key.hex(), node=self.node, summary=summary)
             self.state.set_checkpoint(name, latest)
             self.metrics.version.labels(name).set(latest)
@@ -810,11 +821,19 @@ class Agent:
     def _reserve_call(self, job: str, items: list[tuple[Hashable, Admit, str, Reply]],
                       done: Callable[[Any, BaseException | None], None]) -> None:
         call = self.state.reserve_call(job, self.node, [(token, m.version, m.lease, m.client) for _, m, token, _ in items])
+        self._slots.taking(job, [token for _, _, token, _ in items])
         self._script(call, lambda raw, error: done(reserved(raw) if error is None else None, error))
 
     def _script(self, call: ScriptCall, done: Callable[[Any, BaseException | None], None]) -> None:
         """Run one of the state's scripts from the loop (``lifl.net.resp``: no thread, no waiting)."""
-        self.resp.script(call.script.sha, call.script.script, call.keys, call.args, done)
+
+        def answered(reply: Any, error: BaseException | None) -> None:
+            if error is None and late(reply):  # it did nothing: as if the connection had broken before it ran
+                done(None, ConnectionError("the call reached Redis after the node stopped waiting"))
+            else:
+                done(reply, error)
+
+        self.resp.script(call.script.sha, call.script.script, call.keys, call.args, answered)
 
     def _script_io(self, call: ScriptCall, what: str, then: Callable[[], None] = lambda: None) -> None:
         """A script whose answer nobody waits for (a failure is logged: duties repair it); then ``then()``."""
@@ -831,13 +850,16 @@ class Agent:
         if error is not None or results is None:
             for _, _, _, reply in items:
                 reply.error(_unavailable(error or Internal("no answer")))
+            tokens = [token for _, _, token, _ in items]
+            self._slots.unknown(job, tokens)  # reserved or not: a late run of the call is found by reconcile_slots
             if isinstance(error, ConnectionError):  # they may have been reserved: their slots go back once Redis is back
-                self._give_back_eventually(job, [(token, -1, "") for _, _, token, _ in items])  # tokens name their round
+                self._give_back_eventually(job, [(token, -1, "") for token in tokens])  # tokens name their round
             return
         run = self.jobs[job]
         give_back: list[tuple[str, int, Reply, LiflError]] = []
         for (holder, m, token, reply), (status, version, round_id) in zip(items, results):
             if status != RESERVE_OK:
+                self._slots.released(job, [token])
                 reply.error(refusal(status, job, version, round_id, run.spec.goal, base_version=m.version,
                                     max_staleness=run.spec.strategy_spec.max_staleness))
                 continue
@@ -854,6 +876,7 @@ class Agent:
             self.uploads.add(seg.key, uploads.Upload(job, UPDATE, holder, version, round_id, base=m.version, slot=token))
             reply(Admitted(seg.key, m.version, round_id), [os.dup(seg.fd)])
         if give_back:  # refused after all: the slots go back before the refusals are answered
+            self._slots.released(job, [token for token, _, _, _ in give_back])
 
             def answer() -> None:
                 for _, _, reply, e in give_back:
@@ -871,6 +894,21 @@ class Agent:
                 self.loop.later(REDIS_RETRY_S[-1], lambda: self._give_back_eventually(job, slots))
 
         self._script(self.state.give_back_call(job, self.node, slots), given)
+
+    def reconcile_slots(self) -> None:
+        """Give back the round slots Redis says this run of the node holds and it does not (uploads.Slots)."""
+        for job in self._slots.check():
+
+            def found(raw: Any, error: BaseException | None, job: str = job) -> None:
+                if error is not None:
+                    return  # Redis is away: the next check asks again
+                orphans = self._slots.orphans(job, list(raw))
+                if orphans:
+                    print(f"lifl agent: giving back {len(orphans)} round slots of {job!r} taken by calls whose answer "
+                          "was lost", file=sys.stderr)
+                    self._give_back_eventually(job, [(token, -1, "") for token in orphans])
+
+            self._script(self.state.held_slots_call(job, self.node, self._boot), found)
 
     def _io(self, call: Callable[[], Any], what: str = "") -> None:
         """A Redis write whose answer nobody waits for (a failure is logged; duties repair it)."""
@@ -949,6 +987,7 @@ class Agent:
                     self.store.withdraw(RoundOf(e.upload.job, e.upload.round), e.upload.kind)
             elif isinstance(e, uploads.GiveBackSlot):
                 slots.setdefault(e.job, []).append((e.slot, e.round, e.reason))
+                self._slots.released(e.job, [e.slot])
         if not slots:
             then()
             return
@@ -1021,16 +1060,20 @@ class Agent:
                   results: list[tuple[int, int]] | None, error: BaseException | None) -> None:
         holder = _accepting_holder(job)
         if error is not None or results is None:
+            if isinstance(error, ConnectionError):
+                for _, _, _, reply in items:  # what is true: it may have been counted
+                    reply.error(Unavailable(f"the cluster state did not answer in time: {error}; the update may have "
+                                            "been counted: send it again to find out (already_acknowledged if it was)",
+                                            code="acknowledgement_unknown", retry_after=2.0))
+                self._settle_unknown_accepts(job, items)
+                return
             for _, _, _, reply in items:
                 reply.error(_unavailable(error or Internal("no answer")))
-            if isinstance(error, ConnectionError):
-                # counted or not, Redis will say (the call is idempotent): the updates stay until it does, and
-                # are aggregated if they were counted (a client told 503 that sends again hears "acknowledged")
-                self.loop.later(REDIS_RETRY_S[-1], lambda: [self._accepts.add(job, item) for item in items])
-                return
+            self._slots.unknown(job, [upload.slot for _, upload, _, _ in items])  # their slots are Redis's to give back
             for m, _, _, _ in items:
                 self.store.release(m.key, holder)
             return
+        self._slots.released(job, [upload.slot for _, upload, _, _ in items])
         run = self.jobs[job]
         closed = False
         refused: list[tuple[int, str]] = []
@@ -1054,6 +1097,29 @@ class Agent:
         self._apply(effects)
         if closed:
             self.settle(job)
+
+    def _settle_unknown_accepts(self, job: str, items: list[tuple[Submit, uploads.Upload, dict[str, Any] | None, Reply]]
+                                ) -> None:
+        """Updates whose acceptance got no answer in its budget: their clients were told 503, and
+        no try of it can act any more (each carried its not-after time, lifl.state._IN_TIME). Each
+        was counted or not, and giving its slot back (by token) tells which: given back, it was
+        not (released: the 503 was true); not there, it was (accepted again: the script finds its
+        record and counts nothing twice, and the round aggregates it; its client, sending again,
+        hears ``already_acknowledged``). Tried until Redis answers."""
+        for item in items:
+            m, upload, _, _ = item
+
+            def given(count: Any, error: BaseException | None, item: Any = item, m: Submit = m,
+                      upload: uploads.Upload = upload) -> None:
+                if error is not None:
+                    self.loop.later(REDIS_RETRY_S[-1], lambda: self._settle_unknown_accepts(job, [item]))
+                elif int(count):
+                    self._slots.released(job, [upload.slot])
+                    self.store.release(m.key, _accepting_holder(job))
+                else:
+                    self._accepts.add(job, item)
+
+            self._script(self.state.give_back_call(job, self.node, [(upload.slot, upload.round, "")]), given)
 
     def submit_partial(self, holder: Hashable, m: SubmitPartial, reply: Reply) -> None:
         upload = self.uploads.take(holder, m.key, uploads.PARTIAL)
@@ -1977,6 +2043,8 @@ class Agent:
             return
 
         def settle_all(live: list[str] | None, error: BaseException | None) -> None:
+            if isinstance(error, Unavailable):
+                return  # Redis is away: the next turn tries again (the node's other duties say so)
             if error is not None or live is None:
                 raise _unavailable(error or Internal("no nodes"))
             for job in jobs:

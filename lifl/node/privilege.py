@@ -18,16 +18,20 @@
 DATA_DIR is root's, group the service gid, 0710: the service user may pass through to its redis
 directory and see nothing else; checkpoints and the operator's token are root's alone (0700
 and 0600). Without root everything runs as the invoking user (as before), with the same modes.
+Before anything starts as the service user, `lifl up` checks that it can get to every directory
+it is given (require_reachable).
 """
 
 from __future__ import annotations
 
+import grp
 import os
 import pwd
 import re
 import socket
 import stat
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,6 +169,37 @@ def can_connect(socket_path: Path, who: Identity) -> bool:
     except FileNotFoundError:
         return False
     return _permits(st, who, stat.S_IWUSR, stat.S_IWGRP, stat.S_IWOTH)
+
+
+def require_reachable(who: Identity, directories: Mapping[Path, str]) -> None:
+    """Refuse to hand the service user ``who`` directories it cannot get to: ``directories`` maps
+    each to what it is for ("redis-server's directory"). Whoever makes a directory makes it
+    ``who``'s or open to it; what is checked here is the way there, every directory above it.
+    Called before anything starts as ``who``, so that the refusal names the directory in the way
+    where redis-server would stop with a bare "Permission denied" (e.g. at a /var/lib/lifl that
+    something else left 0700)."""
+    if who == current():
+        return  # we just made these directories as ourselves, so we pass through what is above them
+    for directory, purpose in directories.items():
+        blocked = unreachable_by(directory, who)
+        if blocked is not None:
+            st = os.stat(blocked)
+            raise SystemExit(
+                f"lifl: the service user {who} runs the gateway and redis-server and cannot reach {purpose} {directory}: "
+                f"{blocked} ({stat.filemode(st.st_mode)}, owner {_owner(st)}) does not let it pass; make that "
+                f"directory searchable by the service user (e.g. chmod o+x {blocked}), or choose another with --service-user")
+
+
+def _owner(st: os.stat_result) -> str:
+    try:
+        user = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        user = str(st.st_uid)
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    return f"{user}:{group}"
 
 
 def prepare_data_dir(data_dir: Path, service: Identity, *, hosts_redis: bool) -> None:

@@ -2,9 +2,16 @@
 
 The supervisor starts a redis-server of its own (unless one is given), the node agent and
 the gateway, prints the gateway's addresses, and stops everything cleanly on Ctrl-C or
-SIGTERM. Its children die with it (parent-death signal). If the gateway or the embedded
-redis exits it is restarted; if the agent dies the node cannot go on: the supervisor
-removes the agent's shared memory, stops the rest and exits with an error.
+SIGTERM. Its children die with it (parent-death signal). Whichever of them exits is restarted,
+after a back-off that grows with its restarts (RESTART_BACKOFF).
+
+An agent that dies takes the node's shared memory with it: before a new one starts, the
+instances it left to init are killed and its objects and key channel removed (as a stop
+does), so nothing of the old run writes into the new one's. The gateway keeps running: its
+requests fail with 503 ``agent_unavailable`` until it reconnects (gateway.agentlink), and
+what it still maps of the old objects is its own to finish with. The new agent gives up the
+rounds the old one took part in, recording the updates it held as lost (their clients send
+them again).
 
 As root, only what needs root keeps it (see lifl.node.privilege): the supervisor (it restarts
 the gateway, which starts as root to bind its ports) and the agent (it creates every tenant's
@@ -41,13 +48,15 @@ from lifl.node import operator_token
 from lifl.node.actuator import instance_pids
 from lifl.node.agent import agent_argv
 from lifl.node.privilege import (
-    Identity, can_connect, current, make_private_tree, popen_as, prepare_data_dir, secure_checkpoints, service_identity,
+    Identity, can_connect, current, make_private_tree, popen_as, prepare_data_dir, require_reachable, secure_checkpoints,
+    service_identity,
 )
 from lifl.procs import die_with_parent, on_signals, stop_process, wait_exited
 from lifl.keys.ebpf import remove_node_channel
 from lifl.store import SHM_DIR, remove_node_objects
 
 RESTART_BACKOFF = (0.2, 0.5, 1.0, 2.0, 5.0)
+REDIS_DIR = "redis"  # an embedded redis's directory: DATA_DIR/redis holds its data, RUN_DIR/redis its socket
 
 
 def default_run_dir(node: str) -> Path:
@@ -112,11 +121,12 @@ class NodeConfig:
 def embedded_redis_argv(data_dir: Path, listen: list[str], owner: Identity) -> list[str]:
     """The redis-server `lifl up` starts when none is given, as ``owner`` (privilege.popen_as):
     ``listen`` says where; its data lives in DATA_DIR/redis, ``owner``'s alone, logged to an
-    append-only file synced every second."""
+    append-only file synced every second. Refuses (SystemExit) a DATA_DIR ``owner`` cannot get to."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise SystemExit("lifl: redis-server is not installed (run `make install`, or pass --redis URL)")
-    directory = data_dir / "redis"
+    directory = data_dir / REDIS_DIR
+    require_reachable(owner, {directory: "redis-server's directory"})
     make_private_tree(directory, owner)
     return [exe, *listen, "--dir", str(directory), "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
             "--logfile", str(directory / "redis.log")]
@@ -204,6 +214,7 @@ class Node:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._take_lock()
         prepare_data_dir(c.data_dir, self.service, hosts_redis=c.redis is None)
+        require_reachable(self.service, self._run_directories())
         secure_checkpoints(c.checkpoints, c.data_dir)
         try:
             token = operator_token.resolve(c.data_dir, given=c.operator_token, token_file=c.operator_token_file)
@@ -250,6 +261,15 @@ class Node:
         except BlockingIOError:
             raise SystemExit(f"lifl: node {self.config.node} is already running (lock {self.run_dir / 'node.lock'})") from None
 
+    def _run_directories(self) -> dict[Path, str]:
+        """The service user's directories in RUN_DIR (privilege.require_reachable): the agent's
+        socket's, and an embedded redis's socket's; the gateway connects to both. (Its data
+        directory is embedded_redis_argv's to check.)"""
+        directories = {self.run_dir: "the directory of the agent's socket"}
+        if self.config.redis is None:
+            directories[self.run_dir / REDIS_DIR] = "the directory of Redis's socket"
+        return directories
+
     def _check_gateway_reaches(self, socket_path: Path, what: str) -> None:
         if self.drops_privileges and not can_connect(socket_path, self.service):
             raise SystemExit(f"lifl: the gateway runs as {self.service} and cannot connect to {what} {socket_path}: "
@@ -257,7 +277,7 @@ class Node:
 
     def _start_redis(self) -> str:
         assert self.config.data_dir is not None
-        sock_dir = self.run_dir / "redis"  # the service user's: redis makes its socket there
+        sock_dir = self.run_dir / REDIS_DIR  # the service user's: redis makes its socket there
         make_private_tree(sock_dir, self.service)
         sock = sock_dir / "redis.sock"
         argv = embedded_redis_argv(self.config.data_dir, ["--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700"],
@@ -279,26 +299,43 @@ class Node:
                     raise SystemExit(f"lifl: redis at {url} does not answer") from None
                 time.sleep(0.05)
 
-    def supervise(self) -> int:
-        """Run until stopped (0) or until the agent dies (1); restart the gateway and redis."""
+    def supervise(self) -> None:
+        """Run until stopped, restarting whichever child exits (redis first: the others need it)."""
         while not self._stop.wait(0.1):
-            agent = self.children["agent"]
-            assert agent.proc is not None
-            if agent.proc.poll() is not None:
-                print(f"lifl: the agent of node {self.config.node} exited ({agent.proc.returncode}); stopping the node", file=sys.stderr)
-                self.stop()
-                return 1
-            for name in ("redis", "gateway"):
+            for name in ("redis", "agent", "gateway"):
                 child = self.children.get(name)
                 if child and child.proc and child.proc.poll() is not None:
-                    delay = RESTART_BACKOFF[min(child.restarts, len(RESTART_BACKOFF) - 1)]
-                    print(f"lifl: {name} exited ({child.proc.returncode}); restarting in {delay}s", file=sys.stderr)
-                    time.sleep(delay)
-                    child.restarts += 1
-                    child.start()
-                    if name == "redis":
-                        self._wait_redis(self.addresses.redis if self.addresses else "")
-        return 0
+                    self._restart(name, child)
+
+    def _restart(self, name: str, child: Child) -> None:
+        """Start ``child`` again after its back-off; one that fails to start is tried again by
+        the next turn of ``supervise`` (it has exited), after a longer back-off."""
+        assert child.proc is not None
+        delay = RESTART_BACKOFF[min(child.restarts, len(RESTART_BACKOFF) - 1)]
+        print(f"lifl: {name} of node {self.config.node} exited ({child.proc.returncode}); restarting in {delay}s",
+              file=sys.stderr)
+        if self._stop.wait(delay):
+            return  # stopping: no restart
+        child.restarts += 1
+        if name == "agent":
+            self._remove_agent_leftovers()
+        try:
+            child.start()
+        except RuntimeError as e:
+            print(f"lifl: {e}", file=sys.stderr)
+            return
+        if name == "redis":
+            try:
+                self._wait_redis(self.addresses.redis if self.addresses else "")
+            except SystemExit as e:  # it died again while starting: the next turn restarts it
+                print(e, file=sys.stderr)
+
+    def _remove_agent_leftovers(self) -> None:
+        """What a killed agent leaves: its instances (left to init; none may write an object
+        after this), its shared-memory objects and its key channel (a clean agent unloads it)."""
+        wait_exited(instance_pids(self.config.node), timeout=0)
+        remove_node_objects(self.config.node)
+        remove_node_channel(self.config.node)
 
     def pids(self) -> dict[str, list[int]]:
         """The node's processes by role (aggregators are the agent's children)."""
@@ -317,11 +354,8 @@ class Node:
             child = self.children.get(name)
             if child:
                 child.stop()
-        # aggregators a killed agent left behind: none may write an object after the cleanup
-        wait_exited(instance_pids(self.config.node), timeout=0)
-        remove_node_objects(self.config.node)
-        remove_node_channel(self.config.node)  # what a killed agent left pinned (a clean one unloads itself)
-        for name in ("agent.sock", "redis/redis.sock"):
+        self._remove_agent_leftovers()  # if it was killed
+        for name in ("agent.sock", f"{REDIS_DIR}/redis.sock"):
             (self.run_dir / name).unlink(missing_ok=True)
         if self._lock_file:
             self._lock_file.close()
@@ -341,7 +375,7 @@ def run(config: NodeConfig) -> int:
         print(plaintext_warning(a.http, a.grpc), file=sys.stderr, flush=True)
     print(f"lifl node {config.node} is up\n  http: {'https' if config.tls else 'http'}://{a.http}\n  grpc: {a.grpc}\n  redis: {a.redis}\n"
           f"  operator token: {node.operator_token_source}", flush=True)
-    status = node.supervise()
+    node.supervise()
     node.stop()
     print(f"lifl node {config.node} stopped", flush=True)
-    return status
+    return 0

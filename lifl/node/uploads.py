@@ -122,3 +122,53 @@ class Uploads:
         if job is not None:
             self.counts[job] -= 1
         return job
+
+
+RECONCILE_PASSES = 10  # answered checks of a job (a second apart) after its last reservation of unknown outcome
+
+
+class Slots:
+    """The round slots this node holds in Redis, by job and token, from the reservation until
+    the slot is accepted, refused or given back.
+
+    A reservation whose answer was lost (Redis froze or restarted) may still run later: its
+    command can sit in the server's socket buffer until the server resumes, after the node gave
+    the slot back. Such a job is *unsure*: the node asks Redis which slots it holds there
+    (``check``) until RECONCILE_PASSES answers came with nothing unknown, and gives back every
+    slot it does not know of (``orphans``). Giving back a slot that was accepted meanwhile does
+    nothing (by token), so a stale answer is safe."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, set[str]] = {}
+        self._unsure: dict[str, int] = {}  # job -> answered checks still to make
+
+    def taking(self, job: str, tokens: list[str]) -> None:
+        self._held.setdefault(job, set()).update(tokens)
+
+    def released(self, job: str, tokens: list[str]) -> None:
+        """Accepted, refused or given back: Redis holds no slot of theirs any more."""
+        held = self._held.get(job)
+        if held is not None:
+            held.difference_update(tokens)
+            if not held:
+                del self._held[job]
+
+    def unknown(self, job: str, tokens: list[str]) -> None:
+        """Their reservation's outcome is unknown: given back, and the job checked for late ones."""
+        self.released(job, tokens)
+        self._unsure[job] = RECONCILE_PASSES
+
+    def check(self) -> list[str]:
+        """Jobs whose slots in Redis the node must compare with its own."""
+        return sorted(self._unsure)
+
+    def orphans(self, job: str, in_redis: list[str]) -> list[str]:
+        """Of the slots Redis says this node holds in ``job`` (one check answered), those it does not hold."""
+        held = self._held.get(job, set())
+        found = sorted(t for t in in_redis if t not in held)
+        left = RECONCILE_PASSES if found else self._unsure.get(job, 1) - 1
+        if left > 0:
+            self._unsure[job] = left
+        else:
+            self._unsure.pop(job, None)
+        return found

@@ -7,9 +7,10 @@ Rounds are paced by the test (it injects a fault once the round holds acknowledg
 waits for the next version), so the checks hold however loaded the machine is.
 
 A kill of the agent or of the whole node takes the updates held in that node's memory with it:
-the node, restarted, gives up its open round, which records them as lost. The clients see the
-round abandoned on the version they built on and send the same updates again (as lifl's
-``Participant`` does), so they still reach the next version; the test counts them separately.
+the agent, restarted by its supervisor (or with the whole node), gives up its open round, which
+records them as lost. The clients see the round given up on the version they built on and send
+the same updates again (as lifl's ``Participant`` does), so they still reach the next version;
+the test counts them separately.
 """
 
 from __future__ import annotations
@@ -60,7 +61,11 @@ class Update:
     protocol: str
     outcome: str = "pending"  # acknowledged, unknown (the connection broke after sending), refused
     acknowledged_by: Up | None = None  # the run of the node that acknowledged it (in its memory until a version)
+    acknowledged_at: float = 0.0  # when its client was told (time.monotonic())
     unanswered_by: list[Up] = field(default_factory=list)  # runs that may have taken a try whose answer was lost
+
+    def acknowledge(self, by: Up) -> None:
+        self.outcome, self.acknowledged_by, self.acknowledged_at = "acknowledged", by, time.monotonic()
 
 
 @dataclass
@@ -69,7 +74,7 @@ class Ledger:
 
     faults: list[str] = field(default_factory=list)
     acknowledged: int = 0
-    resent: int = 0  # acknowledged, lost with a node, sent again
+    resent: int = 0  # acknowledged by a node whose agent's memory was then lost, sent again
     unknown: int = 0
     refused: int = 0  # answered with a final error
 
@@ -104,7 +109,7 @@ def push_until_answered(node: Node, job: str, shapes: dict[str, tuple[int, ...]]
         gw = node.gateway(update.protocol)  # a fresh client each try: the node may have been replaced
         try:
             gw.push(job, blob, client=f"c{update.seed}", samples=update.samples, base_version=base)
-            update.outcome, update.acknowledged_by = "acknowledged", up
+            update.acknowledge(up)
             return
         except ConnectionLost:  # sent, answer lost: the retry is safe (one update per client and round)
             update.outcome = "unknown"
@@ -116,7 +121,7 @@ def push_until_answered(node: Node, job: str, shapes: dict[str, tuple[int, ...]]
             time.sleep(0.1)  # the node is restarting
         except errors.Conflict as e:
             if e.code == "already_acknowledged":  # an earlier try whose answer was lost was taken
-                update.outcome, update.acknowledged_by = "acknowledged", up
+                update.acknowledge(up)
             else:
                 update.outcome = "refused"
             return
@@ -154,41 +159,50 @@ class Chaos:
             return None
 
     def round(self, job: str, shapes: dict[str, tuple[int, ...]], goal: int, fault: Callable[[], None] | None,
-              name: str, *, loses_node: bool = False) -> None:
-        """One round under load, ``fault`` injected once it holds acknowledged updates."""
+              name: str, *, loses_memory: bool = False) -> None:
+        """One round under load, ``fault`` injected once it holds acknowledged updates
+        (``loses_memory``: the fault kills the agent, alone or with the whole node)."""
         base = self.version(job)
         updates = [Update(next(self._seeds), 1 + i % 5, ("http", "grpc")[i % 2]) for i in range(goal)]
         threads = [threading.Thread(target=push_until_answered,
                                     args=(self.node, job, shapes, u, base)) for u in updates]
         for t in threads[: goal // 2]:
             t.start()
-        faulted = self.node.up
+        faulted, fault_at = self.node.up, 0.0
         if fault is not None:
             wait_for(lambda: any(u.outcome == "acknowledged" for u in updates), what="an acknowledged update")
+            fault_at = time.monotonic()  # what was acknowledged before is in the faulted agent's memory
             fault()
             self.ledger.faults.append(name)
         for t in threads[goal // 2:]:
             t.start()
         for t in threads:
             t.join()
-        resent = self._resend_lost(job, shapes, updates, base, faulted) if loses_node else 0
+        resent = self._resend_lost(job, shapes, updates, base, faulted, fault_at) if loses_memory else 0
         self._check(job, shapes, updates, base, name, resent)
 
     def _resend_lost(self, job: str, shapes: dict[str, tuple[int, ...]], updates: list[Update], base: int,
-                     faulted: Up) -> int:
-        """The updates the node acknowledged before it went down were in its memory: the
-        restarted node gave their round up (recorded as lost), so their clients send them again."""
-        lost = [u for u in updates if u.outcome == "acknowledged" and u.acknowledged_by is faulted]
+                     faulted: Up, fault_at: float) -> int:
+        """The updates the node acknowledged before the fault were in its agent's memory: the
+        restarted agent gave their round up (recorded as lost), so their clients send them again.
+        One the same run acknowledged after the fault may have been taken by the killed agent
+        (its answer passed on late) or by its successor: it is sent again too, and the
+        successor, if it has it, answers ``already_acknowledged``."""
+        by_faulted = [u for u in updates if u.outcome == "acknowledged" and u.acknowledged_by is faulted]
+        lost = [u for u in by_faulted if u.acknowledged_at < fault_at]
+        late = [u for u in by_faulted if u not in lost]
         given_up = wait_for(lambda: self._given_up(job, base), timeout=180,
                             what=f"the round on version {base} of {job} given up")
         # recorded, not silent; a try taken just before the crash whose answer never came counts too
         # (its client was told nothing, and its retry went to the restarted node)
-        unanswered = sum(any(run is faulted for run in u.unanswered_by) for u in updates if u not in lost)
-        assert len(lost) <= sum(given_up["lost"].values()) <= len(lost) + unanswered, given_up
-        for u in lost:
+        unanswered = sum(any(run is faulted for run in u.unanswered_by) for u in updates if u not in by_faulted)
+        assert len(lost) <= sum(given_up["lost"].values()) <= len(lost) + len(late) + unanswered, given_up
+        # the late ones first: the new round cannot complete while the lost ones are missing, so
+        # none of them is taken by the round after it
+        for u in late + lost:
             u.outcome = "pending"
             push_until_answered(self.node, job, shapes, u, base)
-        return len(lost)
+        return len(by_faulted)
 
     def _given_up(self, job: str, base: int) -> dict | None:
         with contextlib.suppress(errors.RetryLater, ConnectionError, OSError):
@@ -196,12 +210,6 @@ class Chaos:
             return next((r for r in history if r["version"] == base and r["outcome"] in ("abandoned", "interrupted")),
                         None)
         return None
-
-    def _abandoned(self, job: str, base: int) -> bool:
-        with contextlib.suppress(errors.RetryLater, ConnectionError, OSError):
-            last = self.node.gateway("http").rounds(job, 1)
-            return bool(last) and last[0]["version"] == base and last[0]["outcome"] in ("abandoned", "interrupted")
-        return False
 
     def _check(self, job: str, shapes: dict[str, tuple[int, ...]], updates: list[Update], base: int, name: str,
                resent: int) -> None:
@@ -313,18 +321,17 @@ def test_every_version_is_the_exact_fedavg_of_what_was_acknowledged_through_ever
     refusals = admission_refusals(node, "big")
     chaos.ledger.faults.append(f"shared memory exhausted ({refusals:g} uploads refused with 503 and retried)")
     chaos.round("small", SHAPES, GOAL, fill_disk(node, "small"), "checkpoint disk full")
-    chaos.round("small", SHAPES, GOAL, lambda: (kill(node, "agent")(), node.restart()), "kill -9 agent",
-                loses_node=True)
+    chaos.round("small", SHAPES, GOAL, kill(node, "agent"), "kill -9 agent", loses_memory=True)  # its supervisor restarts it
     chaos.round("small", SHAPES, GOAL, lambda: (node.up.kill_all(), node.restart()), "kill -9 the whole node",
-                loses_node=True)
+                loses_memory=True)
     chaos.round("small", SHAPES, GOAL, None, "no fault, after all of them")
     for job in ("small", "big"):
         chaos.assert_versions_contiguous(job)
     ledger = chaos.ledger
     print(f"\nchaos: {len(ledger.faults)} faults injected ({', '.join(ledger.faults)}); "
           f"{ledger.acknowledged} updates acknowledged, all in their versions ({ledger.unknown} of unknown outcome, "
-          f"{ledger.refused} refused); {ledger.resent} acknowledged updates lost with their node's memory, "
-          f"recorded in their round and sent again by their clients; acknowledged updates missing: 0")
+          f"{ledger.refused} refused); {ledger.resent} acknowledged updates sent again by their clients when their "
+          f"agent's memory was lost (recorded in their round); acknowledged updates missing: 0")
     assert ledger.refused == 0
     node.up.proc.send_signal(signal.SIGTERM)
     assert node.up.proc.wait(60) == 0

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 TESTENV = str(ROOT / "scripts" / "k8s-testenv.sh")
@@ -36,6 +37,24 @@ KUBELET_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "k
 SUITE_MARKS = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.root, pytest.mark.timeout(300, func_only=True),
                pytest.mark.skipif(os.geteuid() != 0, reason="the test bed needs root (network namespaces)")]
 LIFL_WORKLOADS = (("daemonset", "lifl-node"), ("deployment", "lifl-operator"), ("deployment", "lifl-redis"))
+NODE_MANIFEST = ROOT / "manifests" / "node.yaml"
+# The real node's stand-in for its host's file system, in the bed's state (the script's NODE_DIR,
+# which `down` removes): install_manifests points lifl's node DaemonSet's host directories there,
+# so that a node pod on the real node never writes into this machine's /run/lifl or /var/lib/lifl
+# (an earlier bed left /var/lib/lifl 0700, which `lifl up`'s redis-server could not pass).
+REAL_NODE_HOST_ROOT = STATE / REAL_NODE / "host"
+
+
+def lifl_host_dirs() -> dict[str, Path]:
+    """The host directories lifl's node DaemonSet makes on a real deployment, by volume name: its
+    DirectoryOrCreate hostPaths in the manifest (/run/lifl, /var/lib/lifl)."""
+    (daemonset,) = [d for d in yaml.safe_load_all(NODE_MANIFEST.read_text()) if d and d["kind"] == "DaemonSet"]
+    return {v["name"]: Path(v["hostPath"]["path"]) for v in daemonset["spec"]["template"]["spec"]["volumes"]
+            if v.get("hostPath", {}).get("type") == "DirectoryOrCreate"}
+
+
+LIFL_HOST_DIRS = lifl_host_dirs()
+REAL_NODE_LIFL_DIRS = {name: REAL_NODE_HOST_ROOT / path.relative_to("/") for name, path in LIFL_HOST_DIRS.items()}
 
 
 def inside(*argv: str, **kwargs: Any) -> subprocess.CompletedProcess:
@@ -91,9 +110,11 @@ def sysctls() -> dict[str, str]:
 
 def leftovers() -> list[str]:
     """What of a bed that is down is still on the host: mounts under its state, cgroups of its
-    real node, processes naming its state (its daemons, containerd's shims)."""
+    real node, processes naming its state (its daemons, containerd's shims), the real node's lifl
+    directories."""
     found = [line for line in Path("/proc/self/mounts").read_text().splitlines()
              if line.split()[1] == str(STATE) or line.split()[1].startswith(f"{STATE}/")]
+    found += [str(directory) for directory in REAL_NODE_LIFL_DIRS.values() if directory.exists()]
     found += [str(path) for path in Path("/sys/fs/cgroup").glob(f"*/{NETNS}")]
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
@@ -107,11 +128,15 @@ def leftovers() -> list[str]:
 
 def install_manifests() -> None:
     """lifl's CRDs, workloads and Knative flags (manifests/), its workloads kept on the kwok nodes:
-    the real node is tainted while they are installed and pinned, so that none lands on it."""
+    the real node is tainted while they are installed and pinned, so that none lands on it. The
+    node DaemonSet's host directories are the real node's own (REAL_NODE_LIFL_DIRS)."""
     taint = f"{REAL_NODE_LABEL}-installing=true:NoSchedule"
     kubectl("taint", "node", REAL_NODE, taint)
     try:
         kubectl("apply", "-k", str(ROOT / "manifests"))
+        volumes = [{"name": name, "hostPath": {"path": str(path)}} for name, path in REAL_NODE_LIFL_DIRS.items()]
+        kubectl("patch", "daemonset", "lifl-node", "-n", "lifl-system", "--type", "strategic",  # merges volumes by name
+                "-p", json.dumps({"spec": {"template": {"spec": {"volumes": volumes}}}}))
         for kind, name in LIFL_WORKLOADS:
             kubectl("patch", kind, name, "-n", "lifl-system", "--type", "merge",
                     "-p", json.dumps({"spec": {"template": {"spec": {"nodeSelector": {"type": "kwok"}}}}}))
@@ -127,6 +152,7 @@ def testbed() -> Iterator[None]:
     started = not KUBECONFIG.exists()
     if started:
         host_sysctls = sysctls()
+        absent_host_dirs = [directory for directory in LIFL_HOST_DIRS.values() if not directory.exists()]
         subprocess.run([TESTENV, "up", "--real-node"], check=True, timeout=3600, stdout=subprocess.DEVNULL)
     elif maybe("node", REAL_NODE) is None:
         pytest.fail(f"the test bed is up without its real node {REAL_NODE}: `{TESTENV} down`, and the tests start it")
@@ -138,3 +164,4 @@ def testbed() -> Iterator[None]:
         subprocess.run([TESTENV, "down"], check=True, timeout=300)
         assert not leftovers(), leftovers()
         assert sysctls() == host_sysctls
+        assert not [d for d in absent_host_dirs if d.exists()], "the bed made this machine's own lifl directories"
