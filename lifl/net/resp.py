@@ -9,8 +9,9 @@ so any number may be in flight: the pending callbacks are a queue.
 Failures: a connection that breaks, or a command not answered within ``timeout`` (a frozen
 server), fails every pending command with ``ConnectionError`` (the caller decides what that
 means: the answer is unknown) and closes; the next command connects again. Until Redis answers
-again, commands fail at once but for one probe now and then (``Outage``, which the blocking clients of ``lifl.state`` share). A script the
-server does not have (it restarted) is loaded once and its call sent again.
+again, commands fail at once but for one probe now and then (``Outage``, which the blocking
+clients of ``lifl.state`` share). A script the server does not have (it restarted) is loaded
+once and its call sent again.
 """
 
 from __future__ import annotations

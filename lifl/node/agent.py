@@ -87,7 +87,7 @@ from lifl.rpc import MessageStream, error_reply, reply_frame
 from lifl.net.resp import Resp
 from lifl.redisconn import STATE_TIMEOUT_S
 from lifl.state import (
-    ACCEPT_CLOSED_ROUND, RESERVE_OK, late, ClusterState, ScriptCall, accept_refusal, accepted, refusal, reserved,
+    ACCEPT_CLOSED_ROUND, REDIS_RETRY_AFTER, RESERVE_OK, late, ClusterState, ScriptCall, accept_refusal, accepted, refusal, reserved,
     retained_index,
 )
 from lifl.store import SHM_DIR, ObjectStore, Segment, Tenant, remove_node_objects
@@ -885,13 +885,16 @@ class Agent:
             self._script_io(self.state.give_back_call(job, self.node, [(t, r, "") for t, r, _, _ in give_back]),
                             "giving back round slots", answer)
 
-    def _give_back_eventually(self, job: str, slots: list[tuple[str, int, str]]) -> None:
+    def _give_back_eventually(self, job: str, slots: list[tuple[str, int, str]],
+                              then: Callable[[int], None] = lambda given: None) -> None:
         """Slots that may have been taken by a call whose answer was lost: give them back (by token,
-        so only those taken go back), trying again until Redis answers or the round moves on."""
+        so only those taken go back), trying again until Redis answers; then ``then(how many went back)``."""
 
-        def given(_: Any, error: BaseException | None) -> None:
+        def given(count: Any, error: BaseException | None) -> None:
             if isinstance(error, ConnectionError):
-                self.loop.later(REDIS_RETRY_S[-1], lambda: self._give_back_eventually(job, slots))
+                self.loop.later(REDIS_RETRY_S[-1], lambda: self._give_back_eventually(job, slots, then))
+            elif error is None:
+                then(int(count))
 
         self._script(self.state.give_back_call(job, self.node, slots), given)
 
@@ -1064,7 +1067,7 @@ class Agent:
                 for _, _, _, reply in items:  # what is true: it may have been counted
                     reply.error(Unavailable(f"the cluster state did not answer in time: {error}; the update may have "
                                             "been counted: send it again to find out (already_acknowledged if it was)",
-                                            code="acknowledgement_unknown", retry_after=2.0))
+                                            code="acknowledgement_unknown", retry_after=REDIS_RETRY_AFTER))
                 self._settle_unknown_accepts(job, items)
                 return
             for _, _, _, reply in items:
@@ -1109,17 +1112,14 @@ class Agent:
         for item in items:
             m, upload, _, _ = item
 
-            def given(count: Any, error: BaseException | None, item: Any = item, m: Submit = m,
-                      upload: uploads.Upload = upload) -> None:
-                if error is not None:
-                    self.loop.later(REDIS_RETRY_S[-1], lambda: self._settle_unknown_accepts(job, [item]))
-                elif int(count):
+            def settled(given: int, item: Any = item, m: Submit = m, upload: uploads.Upload = upload) -> None:
+                if given:
                     self._slots.released(job, [upload.slot])
                     self.store.release(m.key, _accepting_holder(job))
                 else:
                     self._accepts.add(job, item)
 
-            self._script(self.state.give_back_call(job, self.node, [(upload.slot, upload.round, "")]), given)
+            self._give_back_eventually(job, [(upload.slot, upload.round, "")], settled)
 
     def submit_partial(self, holder: Hashable, m: SubmitPartial, reply: Reply) -> None:
         upload = self.uploads.take(holder, m.key, uploads.PARTIAL)
