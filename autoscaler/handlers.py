@@ -41,6 +41,7 @@ from lifl.cluster_types import NO_MODEL
 from lifl.control.controller import ControlConfig, Controller
 from lifl.errors import LiflError
 from lifl.jobs import JobSpec
+from lifl.quotas import Quota
 from lifl.state import ClusterState
 
 PLAN_PERIOD_S = 2.0  # how often the planner re-plans (the agents publish their metrics as often)
@@ -232,11 +233,12 @@ def job_spec(name: str, spec: dict[str, Any]) -> JobSpec:
 
 @kopf.on.resume(names.JOB_GROUP, names.JOB_VERSION, names.JOB_PLURAL)
 @kopf.on.create(names.JOB_GROUP, names.JOB_VERSION, names.JOB_PLURAL)
-def job_created(name: str, spec: dict[str, Any], patch: kopf.Patch, **_: Any) -> None:
+def job_created(name: str, namespace: str, spec: dict[str, Any], patch: kopf.Patch, **_: Any) -> None:
     wanted = job_spec(name, dict(spec))
     state = PLANNER.state
     if state is None:
         raise kopf.TemporaryError("no Redis (LIFL_REDIS) to hold the job", delay=30)
+    apply_namespace_quota(_kube(), state, namespace, wanted.tenant)
     try:
         existing = state.job(name).spec
     except LiflError:
@@ -248,18 +250,33 @@ def job_created(name: str, spec: dict[str, Any], patch: kopf.Patch, **_: Any) ->
         "" if accepted else "a job of this name exists with another spec; lifl jobs cannot be changed once created")
 
 
+def apply_namespace_quota(kube: Kube, state: ClusterState, namespace: str, tenant: str) -> None:
+    """The tenant's quota as its FLJob's namespace annotates it (``lifl.dev/quota-*``,
+    lifl.quotas), written when it differs; a namespace without such annotations leaves the
+    tenant's quota as the API set it."""
+    try:
+        quota = Quota.from_annotations(kube.namespace_annotations(namespace))
+    except LiflError as e:
+        raise kopf.PermanentError(f"namespace {namespace}: {e}") from None
+    if quota is not None and state.quota(tenant) != quota:
+        state.set_quota(tenant, quota)
+
+
 @kopf.on.update(names.JOB_GROUP, names.JOB_VERSION, names.JOB_PLURAL, field="spec")
-def job_spec_changed(name: str, spec: dict[str, Any], patch: kopf.Patch, **_: Any) -> None:
-    job_created(name=name, spec=spec, patch=patch)
+def job_spec_changed(name: str, namespace: str, spec: dict[str, Any], patch: kopf.Patch, **_: Any) -> None:
+    job_created(name=name, namespace=namespace, spec=spec, patch=patch)
 
 
 @kopf.timer(names.JOB_GROUP, names.JOB_VERSION, names.JOB_PLURAL, interval=PLAN_PERIOD_S, initial_delay=0)
-def job_status(name: str, spec: dict[str, Any], status: dict[str, Any], patch: kopf.Patch, **_: Any) -> None:
-    """Report the job's version, round and plan (the control loop does the planning)."""
+def job_status(name: str, namespace: str, spec: dict[str, Any], status: dict[str, Any], patch: kopf.Patch,
+               **_: Any) -> None:
+    """Report the job's version, round and plan (the control loop does the planning), and follow
+    its namespace's quota annotations."""
     tenant = job_spec(name, dict(spec)).tenant
     state = PLANNER.state
     if state is None:
         return
+    apply_namespace_quota(_kube(), state, namespace, tenant)
     try:
         job = state.job(name)
     except LiflError:

@@ -55,7 +55,8 @@ from lifl.net.loop import IO_POOL, SLOW_POOL
 
 SERVICE = "/lifl.v1.Gateway/"
 UNARY = ("CreateJob", "ListJobs", "GetJob", "WaitForVersion", "GetModel", "TakeLease", "Heartbeat", "ReleaseLease", "GetRounds", "GetAssignment",
-         "CreateToken", "ListTokens", "RevokeToken", "Query", "GetRetention", "SetRetention")
+         "CreateToken", "ListTokens", "RevokeToken", "Query", "GetRetention", "SetRetention",
+         "GetQuota", "SetQuota")
 SLOW_UNARY = ("Query",)  # on the slow pool
 BLOB_UPLOADS = ("SetModel", "PushUpdate")
 MODEL_CHUNK = 1 << 20  # data bytes per ModelChunk message of a download
@@ -592,6 +593,15 @@ class GrpcConnection(ConnectionProtocol):
         if method == "SetRetention":
             req = pb.SetRetentionRequest.FromString(request)
             return _json_reply(service.set_retention(caller, req.job, _json_field(req.policy_json, "policy_json")))
+        if method == "GetQuota":
+            return _json_reply(service.quota(caller, pb.GetQuotaRequest.FromString(request).tenant))
+        if method == "SetQuota":
+            req = pb.SetQuotaRequest.FromString(request)
+            if not req.quota_json:
+                raise BadRequest("quota_json is required: a quota object, or null for the defaults", code="bad_quota")
+            quota = _json_field(req.quota_json, "quota_json")
+            return _json_reply(service.reset_quota(caller, req.tenant) if quota is None
+                               else service.set_quota(caller, req.tenant, quota))
         if method == "GetJob":
             return _job_status(service.job_status(caller, pb.GetJobRequest.FromString(request).job))
         if method == "TakeLease":

@@ -401,6 +401,9 @@ class HttpServer(LoopServer):
             Route("POST", re.compile(r"/v1/tokens"), BLOCKING, self.create_token, MAX_JSON_BODY),
             Route("GET", re.compile(r"/v1/tokens"), BLOCKING, self.list_tokens),
             Route("DELETE", re.compile(r"/v1/tokens/([^/]+)"), BLOCKING, self.revoke_token),
+            Route("GET", re.compile(r"/v1/tenants/([^/]+)/quota"), BLOCKING, self.get_quota),
+            Route("PUT", re.compile(r"/v1/tenants/([^/]+)/quota"), BLOCKING, self.put_quota, MAX_JSON_BODY),
+            Route("DELETE", re.compile(r"/v1/tenants/([^/]+)/quota"), BLOCKING, self.delete_quota),
             Route("POST", re.compile(r"/v1/jobs"), BLOCKING, self.create_job, MAX_JSON_BODY),
             Route("GET", re.compile(r"/v1/jobs"), BLOCKING, self.list_jobs),
             Route("GET", re.compile(r"/v1/jobs/([^/]+)"), BLOCKING, self.get_job),
@@ -466,6 +469,15 @@ class HttpServer(LoopServer):
     def revoke_token(self, req: Request, caller: Principal, token_id: str) -> Response:
         self.service.revoke_token(caller, token_id)
         return Response(204)
+
+    def get_quota(self, req: Request, caller: Principal, tenant: str) -> Response:
+        return json_response(200, self.service.quota(caller, tenant))
+
+    def put_quota(self, req: Request, caller: Principal, tenant: str) -> Response:
+        return json_response(200, self.service.set_quota(caller, tenant, self._json_body(req, "quota")))
+
+    def delete_quota(self, req: Request, caller: Principal, tenant: str) -> Response:
+        return json_response(200, self.service.reset_quota(caller, tenant))
 
     def create_job(self, req: Request, caller: Principal) -> Response:
         return json_response(201, self.service.create_job(caller, self._json_body(req, "job")))

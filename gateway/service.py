@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -54,10 +54,11 @@ from lifl.gateway.agentlink import AgentLink, Reply, agent_unavailable
 from lifl.gateway.auth_backoff import AuthBackoff
 from lifl.gateway.ingest import BlobSink, LayoutCache
 from lifl.gateway.versions import VersionWatch
-from lifl.jobs import MAX_SAMPLES, JobSpec
+from lifl.jobs import MAX_SAMPLES, TENANT_NAME, JobSpec
 from lifl.net.io import sendfile_all
 from lifl.net.loop import IO_POOL, SLOW_POOL, Loop, Timer
 from lifl.net.tls import peer_connection, peer_http_connection
+from lifl.quotas import Quota
 from lifl.protocol import (
     ROLES, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Forwarded, ForwardPartial, GetMetrics, InstallModel,
     InstallReplica, Message, ModelOpened, OpenModel, Query, Submit, SubmitPartial,
@@ -689,6 +690,33 @@ class GatewayService:
         if principal.role == TENANT and record.role != CLIENT:
             raise Forbidden("a tenant token revokes client tokens only", code="forbidden")
         self.tokens.revoke(token_id)
+
+    # -- quotas --------------------------------------------------------------------------------
+    def quota(self, principal: Principal, tenant: str) -> dict[str, Any]:
+        """A tenant's quota and what it holds of it (a tenant reads its own; the operator any)."""
+        self._quota_scope(principal, Action.READ_QUOTA, tenant)
+        return {"tenant": tenant, "quota": asdict(self.state.quota(tenant)), "usage": self.state.tenant_usage(tenant)}
+
+    def set_quota(self, principal: Principal, tenant: str, body: Any) -> dict[str, Any]:
+        """Set a tenant's quota (fields left out take their defaults). Lowering one below what the
+        tenant holds refuses more, and takes nothing away."""
+        self._quota_scope(principal, Action.SET_QUOTA, tenant)
+        self.state.set_quota(tenant, Quota.from_request(body))
+        return self.quota(principal, tenant)
+
+    def reset_quota(self, principal: Principal, tenant: str) -> dict[str, Any]:
+        """The tenant's quota back to the defaults."""
+        self._quota_scope(principal, Action.SET_QUOTA, tenant)
+        self.state.set_quota(tenant, None)
+        return self.quota(principal, tenant)
+
+    @staticmethod
+    def _quota_scope(principal: Principal, action: Action, tenant: str) -> None:
+        authorize(principal, action)
+        if not TENANT_NAME.fullmatch(tenant):
+            raise BadRequest("a tenant is named by 1-31 characters of a-z, 0-9 and '-'", code="bad_tenant")
+        if principal.role != OPERATOR and tenant != principal.tenant:
+            raise NotFound(f"no tenant {tenant!r}", code="no_such_tenant")  # others' names do not leak
 
     # -- jobs ----------------------------------------------------------------------------------
     def create_job(self, principal: Principal, body: Any) -> dict[str, Any]:

@@ -34,11 +34,11 @@ from typing import Any
 
 import redis
 
-from lifl.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthenticated
+from lifl.errors import BadRequest, Forbidden, NotFound, Unauthenticated
 from lifl.jobs import JOB_NAME, TENANT_NAME
 from lifl.redisconn import SCAN_COUNT
 from lifl.net.resp import Outage
-from lifl.state import dependency_errors
+from lifl.state import dependency_errors, quota_exceeded, read_quota, tenant_tokens_key as index_key
 
 OPERATOR, TENANT, CLIENT, NODE = "operator", "tenant", "client", "node"
 ISSUABLE_ROLES = (TENANT, CLIENT)  # what POST /v1/tokens creates; the operator's token is set at start
@@ -50,7 +50,7 @@ CLIENT_ID = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII, no spaces: it 
 MAX_TTL_S = 366 * 86400  # the longest a token may live
 DEFAULT_TTL_S = 86400.0
 MIN_TTL_S = 1.0
-MAX_TOKENS_PER_TENANT = 100_000  # tenant and client tokens of one tenant, live ones
+MAX_TOKENS_PER_TENANT = 100_000  # tenant and client tokens of one tenant, live ones, whatever its quota
 # A gateway authenticates a token from what it read of it at most CACHE_SECONDS ago: a token
 # revoked (or replaced) is refused by every gateway within CACHE_SECONDS of its revocation, at
 # once by the gateway that revoked it; an expired one from the millisecond it expires, cached or
@@ -78,6 +78,8 @@ class Action(Enum):
     INTERNAL = "call a gateway-to-gateway route"
     QUERY = "query a job's retained updates and models"
     RETENTION = "read or change a job's retention policy"
+    READ_QUOTA = "read a tenant's quota"
+    SET_QUOTA = "set a tenant's quota"
 
 
 # Who may do what, in their scope (the operator's scope is everything).
@@ -96,6 +98,8 @@ ALLOWED: dict[Action, frozenset[str]] = {
     Action.INTERNAL: frozenset({OPERATOR, NODE}),
     Action.QUERY: frozenset({OPERATOR, TENANT}),  # clients' updates are the tenant's data, not other clients'
     Action.RETENTION: frozenset({OPERATOR, TENANT}),
+    Action.READ_QUOTA: frozenset({OPERATOR, TENANT}),  # a tenant its own
+    Action.SET_QUOTA: frozenset({OPERATOR}),
 }
 
 
@@ -263,20 +267,18 @@ def token_key(token_id: str) -> str:
     return f"lifl:token:{token_id}"
 
 
-def index_key(tenant: str) -> str:
-    return f"lifl:tokens:{tenant}"
-
-
-# KEYS: token, index. ARGV: id, hash, record json, expiry ms, max per tenant. -> 1, or 0 when full.
+# KEYS: token, index. ARGV: id, hash, record json, expiry ms, the tenant's limit. -> -1 created, or
+# the live tokens held when the limit is reached.
 _CREATE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[5]) then return 0 end
+local held = redis.call('ZCARD', KEYS[2])
+if held >= tonumber(ARGV[5]) then return held end
 redis.call('HSET', KEYS[1], 'hash', ARGV[2], 'record', ARGV[3])
 redis.call('PEXPIREAT', KEYS[1], ARGV[4])
 redis.call('ZADD', KEYS[2], ARGV[4], ARGV[1])
-return 1
+return -1
 """
 
 
@@ -322,12 +324,13 @@ class Tokens:
         client = (spec.client or token_id) if spec.role == CLIENT else ""  # a client is its token unless named
         # Microseconds: two tokens made in one millisecond still list oldest first.
         record = TokenRecord(token_id, spec.role, spec.tenant, spec.job, client, round(now, 6), round(now + spec.ttl_s, 3))
-        created = self._create(keys=[token_key(token_id), index_key(spec.tenant)],
-                               args=[token_id, digest(token), json.dumps(record.public()), int(record.expires * 1000),
-                                     MAX_TOKENS_PER_TENANT])
-        if not created:
-            raise Conflict(f"tenant {spec.tenant!r} has {MAX_TOKENS_PER_TENANT} live tokens; revoke some first",
-                           code="too_many_tokens")
+        quota = read_quota(self.redis, spec.tenant).tokens
+        limit = MAX_TOKENS_PER_TENANT if quota is None else min(quota, MAX_TOKENS_PER_TENANT)
+        held = int(self._create(keys=[token_key(token_id), index_key(spec.tenant)],
+                                args=[token_id, digest(token), json.dumps(record.public()), int(record.expires * 1000),
+                                      limit]))
+        if held >= 0:
+            raise quota_exceeded(spec.tenant, "tokens", limit, held, "revoke some first")
         return record, token
 
     def register_operator(self, token: str) -> None:

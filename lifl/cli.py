@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 SIZE_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -84,16 +86,8 @@ def _up_baseline(args: argparse.Namespace) -> int:
 def cmd_token(args: argparse.Namespace) -> int:
     """`lifl token create|list|revoke`: manage tokens through a gateway, as the caller's token."""
     import json
-    import os
 
-    from lifl.client import TOKEN_ENV, Gateway
-    from lifl.errors import LiflError
-
-    token = args.token_file.read_text().strip() if args.token_file else os.environ.get(TOKEN_ENV)
-    if not token:
-        raise SystemExit(f"lifl token: give the caller's token with --token-file PATH or ${TOKEN_ENV}")
-    gateway = Gateway(args.gateway, args.protocol, token=token)
-    try:
+    def act(gateway: Any) -> None:
         if args.action == "create":
             print(json.dumps(gateway.create_token(args.role, args.tenant, job=args.job or "", client=args.client or "",
                                                   ttl_s=args.ttl)))
@@ -102,8 +96,45 @@ def cmd_token(args: argparse.Namespace) -> int:
                 print(json.dumps(record))
         else:
             gateway.revoke_token(args.id)
+    return _through_gateway(args, "token", act)
+
+
+def cmd_quota(args: argparse.Namespace) -> int:
+    """`lifl quota show|set|reset TENANT`: a tenant's quota through a gateway (set and reset: the
+    operator's token); ``set`` changes the limits given and keeps the others."""
+    import json
+
+    from lifl.quotas import BYTES, COUNTS, parse_limit
+
+    def act(gateway: Any) -> None:
+        if args.action == "set":
+            quota = gateway.quota(args.tenant)["quota"]
+            for name in COUNTS + BYTES:
+                text = getattr(args, name)
+                if text is not None:
+                    quota[name] = parse_limit(name, text, f"--{name.replace('_', '-')}")
+            print(json.dumps(gateway.set_quota(args.tenant, quota)))
+        else:
+            print(json.dumps(gateway.set_quota(args.tenant, None) if args.action == "reset" else gateway.quota(args.tenant)))
+    return _through_gateway(args, "quota", act)
+
+
+def _through_gateway(args: argparse.Namespace, command: str, act: Callable[[Any], None]) -> int:
+    """Run ``act`` with a client of the gateway ``args`` name, as the caller's token; a refusal
+    exits with its code and message."""
+    import os
+
+    from lifl.client import TOKEN_ENV, Gateway
+    from lifl.errors import LiflError
+
+    token = args.token_file.read_text().strip() if args.token_file else os.environ.get(TOKEN_ENV)
+    if not token:
+        raise SystemExit(f"lifl {command}: give the caller's token with --token-file PATH or ${TOKEN_ENV}")
+    gateway = Gateway(args.gateway, args.protocol, token=token)
+    try:
+        act(gateway)
     except LiflError as e:
-        raise SystemExit(f"lifl token {args.action}: {e.code}: {e.message}") from None
+        raise SystemExit(f"lifl {command} {args.action}: {e.code}: {e.message}") from None
     finally:
         gateway.close()
     return 0
@@ -189,9 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up)
 
     tok = sub.add_parser("token", help="create, list and revoke tenant and client tokens (docs/security.md)")
-    tok.add_argument("--gateway", default="127.0.0.1:8080", metavar="HOST:PORT", help="a gateway's address (default 127.0.0.1:8080)")
-    tok.add_argument("--protocol", choices=("http", "grpc"), default="http")
-    tok.add_argument("--token-file", type=Path, metavar="PATH", help="the caller's token (default: $LIFL_TOKEN)")
+    _add_gateway_arguments(tok)
     tok_sub = tok.add_subparsers(dest="action", required=True)
     create = tok_sub.add_parser("create", help="issue a token; prints it as JSON, the secret this once")
     create.add_argument("--role", choices=("tenant", "client"), required=True)
@@ -203,6 +232,17 @@ def build_parser() -> argparse.ArgumentParser:
     revoke = tok_sub.add_parser("revoke", help="revoke a token by its id")
     revoke.add_argument("id")
     tok.set_defaults(func=cmd_token)
+
+    quota = sub.add_parser("quota", help="show, set and reset a tenant's quota (docs/api.md#quotas)")
+    _add_gateway_arguments(quota)
+    quota_sub = quota.add_subparsers(dest="action", required=True)
+    quota_sub.add_parser("show", help="the tenant's quota and what it holds of it, as JSON").add_argument("tenant")
+    quota_set = quota_sub.add_parser("set", help="change the limits given (a number, bytes like 512Mi, or none)")
+    quota_set.add_argument("tenant")
+    for name in ("jobs", "tokens", "rounds", "shm_bytes", "retained_bytes"):
+        quota_set.add_argument(f"--{name.replace('_', '-')}", dest=name, metavar="LIMIT")
+    quota_sub.add_parser("reset", help="back to the default quota").add_argument("tenant")
+    quota.set_defaults(func=cmd_quota)
 
     cal = sub.add_parser("calibrate", help="measure each node's maximum service capacity MC (LIFL appendix E) for placement")
     from lifl.control.calibrate import add_arguments as calibrate_arguments
@@ -247,6 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
                            "smallest server that answers them"))
     bench.set_defaults(func=cmd_bench)
     return p
+
+
+def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a command that calls a gateway finds it, and whose token it presents."""
+    parser.add_argument("--gateway", default="127.0.0.1:8080", metavar="HOST:PORT",
+                        help="a gateway's address (default 127.0.0.1:8080)")
+    parser.add_argument("--protocol", choices=("http", "grpc"), default="http")
+    parser.add_argument("--token-file", type=Path, metavar="PATH", help="the caller's token (default: $LIFL_TOKEN)")
 
 
 def main(argv: list[str] | None = None) -> None:

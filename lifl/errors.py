@@ -60,6 +60,13 @@ class Forbidden(LiflError):
     default_code = "forbidden"
 
 
+class QuotaExceeded(Forbidden):
+    """A tenant's quota (``lifl.quotas``) forbids this until the tenant frees some or the
+    operator raises it (HTTP 403); ``extra`` names the quota, its limit and the use."""
+
+    default_code = "quota_exceeded"
+
+
 class NotFound(LiflError):
     status = 404
     grpc_status = "NOT_FOUND"
@@ -93,8 +100,9 @@ class RetryLater(LiflError):
 
     status = 503
 
-    def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
-        super().__init__(message, code=code, retry_after=retry_after)
+    def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None,
+                 extra: dict[str, Any] | None = None) -> None:
+        super().__init__(message, code=code, retry_after=retry_after, extra=extra)
 
 
 class Overloaded(RetryLater):
@@ -102,6 +110,14 @@ class Overloaded(RetryLater):
 
     grpc_status = "RESOURCE_EXHAUSTED"
     default_code = "overloaded"
+
+
+class QuotaBusy(Overloaded):
+    """A tenant's quota of what ends by itself (rounds in progress, shared memory in use) is
+    reached: retry after ``retry_after`` seconds (HTTP 429)."""
+
+    status = 429
+    default_code = "quota_exceeded"
 
 
 class Unavailable(RetryLater):

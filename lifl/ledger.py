@@ -100,6 +100,38 @@ def _folding(inputs: int) -> int:
     return min(max(inputs - 1, 0), 2)
 
 
+def node_peak(sizes: JobSizes, update_bytes: int, updates: int, partials: int) -> int:
+    """The most shared memory a node needs at once for its part of a round, ``updates`` client
+    updates of ``update_bytes`` and (if it hosts the top) ``partials`` results of other nodes,
+    taken one leaf at a time: the floor ``MemoryLedger.reserve`` admits by."""
+    fan_in = sizes.leaf_fan_in
+    # the floor is largest when a leaf's last input arrives (all its inputs wait together) or
+    # at the round's last update (the most accumulators): one of the two is the peak
+    peak = round_extra(sizes, updates, partials) + ((updates - 1) % fan_in + 1) * update_bytes if updates else 0
+    if full_leaf := updates - updates % fan_in:
+        peak = max(peak, round_extra(sizes, full_leaf, partials) + fan_in * update_bytes)
+    if partials:
+        peak = max(peak, round_extra(sizes, updates, partials) + sizes.accumulator)
+    return peak
+
+
+def round_fit(sizes: JobSizes, update_bytes: int, goal: int, for_jobs: list[int]) -> tuple[bool, int]:
+    """Whether a round of ``goal`` updates fits on nodes with ``for_jobs`` bytes each for rounds,
+    spread evenly over as many of them as it takes (the top, which also holds the others'
+    results, on the largest); and the least the largest node must have for it. A job whose
+    round can never fit is refused before any update of it is acknowledged."""
+    room = sorted(for_jobs, reverse=True) or [0]
+    least = None
+    for n in range(1, min(len(room), goal) + 1):
+        updates = -(-goal // n)
+        top = node_peak(sizes, update_bytes, updates, n - 1)
+        least = top if least is None else min(least, top)
+        if top <= room[0] and node_peak(sizes, update_bytes, updates, 0) <= room[n - 1]:
+            return True, top
+    assert least is not None
+    return False, least
+
+
 @dataclass
 class RoundReservation:
     """What one round has admitted on this node, and what it reserved and has not allocated yet."""

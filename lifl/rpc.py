@@ -138,7 +138,7 @@ def raise_error(reply: dict[str, Any]) -> None:
     if not (isinstance(cls, type) and issubclass(cls, errors.LiflError)):
         cls = errors.Internal
     if issubclass(cls, errors.RetryLater):
-        raise cls(info["message"], retry_after=info.get("retry_after") or 1.0, code=info["code"])
+        raise cls(info["message"], retry_after=info.get("retry_after") or 1.0, code=info["code"], extra=info.get("extra"))
     raise cls(info["message"], code=info["code"], extra=info.get("extra"))
 
 

@@ -42,10 +42,11 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from lifl.cluster_types import NO_MODEL, Job, Loss, Shard
-from lifl.errors import Conflict, Forbidden, NotFound, Overloaded, Unavailable
+from lifl.errors import Conflict, Forbidden, NotFound, Overloaded, QuotaBusy, QuotaExceeded, Unavailable
 from lifl.format import ModelSpec
 from lifl.flstore.retention import RetentionPolicy
 from lifl.jobs import JobSpec
+from lifl.quotas import DEFAULT_ROUNDS, Quota
 from lifl.protocol import NodeStatus, record_from_json, record_json
 from lifl.net.resp import Outage
 from lifl.redisconn import SCAN_COUNT, STATE_TIMEOUT_S
@@ -58,6 +59,7 @@ NODE_TTL = 6  # seconds of the store answering others in which a node did not re
 STORE_STALL_S = 3  # seconds in which nobody reached the store: it stalled (frozen, restarting), not its nodes
 NODE_FORGET_S = 3600  # seconds after which a gone node's membership is removed
 NODES, NODES_SEEN, STORE_PULSE = "lifl:nodes", "lifl:nodes:seen", "lifl:pulse"
+QUOTAS = "lifl:quotas"  # tenant -> its quota's JSON (lifl.quotas); a tenant not in it has the defaults
 CURRENT_ROUND = "*"  # a count's round: whichever is current when it is counted (count_call)
 
 _NOW = """
@@ -93,6 +95,54 @@ def not_after_ms() -> int:
 
 # Leases are bound to the client that took them: the hash ``owners`` maps 'lease.<id>' to its
 # client and 'client.<id>' to the one lease a client may hold.
+# KEYS: job, retention, all jobs, tenant's jobs. ARGV: name, jobs limit (NO_LIMIT: none), retention
+# json, then the job's fields and values. -> 1 created, 0 exists, -(1 + jobs) over the quota.
+_CREATE_JOB = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local held = redis.call('SCARD', KEYS[4])
+if tonumber(ARGV[2]) >= 0 and held >= tonumber(ARGV[2]) then return -1 - held end
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('SET', KEYS[2], ARGV[3])
+redis.call('SADD', KEYS[3], ARGV[1])
+redis.call('SADD', KEYS[4], ARGV[1])
+return 1
+"""
+
+# A tenant's rounds in progress (its ``rounds`` quota): a job joins the tenant's set with its
+# round's first admission and leaves it when the round ends (_NEXT_ROUND); one whose round holds
+# nothing any longer (every slot given back, or a write lost with Redis's last second) is dropped
+# when the set is found full. The key is tenant_rounds_key's.
+_TENANT_ROUNDS = """
+local function tenant_of(h)
+  return cjson.decode(redis.call('HGET', h, 'spec')).tenant
+end
+local function tenant_rounds(tenant)
+  return 'lifl:tenant:' .. tenant .. ':rounds'
+end
+local function round_may_start(h)
+  local job, tenant = string.sub(h, #'lifl:job:' + 1), tenant_of(h)
+  local rounds = tenant_rounds(tenant)
+  if redis.call('SISMEMBER', rounds, job) == 1 then return true end
+  local limit = """ + str(DEFAULT_ROUNDS) + """
+  local quota = redis.call('HGET', '""" + QUOTAS + """', tenant)
+  if quota then
+    limit = cjson.decode(quota).rounds
+    if limit == cjson.null then limit = -1 end
+  end
+  if limit >= 0 and redis.call('SCARD', rounds) >= limit then
+    for _, other in ipairs(redis.call('SMEMBERS', rounds)) do
+      local k = 'lifl:job:' .. other
+      if tonumber(redis.call('HGET', k, 'reserved') or '0') == 0 and tonumber(redis.call('HGET', k, 'accepted') or '0') == 0 then
+        redis.call('SREM', rounds, other)
+      end
+    end
+    if redis.call('SCARD', rounds) >= limit then return false end
+  end
+  redis.call('SADD', rounds, job)
+  return true
+end
+"""
+
 _LEASES = """
 local function owns(owners, lease, client)
   return client == '' or redis.call('HGET', owners, 'lease.' .. lease) == client
@@ -118,7 +168,7 @@ end
 # alone. A client whose update of the round was counted gets -6. A lease that is not the
 # client's is ignored. The slot is also counted against the node whose gateway receives the
 # update, so that the slots of a node that dies with uploads in progress can be given back.
-_RESERVE = _NOW + _LEASES + _IN_TIME + """
+_RESERVE = _NOW + _LEASES + _IN_TIME + _TENANT_ROUNDS + """
 local h = KEYS[1]
 local function reserve(token, base, lease, node, client)
   if redis.call('EXISTS', h) == 0 then return {-1, 0, 0} end
@@ -136,6 +186,7 @@ local function reserve(token, base, lease, node, client)
     forget(KEYS[4], lease)
   end
   if field(h, 'reserved') >= field(h, 'goal') then return {-4, v, r} end
+  if field(h, 'reserved') == 0 and not round_may_start(h) then return {-8, v, r} end
   redis.call('HINCRBY', h, 'reserved', 1)
   redis.call('HINCRBY', KEYS[3], 'inflight.' .. node, 1)
   if token ~= '' then redis.call('HSET', KEYS[6], 'slot.' .. token, node) end
@@ -405,9 +456,10 @@ return {1, remaining, closed and 1 or 0, top_lost}
 # KEYS: job, leases, history, shard, assignments, lease owners, updates. ARGV: round expected, new version, model key
 # ('' keeps it), node, summary json ('' records nothing), model spec json ('' keeps it),
 # history length, job name. -> opening time (ms), or -1.
-_NEXT_ROUND = _NOW + """
+_NEXT_ROUND = _NOW + _TENANT_ROUNDS + """
 local h = KEYS[1]
 if tonumber(redis.call('HGET', h, 'round')) ~= tonumber(ARGV[1]) then return -1 end
+redis.call('SREM', tenant_rounds(tenant_of(h)), string.sub(h, #'lifl:job:' + 1))
 for _, f in ipairs(redis.call('HKEYS', h)) do
   if string.sub(f, 1, 9) == 'rejected.' then redis.call('HDEL', h, f) end
 end
@@ -519,6 +571,8 @@ return redis.call('HSETNX', KEYS[1], 'plan', ARGV[2])
 RESERVE_OK, RESERVE_NO_JOB, RESERVE_NO_MODEL, RESERVE_STALE, RESERVE_FULL, RESERVE_CLOSED = 0, -1, -2, -3, -4, -5
 RESERVE_DUPLICATE = -6  # the client's update of this round was acknowledged already
 RESERVE_EXCLUDED = -7  # a query's filter excluded the client from the job's rounds
+RESERVE_TENANT_ROUNDS = -8  # the tenant's other jobs have as many rounds in progress as its quota allows
+QUOTA_RETRY_AFTER = 1.0  # seconds a client refused by a quota of what ends by itself is told to wait
 ACCEPT_CLOSED_ROUND, ACCEPT_COUNTED, ACCEPT_OTHER_ROUND, ACCEPT_ROUND_CLOSED, ACCEPT_FENCED = 1, 0, -1, -5, -6
 ACCEPT_DUPLICATE = -7  # another upload of the same client's update was counted first
 CLOSE_FINAL, CLOSE_ABANDON, CLOSE_NOT_OPEN = 1, 2, -1
@@ -533,8 +587,12 @@ def stale(base_version: int | None, version: int, max_staleness: int) -> Conflic
 
 
 def refusal(status: int, job: str, version: int, round_id: int, goal: int, *, base_version: int | None = None,
-            max_staleness: int = 0) -> Exception:
+            max_staleness: int = 0, tenant: str = "") -> Exception:
     """The error a client gets when it cannot take part in the round (reserve or lease)."""
+    if status == RESERVE_TENANT_ROUNDS:
+        return QuotaBusy(f"round {round_id} of job {job!r} cannot start: tenant {tenant!r} has as many rounds in progress "
+                         f"as its quota (rounds) allows; retry after {QUOTA_RETRY_AFTER:g} s",
+                         retry_after=QUOTA_RETRY_AFTER, extra={"quota": "rounds"})
     if status == RESERVE_NO_JOB:
         return NotFound(f"job {job!r} does not exist", code="no_such_job")
     if status == RESERVE_NO_MODEL:
@@ -551,6 +609,11 @@ def refusal(status: int, job: str, version: int, round_id: int, goal: int, *, ba
                          code="client_excluded")
     return Conflict(f"round {round_id} (version {version}) is closed: its deadline passed", code="round_closed",
                     extra={"version": version})
+
+
+def quota_exceeded(tenant: str, quota: str, limit: int | None, used: int, hint: str) -> QuotaExceeded:
+    return QuotaExceeded(f"tenant {tenant!r} holds {used} {quota}, its quota is {limit}: {hint}",
+                         extra={"quota": quota, "limit": limit, "used": used})
 
 
 def duplicate(round_id: int, version: int) -> Conflict:
@@ -599,6 +662,24 @@ def assignments_key(name: str) -> str:
 
 def tenant_jobs_key(tenant: str) -> str:
     return f"lifl:tenant:{tenant}:jobs"
+
+
+def tenant_tokens_key(tenant: str) -> str:
+    """The tenant's live tokens (lifl.auth), scored by expiry."""
+    return f"lifl:tokens:{tenant}"
+
+
+def tenant_rounds_key(tenant: str) -> str:
+    """The tenant's jobs with a round in progress (its ``rounds`` quota)."""
+    return f"lifl:tenant:{tenant}:rounds"
+
+
+NO_LIMIT = -1  # a script's limit argument for a quota of None
+
+
+def read_quota(client: redis.Redis, tenant: str) -> Quota:
+    text = client.hget(QUOTAS, tenant)
+    return Quota.from_json(text) if text is not None else Quota()
 
 
 def lease_owners_key(name: str) -> str:
@@ -752,17 +833,45 @@ class ClusterState:
 
     # -- jobs -----------------------------------------------------------------------------------
     def create_job(self, spec: JobSpec) -> None:
-        created = self.redis.hsetnx(job_key(spec.job), "spec", spec.to_json())
-        if not created:
-            raise Conflict(f"job {spec.job!r} already exists", code="job_exists", grpc_status="ALREADY_EXISTS")
-        self.redis.hset(job_key(spec.job), mapping={
-            "goal": spec.goal, "version": NO_MODEL, "round": -1, "round_opened": 0, "closed": 0, "reserved": 0,
-            "accepted": 0, "aggregated": 0, "model_key": "", "model_node": "", "checkpoint": -1,
+        """Create the job, within its tenant's ``jobs`` quota (checked and taken in one script)."""
+        limit = self.quota(spec.tenant).jobs
+        fields = {
+            "spec": spec.to_json(), "goal": spec.goal, "version": NO_MODEL, "round": -1, "round_opened": 0, "closed": 0,
+            "reserved": 0, "accepted": 0, "aggregated": 0, "model_key": "", "model_node": "", "checkpoint": -1,
             "max_staleness": spec.strategy_spec.max_staleness, "strategy_seed": secrets.randbits(62),
-        })
-        self.redis.set(retention_key(spec.job), spec.retention_policy.to_json())
-        self.redis.sadd("lifl:jobs", spec.job)
-        self.redis.sadd(tenant_jobs_key(spec.tenant), spec.job)
+        }
+        flat = [str(x) for pair in fields.items() for x in pair]
+        created = int(self.redis.eval(_CREATE_JOB, 4, job_key(spec.job), retention_key(spec.job), "lifl:jobs",
+                                      tenant_jobs_key(spec.tenant), spec.job, NO_LIMIT if limit is None else limit,
+                                      spec.retention_policy.to_json(), *flat))
+        if created == 0:
+            raise Conflict(f"job {spec.job!r} already exists", code="job_exists", grpc_status="ALREADY_EXISTS")
+        if created < 0:
+            raise quota_exceeded(spec.tenant, "jobs", limit, -created - 1, "delete one of its jobs first")
+
+    def quota(self, tenant: str) -> Quota:
+        """``tenant``'s quota (the defaults unless the operator set one)."""
+        return read_quota(self.redis, tenant)
+
+    def quotas(self) -> dict[str, Quota]:
+        """Every quota the operator set, by tenant (others have the defaults)."""
+        return {tenant: Quota.from_json(quota) for tenant, quota in self.redis.hgetall(QUOTAS).items()}
+
+    def set_quota(self, tenant: str, quota: Quota | None) -> None:
+        """Set ``tenant``'s quota; None: back to the defaults."""
+        if quota is None:
+            self.redis.hdel(QUOTAS, tenant)
+        else:
+            self.redis.hset(QUOTAS, tenant, quota.to_json())
+
+    def tenant_usage(self, tenant: str) -> dict[str, int]:
+        """What ``tenant`` holds of its counted quotas, cluster-wide."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.scard(tenant_jobs_key(tenant))
+        pipe.zcount(tenant_tokens_key(tenant), int(time.time() * 1000), "+inf")
+        pipe.scard(tenant_rounds_key(tenant))
+        jobs, tokens, rounds = pipe.execute()
+        return {"jobs": int(jobs), "tokens": int(tokens), "rounds": int(rounds)}
 
     def job(self, name: str) -> Job:
         return self._job(name, self.redis.hgetall(job_key(name)))

@@ -270,19 +270,39 @@ def test_a_saturating_job_is_refused_with_503_and_a_second_job_still_completes_r
 
 
 @pytest.mark.parametrize("spare", [0, -1])
-def test_an_update_that_exactly_fits_is_admitted_and_with_one_byte_less_it_is_refused(
+def test_a_round_that_exactly_fits_completes_and_with_one_byte_less_its_model_is_refused(
         start_node: Callable[[int], RunningNode], spare: int) -> None:
-    """The first update of a round reserves itself and the next model, next to the current model."""
+    """A round of one update needs the update and the next model next to the current model; a
+    job whose round can never fit is refused when its model is set, before any update of it is
+    acknowledged (a 422 that says how much it needs and how much there is)."""
     node = start_node(UPDATE_BYTES + COSTS[0] + spare)
     rng = np.random.default_rng(spare + 1)
-    create_job(node, "j", random_model(rng))
-    status, headers, body = node.request("POST", "/v1/jobs/j/updates", bytes(fmt.encode(random_model(rng))),
-                                         update_headers("c0", 1, 0))
+    assert node.json("POST", "/v1/jobs", {"job": "j", "goal": 1, "leaf_fan_in": LEAF_FAN_IN})[0] == 201
+    status, answer = node.json("PUT", "/v1/jobs/j/model", fmt.encode(random_model(rng)))
     if spare == 0:
-        assert status == 202
+        assert status == 201
+        update = random_model(rng)
+        assert node.request("POST", "/v1/jobs/j/updates", bytes(fmt.encode(update)), update_headers("c0", 1, 0))[0] == 202
+        check_round(node, "j", 0, [(update, 1)])
         return
-    assert status == 503 and headers["Retry-After"] == "1"
-    error = json.loads(body)["error"]
-    assert error["code"] == "shm_too_small" and f"would need {COSTS[0]} bytes" in error["message"]
-    assert node.json("GET", "/v1/jobs/j")[1]["round"]["in_progress"] == 0  # its slot of the round is given back
+    error = answer["error"]
+    assert status == 422 and error["code"] == "round_too_large", answer
+    assert (error["needed"], error["available"]) == (COSTS[0], COSTS[0] - 1)
+    assert f"it needs {COSTS[0]} bytes of shared memory at once on a node (1 updates of {UPDATE_BYTES} bytes" in error["message"]
+    job = node.json("GET", "/v1/jobs/j")[1]
+    assert job["version"] is None or job["version"] < 0, job  # no model: nothing may be acknowledged
+    assert node.push("j", bytes(fmt.encode(random_model(rng))))[0] == 409
+
+
+def test_a_job_whose_round_could_never_fit_is_refused_at_its_model_not_after_an_acknowledgement(
+        start_node: Callable[[int], RunningNode]) -> None:
+    """The probe's case: a round needing more than the node has for jobs used to take its first
+    update (202) and then refuse the rest with shm_too_small forever."""
+    node = start_node(UPDATE_BYTES + ROUND_FLOOR - 1)
+    create = {"job": "big", "goal": GOAL, "leaf_fan_in": LEAF_FAN_IN}
+    assert node.json("POST", "/v1/jobs", create)[0] == 201
+    status, answer = node.json("PUT", "/v1/jobs/big/model", fmt.encode(random_model(np.random.default_rng(3))))
+    assert status == 422 and (answer["error"]["needed"], answer["error"]["available"]) == (ROUND_FLOOR, ROUND_FLOOR - 1)
+    assert node.json("POST", "/v1/jobs", {**create, "job": "smaller", "goal": GOAL - 2})[0] == 201
+    assert node.json("PUT", "/v1/jobs/smaller/model", fmt.encode(random_model(np.random.default_rng(3))))[0] == 201
 

@@ -11,7 +11,8 @@ from lifl.auth import (
     CLIENT, NODE, OPERATOR, TENANT, Action, Principal, TokenSpec, Tokens, acting_client, authorize, bearer,
     certificate_principal, job_tenant, may_issue,
 )
-from lifl.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthenticated
+from lifl.errors import BadRequest, Forbidden, NotFound, QuotaExceeded, Unauthenticated
+from lifl.quotas import Quota
 from lifl.state import ClusterState
 
 OP = Principal(OPERATOR)
@@ -42,6 +43,8 @@ GLOBAL = {
     Action.LIST_JOBS:     ("ok", "ok", "ok", "ok", "ok", 403),
     Action.MANAGE_TOKENS: ("ok", "ok", 403, "ok", 403, 403),
     Action.METRICS:       ("ok", 403, 403, 403, 403, 403),
+    Action.READ_QUOTA:    ("ok", "ok", 403, "ok", 403, 403),  # a tenant its own (GatewayService._quota_scope)
+    Action.SET_QUOTA:     ("ok", 403, 403, 403, 403, 403),
 }
 
 
@@ -308,16 +311,22 @@ def test_listing_and_revoking(state: ClusterState) -> None:
             tokens.revoke(unknown)
 
 
-def test_live_tokens_per_tenant_are_capped(state: ClusterState, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(auth, "MAX_TOKENS_PER_TENANT", 3)
+def test_live_tokens_per_tenant_are_capped_by_its_quota(state: ClusterState, monkeypatch: pytest.MonkeyPatch) -> None:
+    state.set_quota("a", Quota(tokens=3))
     tokens = Tokens(state.redis)
     made = [tokens.create(TokenSpec(CLIENT, "a", "a1"))[0] for _ in range(3)]
-    with pytest.raises(Conflict) as e:
+    with pytest.raises(QuotaExceeded) as e:
         tokens.create(TokenSpec(CLIENT, "a", "a1"))
-    assert e.value.code == "too_many_tokens"
+    assert (e.value.status, e.value.code, e.value.extra) == (403, "quota_exceeded", {"quota": "tokens", "limit": 3, "used": 3})
     tokens.create(TokenSpec(CLIENT, "b", "b1"))  # another tenant's count
     tokens.revoke(made[0].id)
     tokens.create(TokenSpec(CLIENT, "a", "a1"))  # room again
+    state.set_quota("a", Quota(tokens=None))  # no quota of its own: the hard cap still holds
+    monkeypatch.setattr(auth, "MAX_TOKENS_PER_TENANT", 4)
+    tokens.create(TokenSpec(CLIENT, "a", "a1"))
+    with pytest.raises(QuotaExceeded) as e:
+        tokens.create(TokenSpec(CLIENT, "a", "a1"))
+    assert e.value.extra["limit"] == 4
 
 
 def test_gateways_share_one_internal_token(state: ClusterState) -> None:

@@ -73,8 +73,11 @@ class Up:
             return e.code, dict(e.headers), json.loads(e.read())
 
     def pids(self) -> dict[str, int]:
-        """Processes of the node by role, from /proc."""
+        """Processes of the node by role, from /proc. The agent and the gateway are the
+        supervisor's children: a child the agent forked and has not exec'd yet shows the agent's
+        command line too."""
         out: dict[str, int] = {}
+        children = set(procstat.children(self.proc.pid))
         for p in Path("/proc").iterdir():
             if not p.name.isdigit():
                 continue
@@ -84,14 +87,14 @@ class Up:
                 continue
             args = [a.decode() for a in cmd if a]
             if "--node" in args and args[args.index("--node") + 1] == self.node:
-                if "lifl.node.agent" in args:
+                if "lifl.node.agent" in args and int(p.name) in children:
                     out["agent"] = int(p.name)
-                elif "lifl.gateway" in args:
+                elif "lifl.gateway" in args and int(p.name) in children:
                     out["gateway"] = int(p.name)
                 elif "lifl.runtime" in args:
                     out.setdefault("instance", int(p.name))
         out["supervisor"] = self.proc.pid
-        for pid in procstat.children(self.proc.pid):  # redis rewrites its command line: known by name
+        for pid in children:  # redis rewrites its command line: known by name
             with contextlib.suppress(OSError):
                 if Path(f"/proc/{pid}/comm").read_text().strip() == "redis-server":
                     out["redis"] = pid

@@ -124,6 +124,24 @@ def test_with_no_demand_a_revision_goes_to_zero_after_its_initial_scale(operator
     assert condition(get("ksvc", "zero1-aggregators"), "Ready") == "True"  # a revision at zero is still ready
 
 
+def test_an_fljobs_namespace_annotations_set_its_tenants_quota(operator: Background, redis_url: str) -> None:
+    from lifl.quotas import Quota
+    from lifl.state import ClusterState
+
+    kubectl("apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "Namespace", "metadata": {
+        "name": "quota1", "annotations": {"lifl.dev/quota-jobs": "3", "lifl.dev/quota-shm-bytes": "64Mi"}}}))
+    kubectl("apply", "-f", "-", stdin=json.dumps({
+        "apiVersion": "lifl.dev/v1alpha1", "kind": "FLJob", "metadata": {"name": "quota1", "namespace": "quota1"},
+        "spec": {"tenant": "quota1", "goal": 2}}))
+    state = ClusterState(redis_url)
+    wait_for(lambda: condition(maybe("fljob", "quota1", "-n", "quota1"), "Accepted") == "True", READY_TIMEOUT_S, 0.5,
+             "the job accepted")
+    assert state.quota("quota1") == Quota(jobs=3, shm_bytes=64 << 20)  # set before the job was created
+    kubectl("annotate", "namespace", "quota1", "lifl.dev/quota-jobs=none", "--overwrite")
+    wait_for(lambda: state.quota("quota1").jobs is None, READY_TIMEOUT_S, 0.5, "the changed annotation followed")
+    inside("kubectl", "delete", "fljob", "quota1", "-n", "quota1", "--ignore-not-found", "--wait=false")
+
+
 def _model() -> bytes:
     return fmt.encode({"w": np.zeros(64, np.float32)})
 

@@ -131,7 +131,7 @@ def _pushback_seconds(value: str | None) -> float:
 def _lifl_error(cls: type[errors.LiflError], message: str, code: str, extra: dict[str, Any],
                 retry_after: float) -> errors.LiflError:
     if issubclass(cls, _BACK_PRESSURE):
-        return cls(message, code=code, retry_after=retry_after)
+        return cls(message, code=code, retry_after=retry_after, extra=extra)
     return cls(message, code=code, extra=extra)
 
 
@@ -142,15 +142,23 @@ def _http_error(status: int, body: bytes, retry_after: str | None) -> errors.Lif
     except (ValueError, KeyError, TypeError):  # not the gateway's JSON (a proxy's page, say)
         info, code, message = {}, "http_error", body[:200].decode("latin-1")
     extra = {k: v for k, v in info.items() if k not in ("code", "message")}
-    cls = _BY_STATUS.get(status, errors.Internal)
+    return _lifl_error(_by_code(_BY_STATUS.get(status, errors.Internal), code), message, code, extra,
+                       _retry_after_seconds(retry_after))
+
+
+def _by_code(cls: type[errors.LiflError], code: str) -> type[errors.LiflError]:
+    """The error a code names more narrowly than its status does."""
     if cls is errors.Overloaded and code in _UNAVAILABLE_CODES:
-        cls = errors.Unavailable
-    return _lifl_error(cls, message, code, extra, _retry_after_seconds(retry_after))
+        return errors.Unavailable
+    if code == errors.QuotaExceeded.default_code:
+        return errors.QuotaBusy if issubclass(cls, errors.Overloaded) else errors.QuotaExceeded
+    return cls
 
 
 def _grpc_status_error(status: str, message: str, trailers: dict[str, str]) -> errors.LiflError:
     extra = {"version": int(trailers["lifl-version"])} if "lifl-version" in trailers else {}
-    return _lifl_error(_BY_GRPC.get(status, errors.Internal), message, trailers.get("lifl-error-code", "grpc_error"),
+    code = trailers.get("lifl-error-code", "grpc_error")
+    return _lifl_error(_by_code(_BY_GRPC.get(status, errors.Internal), code), message, code,
                        extra, _pushback_seconds(trailers.get("grpc-retry-pushback-ms")))
 
 
@@ -417,6 +425,22 @@ class Gateway:
         req = self._pb.SetRetentionRequest(job=job, policy_json=json.dumps(dict(policy)))
         return json.loads(self._rpc("SetRetention", self._pb.JsonReply.FromString, req.SerializeToString(),
                                     idempotent=True).json)
+
+    def quota(self, tenant: str) -> dict[str, Any]:
+        """The tenant's quota and what it holds of it (lifl.quotas)."""
+        if self.protocol == "http":
+            return self._json("GET", f"/v1/tenants/{tenant}/quota", idempotent=True)
+        req = self._pb.GetQuotaRequest(tenant=tenant)
+        return json.loads(self._rpc("GetQuota", self._pb.JsonReply.FromString, req.SerializeToString(), idempotent=True).json)
+
+    def set_quota(self, tenant: str, quota: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Set the tenant's quota (the operator only; fields left out take their defaults; None:
+        back to the defaults)."""
+        body = None if quota is None else dict(quota)
+        if self.protocol == "http":
+            return self._json("PUT" if body is not None else "DELETE", f"/v1/tenants/{tenant}/quota", body, idempotent=True)
+        req = self._pb.SetQuotaRequest(tenant=tenant, quota_json=json.dumps(body))
+        return json.loads(self._rpc("SetQuota", self._pb.JsonReply.FromString, req.SerializeToString(), idempotent=True).json)
 
     def set_model(self, job: str, blob: bytes | memoryview) -> int:
         """Set the initial global model; returns its version (0)."""

@@ -124,6 +124,16 @@ class GatewayStub:
                 request_serializer=lifl_dot_net_dot_lifl__pb2.SetRetentionRequest.SerializeToString,
                 response_deserializer=lifl_dot_net_dot_lifl__pb2.JsonReply.FromString,
                 _registered_method=True)
+        self.GetQuota = channel.unary_unary(
+                '/lifl.v1.Gateway/GetQuota',
+                request_serializer=lifl_dot_net_dot_lifl__pb2.GetQuotaRequest.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.JsonReply.FromString,
+                _registered_method=True)
+        self.SetQuota = channel.unary_unary(
+                '/lifl.v1.Gateway/SetQuota',
+                request_serializer=lifl_dot_net_dot_lifl__pb2.SetQuotaRequest.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.JsonReply.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -247,6 +257,19 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetQuota(self, request, context):
+        """A tenant's quota (docs/api.md): the same JSON as HTTP's GET/PUT/DELETE /v1/tenants/{tenant}/quota.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetQuota(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -338,6 +361,16 @@ def add_GatewayServicer_to_server(servicer, server):
             'SetRetention': grpc.unary_unary_rpc_method_handler(
                     servicer.SetRetention,
                     request_deserializer=lifl_dot_net_dot_lifl__pb2.SetRetentionRequest.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.JsonReply.SerializeToString,
+            ),
+            'GetQuota': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetQuota,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.GetQuotaRequest.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.JsonReply.SerializeToString,
+            ),
+            'SetQuota': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetQuota,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.SetQuotaRequest.FromString,
                     response_serializer=lifl_dot_net_dot_lifl__pb2.JsonReply.SerializeToString,
             ),
     }
@@ -826,6 +859,60 @@ class Gateway:
             target,
             '/lifl.v1.Gateway/SetRetention',
             lifl_dot_net_dot_lifl__pb2.SetRetentionRequest.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.JsonReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetQuota(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lifl.v1.Gateway/GetQuota',
+            lifl_dot_net_dot_lifl__pb2.GetQuotaRequest.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.JsonReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetQuota(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lifl.v1.Gateway/SetQuota',
+            lifl_dot_net_dot_lifl__pb2.SetQuotaRequest.SerializeToString,
             lifl_dot_net_dot_lifl__pb2.JsonReply.FromString,
             options,
             channel_credentials,

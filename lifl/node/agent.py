@@ -65,7 +65,7 @@ from lifl.flstore.retention import MODEL, Held, RetentionPolicy, checkpoints_kep
 from lifl.jobs import TENANT_NAME, JobSpec
 from lifl.keys.factory import CHANNELS, transport
 from lifl.keys.record import KeyMessage, now_ns
-from lifl.ledger import PARTIAL, UPDATE, JobSizes, RoundOf
+from lifl.ledger import PARTIAL, UPDATE, JobSizes, RoundOf, round_fit
 from lifl.net.loop import SLOW_POOL, Loop
 from lifl.node import installs, tasks, tree, uploads
 from lifl.node.actuator import ACTUATORS, Actuator, ClusterPods, LocalProcesses
@@ -184,9 +184,26 @@ class JobRun:
     def sizes(self) -> JobSizes:
         """What aggregating its updates allocates (computed once: it encodes the model's header)."""
         assert self.model_spec is not None
-        strategy = self.spec.strategy_spec
-        return JobSizes.of(self.model_spec, self.leaf_fan_in, strategy_bytes(strategy, self.model_spec),
-                           self.spec.fixed_point_spec)
+        return job_sizes(self.spec, self.model_spec)
+
+
+def job_sizes(spec: JobSpec, model_spec: fmt.ModelSpec) -> JobSizes:
+    return JobSizes.of(model_spec, spec.fan_in_for(model_spec.data_bytes), strategy_bytes(spec.strategy_spec, model_spec),
+                       spec.fixed_point_spec)
+
+
+def check_round_fits(spec: JobSpec, model_spec: fmt.ModelSpec, update_bytes: int, for_jobs: list[int]) -> None:
+    """Refuse a model whose job's round can never fit in the nodes' shared memory (``for_jobs``:
+    what each live node has for rounds once the model is there): better now than after its
+    first update was acknowledged."""
+    fits, needed = round_fit(job_sizes(spec, model_spec), update_bytes, spec.goal, for_jobs)
+    if not fits:
+        available = max(for_jobs, default=0)
+        raise Unprocessable(
+            f"a round of job {spec.job!r} can never fit: it needs {needed} bytes of shared memory at once on a node "
+            f"({spec.goal} updates of {update_bytes} bytes, leaf fan-in {spec.fan_in_for(model_spec.data_bytes)}, spread "
+            f"over up to {len(for_jobs)} node(s)) and the largest has {available} bytes for rounds; raise --shm-limit, "
+            "lower the job's goal or add nodes", code="round_too_large", extra={"needed": needed, "available": available})
 
 
 @dataclass(eq=False)
@@ -861,7 +878,7 @@ class Agent:
             if status != RESERVE_OK:
                 self._slots.released(job, [token])
                 reply.error(refusal(status, job, version, round_id, run.spec.goal, base_version=m.version,
-                                    max_staleness=run.spec.strategy_spec.max_staleness))
+                                    max_staleness=run.spec.strategy_spec.max_staleness, tenant=run.spec.tenant))
                 continue
             try:
                 if holder not in self._holders:
@@ -1163,8 +1180,15 @@ class Agent:
         pending = ("pending", upload.job)
         self.store.move_ref(m.key, holder, pending)
         fd, size = os.dup(seg.fd), seg.size
+        here = self.store.capacity - self.store.ledger.pinned  # the model is pinned already
 
         def write() -> tuple[float, float]:
+            try:
+                others = [s.shm.capacity - s.shm.pinned - size for n, s in self.state.nodes().items() if n != self.node]
+                check_round_fits(run.spec, spec, size, [here, *others])
+            except BaseException:
+                os.close(fd)  # the checkpoint's writer would have
+                raise
             seconds = self.checkpointer.write(upload.job, 0, fd, size)
             return seconds, self.state.next_round(upload.job, -1, 0, key=m.key.hex(), node=self.node, spec=spec)
 
