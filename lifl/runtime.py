@@ -454,7 +454,10 @@ def main(argv: list[str] | None = None) -> None:
         drop_privileges(args.user)
     client = Client(Connection(socket.socket(fileno=args.control_fd)))
     ctx = Context(args.instance, args.tenant, args.node, client, channel)
-    client.call(Ready())
+    try:
+        client.call(Ready())
+    except (EOFError, ConnectionError):  # the agent went while this instance started: nothing to serve
+        sys.exit(0)
     serve(ctx, handler)
     sys.exit(0)
 

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -246,3 +247,14 @@ def test_kill_everything_next_start_cleans_up(up: Up, shm_node: str, run_dir: Pa
     finally:
         again.proc.send_signal(signal.SIGTERM)
         again.proc.wait(30)
+
+
+def test_an_instance_whose_agent_went_while_it_started_exits_quietly(tmp_path: Path) -> None:
+    control, agent_end = socket.socketpair()
+    channel, _ = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    agent_end.close()  # the agent died before the instance said it was ready
+    run = subprocess.run([sys.executable, "-m", "lifl.runtime", "--instance", "1", "--tenant", "t", "--node", "n",
+                          "--channel", f"unix:0:{tmp_path}", "--control-fd", str(control.fileno()),
+                          "--channel-fd", str(channel.fileno())],
+                         pass_fds=(control.fileno(), channel.fileno()), capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stderr) == (0, "")
