@@ -54,6 +54,7 @@ from lifl.redisconn import SCAN_COUNT, STATE_TIMEOUT_S
 TENANT_UID_BASE = 610000  # tenants' functions run as uid/gid TENANT_UID_BASE + n
 HISTORY = 10000  # rounds kept per job
 EVENTS = "lifl:events"  # pub/sub channel: the name of a job whose round changed
+ACTIVE = "lifl:active"  # the jobs with a round under way (_TENANT_ROUNDS): what periodic duties visit
 EVENTS_RETRY_S = 0.5  # seconds between attempts to subscribe again while Redis is away
 NODE_TTL = 6  # seconds of the store answering others in which a node did not refresh its membership (every second): it is gone
 STORE_STALL_S = 3  # seconds in which nobody reached the store: it stalled (frozen, restarting), not its nodes
@@ -111,7 +112,8 @@ return 1
 # A tenant's rounds in progress (its ``rounds`` quota): a job joins the tenant's set with its
 # round's first admission and leaves it when the round ends (_NEXT_ROUND); one whose round holds
 # nothing any longer (every slot given back, or a write lost with Redis's last second) is dropped
-# when the set is found full. The key is tenant_rounds_key's.
+# when the set is found full. The key is tenant_rounds_key's. The job joins and leaves the
+# cluster-wide ACTIVE set with it, so that periodic duties visit only jobs with a round under way.
 _TENANT_ROUNDS = """
 local function tenant_of(h)
   return cjson.decode(redis.call('HGET', h, 'spec')).tenant
@@ -122,6 +124,7 @@ end
 local function round_may_start(h)
   local job, tenant = string.sub(h, #'lifl:job:' + 1), tenant_of(h)
   local rounds = tenant_rounds(tenant)
+  redis.call('SADD', '""" + ACTIVE + """', job)
   if redis.call('SISMEMBER', rounds, job) == 1 then return true end
   local limit = """ + str(DEFAULT_ROUNDS) + """
   local quota = redis.call('HGET', '""" + QUOTAS + """', tenant)
@@ -134,9 +137,13 @@ local function round_may_start(h)
       local k = 'lifl:job:' .. other
       if tonumber(redis.call('HGET', k, 'reserved') or '0') == 0 and tonumber(redis.call('HGET', k, 'accepted') or '0') == 0 then
         redis.call('SREM', rounds, other)
+        redis.call('SREM', '""" + ACTIVE + """', other)
       end
     end
-    if redis.call('SCARD', rounds) >= limit then return false end
+    if redis.call('SCARD', rounds) >= limit then
+      redis.call('SREM', '""" + ACTIVE + """', job)
+      return false
+    end
   end
   redis.call('SADD', rounds, job)
   return true
@@ -460,6 +467,7 @@ _NEXT_ROUND = _NOW + _TENANT_ROUNDS + """
 local h = KEYS[1]
 if tonumber(redis.call('HGET', h, 'round')) ~= tonumber(ARGV[1]) then return -1 end
 redis.call('SREM', tenant_rounds(tenant_of(h)), string.sub(h, #'lifl:job:' + 1))
+redis.call('SREM', '""" + ACTIVE + """', string.sub(h, #'lifl:job:' + 1))
 for _, f in ipairs(redis.call('HKEYS', h)) do
   if string.sub(f, 1, 9) == 'rejected.' then redis.call('HDEL', h, f) end
 end
@@ -487,6 +495,8 @@ return now
 _ASSIGN = """
 local s, a = KEYS[1], KEYS[2]
 if tonumber(redis.call('HGET', s, 'round') or '-1') ~= tonumber(ARGV[1]) then return '' end
+-- clients assigned are demand the controller plans for before their updates arrive (ACTIVE)
+redis.call('SADD', '""" + ACTIVE + """', string.sub(s, #'lifl:job:' + 1, -#':shard' - 1))
 local existing = redis.call('HGET', a, ARGV[2])
 local live = {}
 for n in string.gmatch(ARGV[3], '%S+') do live[n] = true end
@@ -922,6 +932,10 @@ class ClusterState:
     def job_names(self, tenant: str | None = None) -> list[str]:
         """Every job's name, or those of ``tenant``."""
         return sorted(self.redis.smembers("lifl:jobs" if tenant is None else tenant_jobs_key(tenant)))
+
+    def active_job_names(self) -> list[str]:
+        """The jobs with a round under way (admitted an update and not ended), cluster-wide."""
+        return sorted(self.redis.smembers(ACTIVE))
 
     def version(self, name: str) -> int:
         v = self.redis.hget(job_key(name), "version")

@@ -15,8 +15,8 @@ destroys them (``ObjectStore``); other processes map them (``MappingCache``).
   killed agent left behind (the node supervisor calls it, and every start does).
 - Memory is accounted by ``lifl.ledger.MemoryLedger``: an object belongs to a job's
   round (working memory, drawn from what the round reserved when its inputs were admitted)
-  or is pinned (models and replicas); nothing is created beyond capacity or into memory
-  reserved for others.
+  or is pinned (``Pinned``: models and replicas), and counts against the job's tenant;
+  nothing is created beyond capacity or into memory reserved for others.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Hashable
 import posix_ipc
 
 from lifl.errors import Internal, LiflError, NotFound, Overloaded
-from lifl.ledger import JobSizes, MemoryLedger, RoundOf
+from lifl.ledger import JobSizes, MemoryLedger, Owner, Pinned, RoundOf
 
 SHM_DIR = Path("/dev/shm")
 KEY_BYTES = 16
@@ -95,7 +95,7 @@ class Segment:
     holders: Counter = field(default_factory=Counter)
     freed_at: float = 0.0
     affinity: Hashable = None  # who mapped it last: recycling prefers them (warm page tables)
-    owner: RoundOf | None = None  # the round whose working memory it is; None: pinned (a model, a replica)
+    owner: Owner = None  # the round whose working memory it is, or the job that pins it; None: of no job
     refund: int = 0  # reserved bytes it gives back to its round if freed while the round is open
     retained: bool = False  # only retention holds it (accounted as retained bytes, evictable)
 
@@ -131,12 +131,19 @@ class ObjectStore:
     def admit(self, tenant: Tenant, size: int, holder: Hashable, owner: RoundOf, kind: str, sizes: JobSizes) -> Segment:
         """The object of an admitted input of ``owner`` (a client update or another node's
         partial), created only once what aggregating it needs is reserved; raises ``Overloaded``."""
-        self._evicting(lambda: self.ledger.reserve(owner, kind, sizes, size, time.monotonic()))
+        self._evicting(lambda: self.ledger.reserve(owner, kind, sizes, size, time.monotonic(), tenant.name))
         try:
             return self.create(tenant, size, holder, affinity="gateway", owner=owner)
         except LiflError:
             self.ledger.withdraw(owner, kind, unused=size)
             raise
+
+    def admit_pinned(self, tenant: Tenant, size: int, holder: Hashable, job: str) -> Segment:
+        """The object of the model a client sends for ``job``, created only within its
+        tenant's quota and share (``MemoryLedger.admit_pinned``); raises ``Overloaded``."""
+        owner = Pinned(job)
+        self._evicting(lambda: self.ledger.admit_pinned(owner, size, time.monotonic(), tenant.name))
+        return self.create(tenant, size, holder, affinity="gateway", owner=owner)
 
     def _evicting(self, check: Callable[[], object]) -> None:
         """Run an admission check; while it finds memory short, retained objects go first."""
@@ -158,10 +165,11 @@ class ObjectStore:
 
     # -- creation -------------------------------------------------------------------------
     def create(self, tenant: Tenant, size: int, holder: Hashable, affinity: Hashable = None, *,
-               owner: RoundOf | None = None, scratch: bool = False) -> Segment:
+               owner: Owner = None, scratch: bool = False) -> Segment:
         """A writable object of ``size`` bytes, held by ``holder``; reuses a pooled buffer if any,
         preferably one that ``affinity`` (the process that will map it) has mapped before.
-        ``owner``: the round it is working memory of (None: pinned, a model or a replica).
+        ``owner``: the round it is working memory of, or ``Pinned(job)`` (a model, a replica, a
+        copy for a query: counted against the job's tenant); None: pinned, of no job.
         ``scratch``: a task's accumulator, given back to the round's reservation if it is freed
         before the round ends (a re-run of a crashed task allocates it again)."""
         if size <= 0:
@@ -172,7 +180,7 @@ class ObjectStore:
             self._make_room(size)
             seg = self._new_segment(tenant, size)
         seg.affinity = affinity
-        drawn = self.ledger.add_object(owner, size)
+        drawn = self.ledger.add_object(owner, size, tenant.name)
         seg.owner, seg.refund = owner, drawn if scratch else 0
         seg.key = self._fresh_key(tenant, seg)
         self._objects[seg.key] = seg
@@ -271,9 +279,8 @@ class ObjectStore:
     def pin(self, key: bytes) -> None:
         """A round's result became its job's model: pinned, out of the job's working memory."""
         seg = self.get(key)
-        if seg.owner is not None:
-            self.ledger.pin(seg.owner, seg.size)
-            seg.owner, seg.refund = None, 0
+        if isinstance(seg.owner, RoundOf):
+            seg.owner, seg.refund = self.ledger.pin(seg.owner, seg.size), 0
 
     def hand_over(self, key: bytes, new: Hashable) -> None:
         """Move an object in flight, which has exactly one holder, to ``new``."""
@@ -346,7 +353,7 @@ class ObjectStore:
         """Once only retention holds a sealed object, it no longer counts as its round's working
         memory (or a pinned model) but as retained bytes, which admission evicts first."""
         if not seg.retained and seg.sealed and all(retention_holder(h) for h in seg.holders):
-            self.ledger.retain(seg.owner, seg.size)
+            self.ledger.retain(seg.owner, seg.size, seg.tenant.name)
             seg.owner, seg.refund, seg.retained = None, 0, True
 
     def _free(self, seg: Segment) -> None:
@@ -354,7 +361,7 @@ class ObjectStore:
             self.on_free(seg.key)
         del self._objects[seg.key]
         if seg.retained:
-            self.ledger.remove_retained(seg.size)
+            self.ledger.remove_retained(seg.size, seg.tenant.name)
         else:
             self.ledger.remove_object(seg.owner, seg.size, seg.refund)
         seg.owner, seg.refund, seg.retained = None, 0, False

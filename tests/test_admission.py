@@ -66,10 +66,10 @@ def test_objects_consume_their_rounds_reservation_and_the_rest_comes_from_free_m
     with pytest.raises(Overloaded) as refused:  # ... one byte more does not
         ledger.check_object(None, 92)
     assert refused.value.code == "shm_exhausted" and refused.value.retry_after == RETRY_AFTER_SECONDS
-    ledger.pin(A0, 4)  # the round's result became the model
+    model = ledger.pin(A0, 4)  # the round's result became the model
     assert (ledger.usage("a").working, ledger.pinned, ledger.used) == (5, 4, 9)
     ledger.remove_object(A0, 5)
-    ledger.remove_object(None, 4)
+    ledger.remove_object(model, 4)
     ledger.release_round(A0)
     assert ledger.used == 0 and ledger.free == 100 and ledger.jobs == {}
 
@@ -102,7 +102,7 @@ def test_a_round_that_could_never_fit_is_refused_as_too_small(capacity: int, pin
         ledger.reserve(A0, UPDATE, SIZES, 5, now=0.0)
     e = refused.value
     assert e.code == "shm_too_small" and e.status == 503 and e.retry_after == RETRY_AFTER_SECONDS
-    assert "'a'" in e.message and "8 bytes" in e.message and f"{capacity - pinned} bytes for jobs" in e.message
+    assert "'a'" in e.message and "8 bytes" in e.message and f"{capacity - pinned} bytes for the rounds of tenant 'a'" in e.message
     assert ledger.jobs == {} and ledger.wanting == {}  # it does not count as wanting memory
 
 
@@ -142,7 +142,7 @@ def test_fair_share_limit_and_one_past_it() -> None:
         ledger.reserve(A0, UPDATE, SIZES, 20, now=0.0)
     e = refused.value
     assert e.code == "fair_share" and "'a' holds 28 bytes" in e.message and "needs 23 more" in e.message
-    assert "fair share of 50 bytes (2 jobs" in e.message
+    assert "fair share of 50 bytes (2 tenants" in e.message
 
 
 def test_a_job_alone_takes_everything_and_is_capped_at_half_once_another_wants_memory() -> None:
@@ -171,8 +171,8 @@ def test_a_job_alone_takes_everything_and_is_capped_at_half_once_another_wants_m
     assert ledger.reserve(RoundOf("a", 1), UPDATE, SIZES, 20, now=3.0) == 23  # a too: both fit in half
     # once b stops wanting and holds nothing, a may have everything again
     ledger.withdraw(B0, UPDATE, unused=20)
-    assert ledger.share("a", now=1.0 + WANTING_SECONDS - 0.01) == (50, 2)
-    assert ledger.share("a", now=1.0 + WANTING_SECONDS) == (100, 1)
+    assert ledger.tenant_share("a", now=1.0 + WANTING_SECONDS - 0.01) == (50, 2)
+    assert ledger.tenant_share("a", now=1.0 + WANTING_SECONDS) == (100, 1)
 
 
 def test_partials_finish_rounds_so_they_are_exempt_from_shares_but_not_from_capacity() -> None:

@@ -5,6 +5,7 @@ first saturates the node's shared memory."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -14,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,6 +25,7 @@ from lifl import format as fmt
 from lifl import kernels
 from lifl.ledger import JobSizes, round_extra
 from lifl.node.supervisor import Node, NodeConfig
+from lifl.quotas import Quota
 from lifl.state import ClusterState
 
 pytestmark = pytest.mark.slow
@@ -140,6 +143,35 @@ class HeldUpload:
             self.sock.close()
 
 
+@contextlib.contextmanager
+def held_round(node: RunningNode, job: str, updates: list[tuple[dict[str, np.ndarray], int]]
+               ) -> Iterator[tuple[list[HeldUpload], dict[str, Any]]]:
+    """A round's updates sent at once, each holding its body back (kept to the gateway's minimum
+    rate meanwhile): (the uploads, the round's state once the node admitted or refused each)."""
+    held = [HeldUpload(node, job, f"c{i}", bytes(fmt.encode(u)), c, 0) for i, (u, c) in enumerate(updates)]
+    stop = threading.Event()
+
+    def keep_alive() -> None:
+        while not stop.wait(KEEP_ALIVE_EVERY):
+            for h in held:
+                h.keep_alive()
+
+    def decided() -> dict[str, Any] | None:
+        # the round's counts pass through states where an upload holds a slot that the node is
+        # about to refuse; the node's own count of what it admitted tells them apart
+        r = node.json("GET", f"/v1/jobs/{job}")[1]["round"]
+        return r if r["in_progress"] + sum(r["rejected"].values()) == len(updates) and \
+            r["in_progress"] == queue_length(node, job) else None
+
+    pacer = threading.Thread(target=keep_alive, daemon=True)
+    pacer.start()
+    try:
+        yield held, wait_for(decided, what=f"every held upload of {job} admitted or refused")
+    finally:
+        stop.set()
+        pacer.join()
+
+
 def fedavg(updates: list[tuple[dict[str, np.ndarray], int]]) -> np.ndarray:
     return sum(u["w"] * c for u, c in updates) / sum(c for _, c in updates)
 
@@ -194,25 +226,7 @@ def test_a_saturating_job_is_refused_with_503_and_a_second_job_still_completes_r
     # the busy job alone: all its clients send at once and hold their bodies; memory is exactly
     # full after ADMITTED_ALONE admissions, and the rest are refused
     busy = [(random_model(rng), int(rng.integers(1, 100))) for _ in range(GOAL)]
-    held = [HeldUpload(node, "busy", f"c{i}", bytes(fmt.encode(u)), c, 0) for i, (u, c) in enumerate(busy)]
-    stop = threading.Event()
-
-    def keep_alive() -> None:
-        while not stop.wait(KEEP_ALIVE_EVERY):
-            for h in held:
-                h.keep_alive()
-
-    pacer = threading.Thread(target=keep_alive, daemon=True)
-    pacer.start()
-    try:
-        def decided() -> dict | None:
-            # the round's counts pass through states where an upload holds a slot that the node
-            # is about to refuse; the node's own count of what it admitted tells them apart
-            r = node.json("GET", "/v1/jobs/busy")[1]["round"]
-            admitted = queue_length(node, "busy")
-            return r if r["in_progress"] + sum(r["rejected"].values()) == GOAL and r["in_progress"] == admitted else None
-
-        round_state = wait_for(decided, what="every held upload admitted or refused")
+    with held_round(node, "busy", busy) as (held, round_state):
         assert (round_state["in_progress"], round_state["rejected"]) == (ADMITTED_ALONE, {"shm_exhausted": GOAL - ADMITTED_ALONE})
         # the other job now finds no free memory: told to retry, and counted as wanting memory
         first = (random_model(rng), int(rng.integers(1, 100)))
@@ -220,9 +234,6 @@ def test_a_saturating_job_is_refused_with_503_and_a_second_job_still_completes_r
                                              update_headers("c0", first[1], 0))
         uploads.record("other", status, headers, body)
         assert (status, refusal_code(body)) == (503, "shm_exhausted")
-    finally:
-        stop.set()
-        pacer.join()
     outcomes = [h.finish() for h in held]
     for status, headers, body in outcomes:
         uploads.record("busy", status, headers, body)
@@ -306,3 +317,13 @@ def test_a_job_whose_round_could_never_fit_is_refused_at_its_model_not_after_an_
     assert node.json("POST", "/v1/jobs", {**create, "job": "smaller", "goal": GOAL - 2})[0] == 201
     assert node.json("PUT", "/v1/jobs/smaller/model", fmt.encode(random_model(np.random.default_rng(3))))[0] == 201
 
+
+
+def test_a_round_that_cannot_fit_in_its_tenants_shm_bytes_quota_is_refused_at_its_model(
+        start_node: Callable[[int], RunningNode], redis_url: str) -> None:
+    ClusterState(redis_url).set_quota("tight", Quota(shm_bytes=UPDATE_BYTES + ROUND_FLOOR - 1))  # read as the agent starts
+    node = start_node(4 * CAPACITY)  # the node has room: only the quota is short by a byte
+    assert node.json("POST", "/v1/jobs", {"job": "tight", "goal": GOAL, "leaf_fan_in": LEAF_FAN_IN, "tenant": "tight"})[0] == 201
+    status, answer = node.json("PUT", "/v1/jobs/tight/model", fmt.encode(random_model(np.random.default_rng(4))))
+    assert status == 422 and (answer["error"]["needed"], answer["error"]["available"]) == (ROUND_FLOOR, ROUND_FLOOR - 1)
+    assert "shm_bytes quota" in answer["error"]["message"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from lifl.cluster_types import NO_MODEL, Job
 from lifl.control.planner import BESTFIT, DEFAULT_ALPHA, POLICIES, Counters, Estimate, estimate, plan_warm
+from lifl.errors import NotFound
 from lifl.protocol import NodeStatus
 from lifl.state import ClusterState
 
@@ -63,12 +64,15 @@ class Controller:
         self.estimates: dict[tuple[str, str], Estimate] = {}  # (node, job)
         self._warm: dict[str, dict[str, int]] = {}  # the plan as last read, by node
 
-    def tick(self) -> bool:
-        """Re-plan if this node holds the controller lease; returns whether it does."""
+    def tick(self, jobs: Collection[str] | None = None) -> bool:
+        """Re-plan if this node holds the controller lease, for ``jobs`` (None: every job); returns
+        whether it does."""
         if not self.state.lead("controller", self.node, ttl=max(3 * self.config.period, 3.0)):
             self.estimates.clear()  # another node plans; start afresh if the lease comes back
             return False
-        warm, loads = self.plan()
+        if jobs is not None:  # a job whose round just ended keeps a queue the EWMA lets go of slowly
+            jobs = set(jobs) | {job for (_, job), e in self.estimates.items() if e.q > 0}
+        warm, loads = self.plan(jobs)
         self.state.set_control(warm, loads, ttl=3 * self.config.period + 1)
         return True
 
@@ -76,11 +80,14 @@ class Controller:
         """(instances to keep warm per node and tenant, each node's queue) for the jobs ``only``
         (None: every job in Redis), from the agents' latest counters; call once a period."""
         statuses = self.state.nodes()
-        names = [n for n in self.state.job_names() if only is None or n in only]
+        names = self.state.job_names() if only is None else sorted(only)
         queues = {key: q for key, q in self._estimated_queues(statuses).items() if key[1] in names}
         jobs: dict[str, Job] = {}
         for name in names:
-            job = self.state.job(name)
+            try:
+                job = self.state.job(name)
+            except NotFound:  # named by the caller, or deleted since
+                continue
             if job.version == NO_MODEL:
                 continue
             jobs[name] = job

@@ -65,13 +65,14 @@ from lifl.flstore.retention import MODEL, Held, RetentionPolicy, checkpoints_kep
 from lifl.jobs import TENANT_NAME, JobSpec
 from lifl.keys.factory import CHANNELS, transport
 from lifl.keys.record import KeyMessage, now_ns
-from lifl.ledger import PARTIAL, UPDATE, JobSizes, RoundOf, round_fit
+from lifl.ledger import PARTIAL, UPDATE, JobSizes, Pinned, RoundOf, round_fit
 from lifl.net.loop import SLOW_POOL, Loop
 from lifl.node import installs, tasks, tree, uploads
 from lifl.node.actuator import ACTUATORS, Actuator, ClusterPods, LocalProcesses
 from lifl.node.metrics import Metrics
 from lifl.node.privilege import attach_refusal, current, peer_identity
 from lifl.node.retention import Retainer, query_holder, update_blob
+from lifl.quotas import Quota
 from lifl.procs import die_with_parent, on_signals
 from lifl.protocol import (
     PROTOCOL, QUERY_ROLE, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Admitted, Alloc, Allocated, Attach,
@@ -96,6 +97,10 @@ from lifl.strategy import privacy, strategy_bytes
 DEFAULT_HANDLER = "lifl.functions.aggregator.handler:handle"
 STRATEGY_INPUTS_TIMEOUT_S = 60.0  # how long a top waits for other nodes' updates of its round to be readable
 SETTLE_PASSES = 4  # duties that enable further duties (close, then place the top) within one settle
+# Periodic duties visit the jobs with something going on each turn and every job this rarely:
+# a node with thousands of idle jobs must cost what its active ones do (issue 25)
+IDLE_SWEEP_S = 60.0
+RECENT_S = 10.0  # a job a gateway asked about counts as active this long (its retention follows reads)
 OUTBOX_RETRY = 0.005  # seconds between attempts to deliver keys to an instance whose queue was full
 INFERENCE_MODULES = ("torch", "torchvision", "lifl.workload")  # what an instance answering inference imports first
 QUERY_FIELDS = ("workload", "round", "version", "rounds", "scope")  # a query's fields that are no workload parameter
@@ -202,8 +207,8 @@ def check_round_fits(spec: JobSpec, model_spec: fmt.ModelSpec, update_bytes: int
         raise Unprocessable(
             f"a round of job {spec.job!r} can never fit: it needs {needed} bytes of shared memory at once on a node "
             f"({spec.goal} updates of {update_bytes} bytes, leaf fan-in {spec.fan_in_for(model_spec.data_bytes)}, spread "
-            f"over up to {len(for_jobs)} node(s)) and the largest has {available} bytes for rounds; raise --shm-limit, "
-            "lower the job's goal or add nodes", code="round_too_large", extra={"needed": needed, "available": available})
+            f"over up to {len(for_jobs)} node(s)) and the largest has {available} bytes for its tenant's rounds; raise "
+            "--shm-limit (or the tenant's shm_bytes quota), lower the job's goal or add nodes", code="round_too_large", extra={"needed": needed, "available": available})
 
 
 @dataclass(eq=False)
@@ -473,6 +478,9 @@ class Agent:
         self._parked_folds: dict[int, list[tuple[Callable[[], None], Callable[[LiflError], None], Any]]] = {}  # folds of keys not handed off yet
         self._settling: set[str] = set()  # jobs whose settle is in flight
         self._settle_again: set[str] = set()  # ...and asked for again meanwhile
+        self._deadline_at: dict[str, float] = {}  # a job's next round deadline to check (monotonic), from its last settle
+        self._touched: dict[str, float] = {}  # when a gateway last asked about a job (monotonic): it is active a while
+        self._swept: dict[str, float] = {}  # when a duty last visited every job (monotonic)
         self._settle_then: dict[str, list[Callable[[], None]]] = {}  # what waits for a job's settle
         self._aggregated: dict[tuple[str, int], int] = {}  # updates folded, not yet counted in Redis
         self._listeners: list[socket.socket] = []
@@ -517,6 +525,8 @@ class Agent:
         self._loop_thread = self.loop.start()
         self._restore_models()  # first: a round whose version was checkpointed is complete, not given up
         self._give_up_previous_rounds()
+        quotas = self.state.quotas()  # before the first admission: a tenant's shm_bytes holds from the start
+        self.loop.call(lambda: self.store.ledger.set_quotas(quotas))
         self.state.publish_node(self.node, self.loop.call(self.status))
         path = self.config.socket_path
         path.unlink(missing_ok=True)
@@ -555,6 +565,7 @@ class Agent:
                 ("apply_retention", 1.0, self.apply_retention),
                 ("count_aggregated", 0.05, self._count_aggregated),
                 ("reconcile_slots", 1.0, self.reconcile_slots),
+                ("refresh_quotas", 1.0, self.refresh_quotas),
             ):
                 self.loop.every(name, period, duty)
 
@@ -648,7 +659,7 @@ class Agent:
 
     def _blob_object(self, run: JobRun, blob: bytes, holder: Hashable, *, model: bool = True) -> Segment:
         layout = kernels.validate(blob, run.model_spec if model else None)
-        seg = self.store.create(run.tenant, layout.total_size, holder, affinity="gateway")
+        seg = self.store.create(run.tenant, layout.total_size, holder, affinity="gateway", owner=Pinned(run.spec.job))
         os.pwrite(seg.fd, blob, 0)
         self.store.seal(seg.key)
         return seg
@@ -801,6 +812,7 @@ class Agent:
 
     def _with_job(self, name: str, then: Callable[[Job, JobRun], None], reply: Reply) -> None:
         """Read the job from Redis, then ``then(job, run)`` on the loop (errors answer ``reply``)."""
+        self._touched[name] = time.monotonic()
 
         def got(result: tuple[Job, Tenant, RetentionPolicy] | None, error: BaseException | None) -> None:
             if error is not None or result is None:
@@ -815,6 +827,7 @@ class Agent:
 
     def _with_run(self, name: str, then: Callable[[JobRun], None], reply: Reply) -> None:
         """This node's record of a job, read from Redis only the first time (its spec is fixed)."""
+        self._touched[name] = time.monotonic()
         run = self.jobs.get(name)
         if run is not None and run.model_spec is not None:
             then(run)
@@ -946,7 +959,11 @@ class Agent:
             if m.size > run.spec.max_update_bytes:
                 raise PayloadTooLarge(f"model of {m.size} bytes exceeds the job's limit of {run.spec.max_update_bytes} bytes")
             self.uploads.begin_model(m.job)
-            seg = self.store.create(run.tenant, m.size, holder, affinity="gateway")
+            try:
+                seg = self.store.admit_pinned(run.tenant, m.size, holder, m.job)
+            except LiflError:
+                self.uploads.model_uploads.discard(m.job)  # refused: its retry begins again
+                raise
             self.uploads.add(seg.key, uploads.Upload(m.job, uploads.MODEL, holder))
             reply(Admitted(seg.key), [os.dup(seg.fd)])
 
@@ -988,7 +1005,7 @@ class Agent:
 
     def admit_replica(self, holder: Hashable, m: AdmitReplica, reply: Reply) -> None:
         def admit(run: JobRun) -> None:
-            seg = self.store.create(run.tenant, m.size, holder, affinity="gateway")
+            seg = self.store.create(run.tenant, m.size, holder, affinity="gateway", owner=Pinned(m.job))
             self.uploads.add(seg.key, uploads.Upload(m.job, uploads.REPLICA, holder, version=m.version))
             reply(Admitted(seg.key, version=m.version), [os.dup(seg.fd)])
 
@@ -1180,11 +1197,16 @@ class Agent:
         pending = ("pending", upload.job)
         self.store.move_ref(m.key, holder, pending)
         fd, size = os.dup(seg.fd), seg.size
-        here = self.store.capacity - self.store.ledger.pinned  # the model is pinned already
+        ledger = self.store.ledger
+        here = ledger.for_rounds(run.tenant.name)  # the model is pinned already
+        quota = ledger.quota_room(run.tenant.name)  # the tenant's shm_bytes bound its rounds on every node
+        if quota is not None:
+            here = min(here, quota)
 
         def write() -> tuple[float, float]:
             try:
-                others = [s.shm.capacity - s.shm.pinned - size for n, s in self.state.nodes().items() if n != self.node]
+                others = [min(s.shm.capacity - s.shm.pinned - size, quota if quota is not None else s.shm.capacity)
+                          for n, s in self.state.nodes().items() if n != self.node]
                 check_round_fits(run.spec, spec, size, [here, *others])
             except BaseException:
                 os.close(fd)  # the checkpoint's writer would have
@@ -2036,6 +2058,10 @@ class Agent:
             j, shard = view.job, view.shard
             todo = cluster_rounds.duties(j, shard, view.now, live if live is not None else _assume_live(shard))
             if not todo:
+                deadline = j.spec.round_deadline_s
+                wait = (j.round_opened + deadline - view.now if deadline and not j.closed and j.version != NO_MODEL
+                        else IDLE_SWEEP_S)
+                self.loop.post(lambda: self._deadline_at.__setitem__(job, time.monotonic() + wait))
                 return shard
             for duty in todo:
                 self._perform_duty(job, duty, j, shard)
@@ -2061,8 +2087,11 @@ class Agent:
 
     def round_duties(self) -> None:
         """Deadlines, dead nodes and the top's placement for the jobs this node takes part in
-        (the controller sweeps every job)."""
-        jobs = list(dict.fromkeys(list(self.trees.rounds) + [j for j, r in self.jobs.items() if r.spec.round_deadline_s]))
+        (the controller sweeps every job). A job with a deadline and no round here is visited once
+        its deadline may have come (round events settle it as soon as its round changes)."""
+        now = time.monotonic()
+        due = [j for j, r in self.jobs.items() if r.spec.round_deadline_s and self._deadline_at.get(j, 0.0) <= now]
+        jobs = list(dict.fromkeys(list(self.trees.rounds) + due))
         if not jobs:
             return
 
@@ -2244,11 +2273,24 @@ class Agent:
 
         self.loop.offload(read, warm)
 
+    def refresh_quotas(self) -> None:
+        """Hand the ledger the tenants' quotas as the operator last set them (one Redis call)."""
+
+        def got(quotas: dict[str, Quota] | None, error: BaseException | None) -> None:
+            if error is None and quotas is not None:  # Redis is away: the quotas last read hold
+                self.store.ledger.set_quotas(quotas)
+
+        self.loop.offload(self.state.quotas, got)
+
     def control(self) -> None:
         """The control plane's periodic re-plan, on the node that holds the controller lease."""
 
+        sweep = self._sweep_due("control")
+
         def tick() -> list[str]:
-            return self.state.job_names() if self.controller.tick() else []
+            """The jobs to settle: those with a round under way, and every job once a sweep."""
+            jobs = self.state.job_names() if sweep else self.state.active_job_names()
+            return jobs if self.controller.tick(None if sweep else jobs) else []
 
         def replanned(jobs: list[str] | None, error: BaseException | None) -> None:
             if error is not None:
@@ -2261,7 +2303,8 @@ class Agent:
         self.loop.offload(tick, replanned)
 
     def apply_retention(self) -> None:
-        jobs = set(self.jobs) | self.retainer.jobs()
+        """Level what is retained for the active jobs; every job's (a narrowed policy) once a sweep."""
+        jobs = self._active_jobs() | (set(self.jobs) | self.retainer.jobs() if self._sweep_due("apply_retention") else set())
 
         def apply() -> None:
             for job in jobs:
@@ -2269,6 +2312,24 @@ class Agent:
 
         self.loop.offload(apply, lambda _, error: None if error is None else print(
             f"lifl agent: retention waits: {error}", file=sys.stderr), SLOW_POOL)
+
+    def _sweep_due(self, duty: str) -> bool:
+        """Whether ``duty`` should visit every job this turn (and then not for IDLE_SWEEP_S)."""
+        now = time.monotonic()
+        if now - self._swept.get(duty, -IDLE_SWEEP_S) < IDLE_SWEEP_S:
+            return False
+        self._swept[duty] = now
+        return True
+
+    def _active_jobs(self) -> set[str]:
+        """The jobs with something going on here: a round, queued uploads, retained objects in
+        memory, a replica, or a gateway's request in the last RECENT_S."""
+        now = time.monotonic()
+        for name in [n for n, at in self._touched.items() if now - at > RECENT_S]:
+            del self._touched[name]
+        return (set(self.trees.rounds) | {n for n, c in self.uploads.counts.items() if c}
+                | {item.job for item in self.retainer.items.values()}
+                | {n for n, run in self.jobs.items() if run.replica is not None} | set(self._touched))
 
     def publish_status(self) -> None:
         status = self.status()

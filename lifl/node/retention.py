@@ -1,6 +1,7 @@
 """The node's side of retention (``lifl.flstore.retention``): keep what a job's policy wants in
 shared memory after its round, write it behind to the job's checkpoint store, drop it from
-memory by policy, by the tenant's byte budget (least recently used first) or under memory
+memory by policy, by the tenant's byte budget (the node's, or the tenant's ``retained_bytes``
+quota if lower: ``MemoryLedger.retained_limit``; least recently used first) or under memory
 pressure (retained bytes are the first to go), and fetch it back when a query misses.
 
 Retained objects are ordinary store objects held by ``("retain", job)``: immutable, sealed,
@@ -32,6 +33,7 @@ from lifl import format as fmt
 from lifl.errors import NotFound, Unavailable
 from lifl.flstore.retention import MODEL, UPDATE, Held, RetentionPolicy, in_memory, lru_victims, round_queryable, version_queryable
 from lifl.node.metrics import Metrics
+from lifl.ledger import Pinned
 from lifl.state import ClusterState
 from lifl.store import RETAIN, ObjectStore, Tenant
 
@@ -228,7 +230,7 @@ class Retainer:
         def keep() -> None:
             if self.items.get((item.job, item.kind, item.index, item.client)) is not item or item.key is not None:
                 return
-            item.key = self._object(item.tenant, blob, keep_holder(item.job))
+            item.key = self._object(item.job, item.tenant, blob, keep_holder(item.job))
             item.last_used = time.monotonic()
             self.store.retain(item.key)
 
@@ -249,8 +251,8 @@ class Retainer:
         for item in list(self.items.values()):
             if self._present(item) and item.stored and self._only_kept(item):
                 by_tenant.setdefault(item.tenant.name, []).append((item.last_used, item.size, item))
-        for held in by_tenant.values():
-            for victim in lru_victims(held, self.budget):
+        for tenant, held in by_tenant.items():
+            for victim in lru_victims(held, self.store.ledger.retained_limit(tenant, self.budget)):
                 self._drop(victim, "budget")
 
     def _present(self, item: Kept) -> bool:
@@ -352,7 +354,7 @@ class Retainer:
                               f"checkpoint store here: {e}", code="retained_unreachable") from None
 
         def hold() -> Lookup:
-            key = self._object(item.tenant, blob, holder)
+            key = self._object(item.job, item.tenant, blob, holder)
             self._count(item.job, "store", len(blob))
             slot = (item.job, item.kind, item.index, item.client)
             if keep and self.items.setdefault(slot, item) is item and item.key is None:  # cached here from now on
@@ -368,9 +370,9 @@ class Retainer:
             return self.ckpt.load(item.job, item.index)
         return self.ckpt.load_blob(item.job, item.blob)
 
-    def _object(self, tenant: Tenant, blob: bytes, holder: Hashable) -> bytes:
+    def _object(self, job: str, tenant: Tenant, blob: bytes, holder: Hashable) -> bytes:
         layout = fmt.parse_layout(blob, allow_partial=True)
-        seg = self.store.create(tenant, layout.total_size, holder, affinity="gateway")
+        seg = self.store.create(tenant, layout.total_size, holder, affinity="gateway", owner=Pinned(job))
         os.pwrite(seg.fd, blob, 0)
         self.store.seal(seg.key)
         return seg.key
