@@ -79,6 +79,9 @@ MAX_ERROR_BODY = 64 << 10
 MAX_PEER_ANSWER = 16 << 20  # a node's part of a split query: per-client numbers, never tensors
 ASSIGN_ATTEMPTS = 3
 FETCH_ATTEMPTS = 3
+# a model reference downloads share is given back once unused this long, so that the agent can
+# spill an idle model (lifl.node.spill: it counts the model used until the reference comes back)
+SHARED_MODEL_IDLE_S = 5.0
 PRIVACY_LOOKBACK = 100  # rounds searched for the latest epsilon recorded (abandoned rounds record none)
 
 
@@ -344,9 +347,11 @@ class ModelRef:
         self.epoch = agent.epoch  # the agent connection that holds it
         self.users = 0
         self.shared = True  # False: the next download opens another
+        self.last_used = time.monotonic()
 
     def view(self) -> ModelView:
         self.users += 1
+        self.last_used = time.monotonic()
         return ModelView(self)
 
     def retire(self) -> None:
@@ -511,6 +516,7 @@ class GatewayService:
             self.loop.offload(lambda: self.state.publish_gateway(self.node, addresses), self._logged("registration"))
 
         self._duties.append(self.loop.every("gateway registration", REGISTER_EVERY, register))
+        self._duties.append(self.loop.every("idle model references", SHARED_MODEL_IDLE_S, self._retire_idle_models))
         self.versions.start()
         self._forwarder.connect()
         self.agent.connect()
@@ -1104,6 +1110,12 @@ class GatewayService:
             done(view, None)
 
         self.agent.request(OpenModel(job_name), done=opened)
+
+    def _retire_idle_models(self) -> None:
+        """Give back the shared model references no download used for ``SHARED_MODEL_IDLE_S``."""
+        now = time.monotonic()
+        for job in [job for job, ref in self._models.items() if not ref.users and now - ref.last_used >= SHARED_MODEL_IDLE_S]:
+            self._share(job, None)
 
     def _share(self, job_name: str, ref: ModelRef | None) -> None:
         old = self._models.pop(job_name, None)

@@ -44,6 +44,9 @@ KEY_BYTES = 16
 WRITING_MODE = 0o640  # the tenant's group reads it (a parent may open a result before it is sealed); only the agent's fd writes
 SEALED_MODE = 0o440
 RETAIN = "retain"  # holders ("retain", ...) keep objects for queries only (lifl.node.retention)
+# refusals that idle models may lift by leaving memory (``ObjectStore.spill``): memory is short
+# (any tenant's models), or the refused tenant's own models take its share, room or quota
+SPILL_CODES = ("shm_exhausted", "fair_share", "shm_too_small", "quota_exceeded")
 
 
 def retention_holder(holder: Hashable) -> bool:
@@ -122,6 +125,9 @@ class ObjectStore:
         self.on_free: Callable[[bytes], None] | None = None  # told of every object whose last holder let go
         # asked to drop one retained object when memory is short; False when it has none left
         self.reclaim: Callable[[], bool] | None = None
+        # asked, once retained objects are gone, to spill idle models of at least so many bytes for
+        # a refused tenant (given the refusal's code: lifl.node.spill); False when none is idle
+        self.spill: Callable[[str, str, int], bool] | None = None
 
     @property
     def used_bytes(self) -> int:
@@ -131,7 +137,7 @@ class ObjectStore:
     def admit(self, tenant: Tenant, size: int, holder: Hashable, owner: RoundOf, kind: str, sizes: JobSizes) -> Segment:
         """The object of an admitted input of ``owner`` (a client update or another node's
         partial), created only once what aggregating it needs is reserved; raises ``Overloaded``."""
-        self._evicting(lambda: self.ledger.reserve(owner, kind, sizes, size, time.monotonic(), tenant.name))
+        self._evicting(lambda: self.ledger.reserve(owner, kind, sizes, size, time.monotonic(), tenant.name), tenant, size)
         try:
             return self.create(tenant, size, holder, affinity="gateway", owner=owner)
         except LiflError:
@@ -142,17 +148,20 @@ class ObjectStore:
         """The object of the model a client sends for ``job``, created only within its
         tenant's quota and share (``MemoryLedger.admit_pinned``); raises ``Overloaded``."""
         owner = Pinned(job)
-        self._evicting(lambda: self.ledger.admit_pinned(owner, size, time.monotonic(), tenant.name))
+        self._evicting(lambda: self.ledger.admit_pinned(owner, size, time.monotonic(), tenant.name), tenant, size)
         return self.create(tenant, size, holder, affinity="gateway", owner=owner)
 
-    def _evicting(self, check: Callable[[], object]) -> None:
-        """Run an admission check; while it finds memory short, retained objects go first."""
+    def _evicting(self, check: Callable[[], object], tenant: Tenant, size: int) -> None:
+        """Run an admission check of ``size`` bytes for ``tenant``; while it finds memory short,
+        retained objects go first, then idle models (which come back from their checkpoints)."""
         while True:
             try:
                 check()
                 return
             except Overloaded as e:
-                if e.code != "shm_exhausted" or self.reclaim is None or not self.reclaim():
+                if e.code == "shm_exhausted" and self.reclaim is not None and self.reclaim():
+                    continue
+                if e.code not in SPILL_CODES or self.spill is None or not self.spill(e.code, tenant.name, size):
                     raise
 
     def withdraw(self, owner: RoundOf, kind: str) -> None:
@@ -174,7 +183,7 @@ class ObjectStore:
         before the round ends (a re-run of a crashed task allocates it again)."""
         if size <= 0:
             raise Internal(f"object size must be positive, got {size}")
-        self._evicting(lambda: self.ledger.check_object(owner, size))
+        self._evicting(lambda: self.ledger.check_object(owner, size), tenant, size)
         seg = self._take_pooled(tenant, size, affinity)
         if seg is None:
             self._make_room(size)
@@ -302,11 +311,13 @@ class ObjectStore:
         seg.holders.clear()
         self._free(seg)
 
-    def release(self, key: bytes, holder: Hashable) -> None:
+    def release(self, key: bytes, holder: Hashable, *, pool: bool = True) -> None:
+        """Let ``holder``'s reference go; ``pool``: if it was the last, keep the buffer for the
+        next object of its tenant and size (False: give its memory back to the system now)."""
         seg = self.get(key)
         self._drop(seg, holder)
         if not seg.holders:
-            self._free(seg)
+            self._free(seg, pool)
         else:
             self._settle_retention(seg)
 
@@ -356,7 +367,7 @@ class ObjectStore:
             self.ledger.retain(seg.owner, seg.size, seg.tenant.name)
             seg.owner, seg.refund, seg.retained = None, 0, True
 
-    def _free(self, seg: Segment) -> None:
+    def _free(self, seg: Segment, pool: bool = True) -> None:
         if self.on_free is not None:
             self.on_free(seg.key)
         del self._objects[seg.key]
@@ -365,7 +376,7 @@ class ObjectStore:
         else:
             self.ledger.remove_object(seg.owner, seg.size, seg.refund)
         seg.owner, seg.refund, seg.retained = None, 0, False
-        if self.pooled_bytes + seg.size > self.pool_limit:
+        if not pool or self.pooled_bytes + seg.size > self.pool_limit:
             self._destroy(seg)
             return
         self._pool_seq += 1

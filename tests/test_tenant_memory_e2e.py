@@ -22,7 +22,7 @@ from test_admission_e2e import (
 )
 
 pytestmark = pytest.mark.slow
-A_MODELS = 3  # tenant A's jobs, each with a model
+A_MODELS = 1  # tenant A's jobs, each with a model: only the one in its round, which cannot spill (idle models would, lifl.node.spill)
 A_ADMITTED = 12  # A's round updates that exactly fill the memory its models leave
 CAPACITY = A_MODELS * UPDATE_BYTES + sum(COSTS[:A_ADMITTED])
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import threading
@@ -28,6 +29,7 @@ from lifl.protocol import PlannerCounts
 from lifl.state import ClusterState
 
 DEFAULT_RISE = 1.5  # E this many times its low-load value counts as a significant increase
+MAX_CLIENTS = 8  # connections a step sends its updates over
 PUBLISH_LAG = 1.2  # seconds for the agent's counters (published every second) to include a step
 
 
@@ -116,18 +118,21 @@ def calibrate_node(state: ClusterState, node: str, *, update_mb: float, step_sec
     while r <= max_rate:
         rates.append(r)
         r *= 2
-    # one round that never fills, abandoned (everything released) once calibration is over
+    # one round that never fills (its goal is more than the steps offer), abandoned under its
+    # minimum (everything released) once calibration is over; a round whose goal the node's
+    # memory could not hold is refused when the model is set (round_too_large): fewer steps
     deadline = len(rates) * (step_seconds + 2) + 10
+    never_filled = 2 * sum(math.ceil(rate * step_seconds) + MAX_CLIENTS for rate in rates)
     gw = Gateway(gateway["http"])
     # leaves of two (the paper's I): each pair's fold is reported within the step that sent it
-    gw.create_job(job, 1_000_000, tenant="calibrate", round_deadline_s=deadline, min_updates=1_000_000,
-                  max_inflight=1_000_000, over_selection=1.0, leaf_fan_in=2)
+    gw.create_job(job, never_filled, tenant="calibrate", round_deadline_s=deadline, min_updates=never_filled,
+                  max_inflight=never_filled, over_selection=1.0, leaf_fan_in=2)
     gw.set_model(job, fmt.encode({"w": np.zeros(n, np.float32)}))
     blob = bytes(fmt.encode({"w": np.ones(n, np.float32)}))
     for rate in rates:
         before = counters(state, node, job)
         t0 = time.monotonic()
-        acknowledged = offer(gateway["http"], job, blob, rate, step_seconds, clients=max(1, min(8, int(rate))))
+        acknowledged = offer(gateway["http"], job, blob, rate, step_seconds, clients=max(1, min(MAX_CLIENTS, int(rate))))
         elapsed = time.monotonic() - t0
         time.sleep(PUBLISH_LAG)  # the agent publishes its counters every second
         after = counters(state, node, job)

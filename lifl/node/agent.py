@@ -45,7 +45,8 @@ import sys
 import threading
 import time
 import traceback
-from collections import deque
+from collections import OrderedDict, deque
+from concurrent.futures import Future
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -67,7 +68,7 @@ from lifl.keys.factory import CHANNELS, transport
 from lifl.keys.record import KeyMessage, now_ns
 from lifl.ledger import PARTIAL, UPDATE, JobSizes, Pinned, RoundOf, round_fit
 from lifl.net.loop import SLOW_POOL, Loop
-from lifl.node import installs, tasks, tree, uploads
+from lifl.node import installs, spill, tasks, tree, uploads
 from lifl.node.actuator import ACTUATORS, Actuator, ClusterPods, LocalProcesses
 from lifl.node.metrics import Metrics
 from lifl.node.privilege import attach_refusal, current, peer_identity
@@ -91,7 +92,7 @@ from lifl.state import (
     ACCEPT_CLOSED_ROUND, REDIS_RETRY_AFTER, RESERVE_OK, late, ClusterState, ScriptCall, accept_refusal, accepted, refusal, reserved,
     retained_index,
 )
-from lifl.store import SHM_DIR, ObjectStore, Segment, Tenant, remove_node_objects
+from lifl.store import SHM_DIR, ObjectStore, Segment, Tenant, remove_node_objects, retention_holder
 from lifl.strategy import privacy, strategy_bytes
 
 DEFAULT_HANDLER = "lifl.functions.aggregator.handler:handle"
@@ -153,6 +154,7 @@ class AgentConfig:
     channel: str = "auto"  # the key transport (lifl.keys.factory.CHANNELS)
     functions: str = "processes"  # who starts function instances (lifl.node.actuator.ACTUATORS)
     retain_budget: int = 0  # shared-memory bytes each tenant may keep for queries; 0: half the capacity
+    model_idle_s: float = spill.DEFAULT_MODEL_IDLE_S  # a model unused this long leaves shared memory (lifl.node.spill)
 
     @property
     def socket_path(self) -> Path:
@@ -181,6 +183,11 @@ class JobRun:
     replica: tuple[bytes, int] | None = None  # (key, version): a copy fetched to serve it here
     strategy_state: tuple[bytes, int] | None = None  # (key, version): the strategy's state after that version, if made here
 
+    @property
+    def spilled(self) -> bool:
+        """Its model is this node's, out of memory: it comes back from its checkpoint on demand."""
+        return self.model_key is None and self.model_version != NO_MODEL
+
     @cached_property
     def leaf_fan_in(self) -> int:
         return self.spec.fan_in_for(self.model_spec.data_bytes if self.model_spec else None)
@@ -198,17 +205,20 @@ def job_sizes(spec: JobSpec, model_spec: fmt.ModelSpec) -> JobSizes:
 
 
 def check_round_fits(spec: JobSpec, model_spec: fmt.ModelSpec, update_bytes: int, for_jobs: list[int]) -> None:
-    """Refuse a model whose job's round can never fit in the nodes' shared memory (``for_jobs``:
-    what each live node has for rounds once the model is there): better now than after its
-    first update was acknowledged."""
-    fits, needed = round_fit(job_sizes(spec, model_spec), update_bytes, spec.goal, for_jobs)
+    """Refuse a model whose job's round can never complete in the nodes' shared memory
+    (``for_jobs``: what each live node has for rounds once the model is there): better now than
+    after its first update was acknowledged. A round completes with its goal, or, with a
+    deadline, with ``min_updates`` (it closes then with what arrived, all of it reserved)."""
+    needed_updates = min(spec.goal, spec.min_updates) if spec.round_deadline_s else spec.goal
+    fits, needed = round_fit(job_sizes(spec, model_spec), update_bytes, needed_updates, for_jobs)
     if not fits:
         available = max(for_jobs, default=0)
         raise Unprocessable(
-            f"a round of job {spec.job!r} can never fit: it needs {needed} bytes of shared memory at once on a node "
-            f"({spec.goal} updates of {update_bytes} bytes, leaf fan-in {spec.fan_in_for(model_spec.data_bytes)}, spread "
-            f"over up to {len(for_jobs)} node(s)) and the largest has {available} bytes for its tenant's rounds; raise "
-            "--shm-limit (or the tenant's shm_bytes quota), lower the job's goal or add nodes", code="round_too_large", extra={"needed": needed, "available": available})
+            f"a round of job {spec.job!r} can never complete: it needs {needed} bytes of shared memory at once on a "
+            f"node ({needed_updates} updates of {update_bytes} bytes, leaf fan-in {spec.fan_in_for(model_spec.data_bytes)}, "
+            f"spread over up to {len(for_jobs)} node(s)) and the largest has {available} bytes for its tenant's rounds; "
+            "raise --shm-limit (or the tenant's shm_bytes quota), lower the job's goal (or min_updates, with a deadline) "
+            "or add nodes", code="round_too_large", extra={"needed": needed, "available": available})
 
 
 @dataclass(eq=False)
@@ -465,6 +475,7 @@ class Agent:
         self.store.on_free = self._update_done
         self.retainer = Retainer(config.node, self.store, state, self.checkpointer.store, self.metrics, self.loop.call,
                                  config.retain_budget or config.shm_capacity // 2)
+        self.store.spill = self._spill_for_room
         # the versions a query may read stay (read from Redis if this node has not seen the job yet)
         self.checkpointer.keep = lambda job: checkpoints_kept(self.retainer.policy(job), checkpoints.KEEP)
         self.queries: dict[int, QueryRun] = {}
@@ -480,6 +491,9 @@ class Agent:
         self._settle_again: set[str] = set()  # ...and asked for again meanwhile
         self._deadline_at: dict[str, float] = {}  # a job's next round deadline to check (monotonic), from its last settle
         self._touched: dict[str, float] = {}  # when a gateway last asked about a job (monotonic): it is active a while
+        # jobs whose model or replica is in memory here, by when it was last used, least recently first
+        self._resident: OrderedDict[str, float] = OrderedDict()
+        self._restoring: dict[str, list[Callable[[LiflError | None], None]]] = {}  # spilled models being read back
         self._swept: dict[str, float] = {}  # when a duty last visited every job (monotonic)
         self._settle_then: dict[str, list[Callable[[], None]]] = {}  # what waits for a job's settle
         self._aggregated: dict[tuple[str, int], int] = {}  # updates folded, not yet counted in Redis
@@ -560,6 +574,7 @@ class Agent:
                 ("publish_status", 1.0, self.publish_status),
                 ("trim_pool", 5.0, self.trim_pool),
                 ("drop_stale_replicas", 1.0, self.drop_stale_replicas),
+                ("spill_idle_models", min(1.0, c.model_idle_s / 2), self.spill_idle_models),
                 ("control", c.control.period, self.control),
                 ("warm_instances", 0.5, self.warm_instances),
                 ("apply_retention", 1.0, self.apply_retention),
@@ -622,7 +637,8 @@ class Agent:
                 self._settle_io(name, None)
 
     def _restore_models(self) -> None:
-        """Bring back the model of every job that lived on this node, from its latest checkpoint.
+        """Resume every job whose model lived on this node at its latest checkpoint, spilled: its
+        model comes back into memory when it is first used (``_bring_back``), as an idle model does.
 
         The version clients saw is never newer than the latest checkpoint (versions are made
         visible once durable), so resuming from it loses no version and repeats none; if Redis
@@ -636,23 +652,18 @@ class Agent:
                 print(f"lifl agent: job {name!r} is at version {j.version} but its newest checkpoint is {latest}; "
                       f"it cannot resume on this node", file=sys.stderr)
                 continue
-            blob = self.checkpointer.store.load(name, latest)
             read = self._job_io(name)
 
-            def restore(j: Job = j, read: tuple[Job, Tenant, RetentionPolicy] = read, blob: bytes = blob,
-                        latest: int = latest) -> bytes:
-                run = self._known(read)
-                seg = self._blob_object(run, blob, ("model", j.spec.job))
-                run.model_key, run.model_version = seg.key, latest
-                return seg.key
+            def resume(read: tuple[Job, Tenant, RetentionPolicy] = read, latest: int = latest) -> None:
+                self._known(read).model_version = latest
 
-            key = self.loop.call(restore)
+            self.loop.call(resume)
             if latest > j.version:  # the round made it (its updates are in the checkpoint): one record, no loss
                 summary = self._summary(j, self.state.shard(name), latest, "complete" if j.accepted >= j.spec.goal else "partial",
                                         updates=j.accepted, lost={},
                                         reason=f"node {self.node} restarted with version {latest} checkpointed, "
                                                "which Redis did not have yet")
-                self.state.next_round(name, j.round, latest, key=key.hex(), node=self.node, summary=summary)
+                self.state.next_round(name, j.round, latest, key="", node=self.node, summary=summary)
             self.state.set_checkpoint(name, latest)
             self.metrics.version.labels(name).set(latest)
             print(f"lifl agent: job {name!r} resumed at version {latest} from its checkpoint", file=sys.stderr)
@@ -812,7 +823,7 @@ class Agent:
 
     def _with_job(self, name: str, then: Callable[[Job, JobRun], None], reply: Reply) -> None:
         """Read the job from Redis, then ``then(job, run)`` on the loop (errors answer ``reply``)."""
-        self._touched[name] = time.monotonic()
+        self._touch(name)
 
         def got(result: tuple[Job, Tenant, RetentionPolicy] | None, error: BaseException | None) -> None:
             if error is not None or result is None:
@@ -827,12 +838,18 @@ class Agent:
 
     def _with_run(self, name: str, then: Callable[[JobRun], None], reply: Reply) -> None:
         """This node's record of a job, read from Redis only the first time (its spec is fixed)."""
-        self._touched[name] = time.monotonic()
+        self._touch(name)
         run = self.jobs.get(name)
         if run is not None and run.model_spec is not None:
             then(run)
         else:
             self._with_job(name, lambda j, run: then(run), reply)
+
+    def _touch(self, name: str) -> None:
+        """A gateway asked about the job, or its model was used: it is active, its model not idle."""
+        self._touched[name] = time.monotonic()
+        if name in self._resident:
+            self._used(name)
 
     def tenant_of(self, job: str) -> str:
         return self.jobs[job].tenant.name
@@ -841,7 +858,12 @@ class Agent:
     def admit(self, holder: Hashable, m: Admit, reply: Reply) -> None:
         """Reserve a slot of the round (with every other admission of the job that arrives
         meanwhile: one Redis call), then the memory to aggregate the update, then its object."""
-        self._with_run(m.job, lambda run: self._reserves.add(m.job, (holder, m, self._token(), reply)), reply)
+        def reserve(run: JobRun) -> None:
+            if run.spilled:  # its round begins: the model comes back meanwhile (a strategy's step reads it)
+                self._bring_back(run, lambda error: None)
+            self._reserves.add(m.job, (holder, m, self._token(), reply))
+
+        self._with_run(m.job, reserve, reply)
 
     def _token(self) -> str:
         """An upload's token: unique across this node's restarts (see the admission scripts)."""
@@ -1198,9 +1220,11 @@ class Agent:
         self.store.move_ref(m.key, holder, pending)
         fd, size = os.dup(seg.fd), seg.size
         ledger = self.store.ledger
-        here = ledger.for_rounds(run.tenant.name)  # the model is pinned already
+        spillable = self._spillable(run.tenant.name)  # the tenant's idle models make room for its rounds
+        here = ledger.for_rounds(run.tenant.name) + spillable  # the model is pinned already
         quota = ledger.quota_room(run.tenant.name)  # the tenant's shm_bytes bound its rounds on every node
         if quota is not None:
+            quota += spillable
             here = min(here, quota)
 
         def write() -> tuple[float, float]:
@@ -1230,7 +1254,8 @@ class Agent:
                 reply.error(Conflict(f"job {upload.job!r} already has a model", code="model_exists"))
                 return
             self.store.move_ref(m.key, pending, ("model", upload.job))
-            run.model_key, run.model_spec, run.model_version = m.key, spec, 0
+            run.model_spec = spec
+            self._hold_model(run, m.key, 0)
             if self.retainer.policy(upload.job).active:
                 self.retainer.keep_model(upload.job, run.tenant, m.key, 0)
             self.metrics.checkpoint_seconds.observe(seconds)
@@ -1252,6 +1277,7 @@ class Agent:
             self.store.release(run.replica[0], ("replica", job))
         self.store.move_ref(key, holder, ("replica", job))
         run.replica = (key, version)
+        self._used(job)
 
     @staticmethod
     def _read_layout(fd: int) -> fmt.Layout:
@@ -1261,9 +1287,10 @@ class Agent:
 
     # -- models -----------------------------------------------------------------------------------
     def open_model(self, holder: Hashable, m: OpenModel, reply: Reply) -> None:
-        """A read reference to the job's current model: the one installed here, a replica, or
-        (when the node that has it is gone) one restored from the shared checkpoints; otherwise
-        ``model_elsewhere`` tells the gateway which node to fetch it from."""
+        """A read reference to the job's current model: the one installed here (brought back from
+        its checkpoint if it was spilled), a replica, or (when the node that has it is gone) one
+        restored from the shared checkpoints; otherwise ``model_elsewhere`` tells the gateway
+        which node to fetch it from."""
 
         def then(j: Job, run: JobRun) -> None:
             if j.version == NO_MODEL:
@@ -1271,6 +1298,20 @@ class Agent:
             opened = self._open_local(holder, run, j.version)
             if opened:
                 reply(*opened)
+                return
+            if run.spilled and run.model_version == j.version:
+
+                def back(error: LiflError | None) -> None:
+                    if error is not None:
+                        reply.error(error)
+                        return
+                    again = self._open_local(holder, run, j.version)
+                    if again is None:  # a newer version was installed meanwhile: read the job again
+                        self.open_model(holder, m, reply)
+                    else:
+                        reply(*again)
+
+                self._bring_back(run, back)
                 return
 
             def fetch() -> bytes:
@@ -1303,6 +1344,114 @@ class Agent:
 
         self._with_job(m.job, then, reply)
 
+    def _hold_model(self, run: JobRun, key: bytes, version: int) -> None:
+        """``key``, held by ``("model", job)``, is the job's model here from now on."""
+        run.model_key, run.model_version = key, version
+        self._used(run.spec.job)
+
+    def _used(self, job: str) -> None:
+        """The job's model or replica in memory here was just used: it is the last to spill."""
+        self._resident[job] = time.monotonic()
+        self._resident.move_to_end(job)
+
+    def _bring_back(self, run: JobRun, then: Callable[[LiflError | None], None]) -> None:
+        """Read a spilled model back from its checkpoint into memory (once, however many ask while
+        it is read), with the version it had; then ``then(error)`` on the loop."""
+        job, version = run.spec.job, run.model_version
+        if not run.spilled:
+            then(None)
+            return
+        if job in self._restoring:
+            self._restoring[job].append(then)
+            return
+        self._restoring[job] = [then]
+
+        def loaded(blob: bytes | None, error: BaseException | None) -> None:
+            problem: LiflError | None = None
+            if isinstance(error, FileNotFoundError):  # pruning keeps the current version: this is a bug
+                problem = Internal(f"the checkpoint of version {version} of job {job!r} is missing: {error}")
+            elif error is not None or blob is None:
+                problem = _unavailable(error or Internal("no checkpoint"))
+            elif run.spilled and run.model_version == version:  # no newer version was installed meanwhile
+                try:
+                    self._hold_model(run, self._blob_object(run, blob, ("model", job)).key, version)
+                    self.metrics.models_moved.labels("restored").inc()
+                except LiflError as e:
+                    problem = e
+            for waiter in self._restoring.pop(job):
+                waiter(problem)
+
+        self.loop.offload(lambda: self.checkpointer.store.load(job, version), loaded, SLOW_POOL)
+
+    def _model_in_memory(self, run: JobRun, version: int) -> bytes | None:
+        """(Off the loop.) The object of the job's model ``version`` if it is this node's current
+        one, brought back first if it was spilled; None otherwise."""
+        back: Future[LiflError | None] = Future()
+
+        def bring_back() -> None:
+            if run.spilled and run.model_version == version:
+                self._bring_back(run, back.set_result)
+            else:
+                back.set_result(None)
+
+        self.loop.call(bring_back)
+        if (error := back.result()) is not None:
+            raise error
+        return self.loop.call(lambda: run.model_key if run.model_version == version else None)
+
+    def spill_idle_models(self) -> None:
+        """Spill the models (and drop the replicas) unused for ``model_idle_s``; only those unused
+        that long are visited (the least recently used come first), so this costs nothing per
+        model that is in use or already out."""
+        now, idle_s = time.monotonic(), self.config.model_idle_s
+        stale = []
+        for job, last_used in self._resident.items():
+            if now - last_used < idle_s:
+                break
+            stale.append(self._resident_of(job, last_used))
+        for job in spill.expired(stale, now, idle_s):
+            self._spill(job, "idle")
+        for model in stale:
+            if model.busy:  # looked at again once idle that long
+                self._used(model.job)
+
+    def _spill_for_room(self, code: str, tenant: str, size: int) -> bool:
+        """The store's ``spill``: an admission of ``size`` bytes for ``tenant`` was refused with
+        ``code``; spill idle models to make room (least recently used first), whether or not they
+        were idle for ``model_idle_s``: any tenant's if memory is short, else the tenant's own.
+        Returns whether any went."""
+        models = [self._resident_of(job, last_used) for job, last_used in self._resident.items()]
+        victims = spill.to_make_room(models, size, None if code == "shm_exhausted" else tenant,
+                                     self.store.ledger.over_share(time.monotonic()))
+        for job in victims:
+            self._spill(job, "pressure")
+        return bool(victims)
+
+    def _spillable(self, tenant: str) -> int:
+        """Bytes the tenant's idle models (and replicas) hold here: they leave to make room."""
+        models = (self._resident_of(job, last_used) for job, last_used in self._resident.items())
+        return sum(m.size for m in models if m.tenant == tenant and not m.busy)
+
+    def _resident_of(self, job: str, last_used: float) -> spill.Resident:
+        """The job's model and replica in memory, as ``lifl.node.spill`` weighs them."""
+        run = self.jobs[job]
+        segments = [(self.store.get(key), holder) for key, holder in _outside_rounds(run)]
+        shared = any(h != holder and not retention_holder(h) for seg, holder in segments for h in seg.holders)
+        usage = self.store.ledger.usage(job)
+        busy = (shared or job in self.trees.rounds or bool(self.uploads.counts.get(job)) or bool(usage.working)
+                or bool(usage.reserved))
+        return spill.Resident(job, run.tenant.name, sum(seg.size for seg, _ in segments), last_used, busy)
+
+    def _spill(self, job: str, reason: str) -> None:
+        """Let the job's model (it comes back from its checkpoint), replica and strategy state (read
+        back from its checkpoint by the next step) go from memory now."""
+        run = self.jobs[job]
+        for key, holder in _outside_rounds(run):
+            self.store.release(key, holder, pool=False)
+        run.model_key, run.replica, run.strategy_state = None, None, None  # the model's version stays: it comes back
+        del self._resident[job]
+        self.metrics.models_moved.labels(reason).inc()
+
     def _open_local(self, holder: Hashable, run: JobRun, version: int) -> tuple[Message, list[int]] | None:
         if run.model_key is not None and run.model_version == version:
             key = run.model_key
@@ -1311,11 +1460,15 @@ class Agent:
         else:
             return None
         seg = self.store.add_ref(key, holder)
+        self._used(run.spec.job)
         fd = os.open(SHM_DIR / seg.name[1:], os.O_RDONLY)
         return ModelOpened(key, version, seg.size), [fd]
 
     def release(self, holder: Hashable, m: Release, reply: Reply) -> None:
+        owner = self.store.get(m.key).owner
         self.store.release(m.key, holder)
+        if isinstance(owner, Pinned) and owner.job in self._resident:  # a download of its model: used until now
+            self._used(owner.job)
         reply()
 
     # -- queries (lifl.flstore) --------------------------------------------------------------------
@@ -1340,6 +1493,7 @@ class Agent:
         qid = -self._take_id()
         holder = query_holder(m.job, qid)
         sources: list[str] = []
+        self._touch(m.job)
 
         def prepare() -> tuple[Job, JobRun, dict[str, Any], bool, float]:
             read = self._job_io(m.job)
@@ -1421,7 +1575,7 @@ class Agent:
         if version > j.version or (version != j.version and not version_queryable(policy, version, j.version)):
             raise NotFound(f"version {version} of job {j.spec.job!r} is not retained (current version {j.version}; "
                            f"its retention policy keeps models {policy.version_window} versions back)", code="not_retained")
-        current = self.loop.call(lambda: run.model_key if run.model_version == version else None)
+        current = self._model_in_memory(run, version)
         keep = in_memory(policy, Held(MODEL, version), j.round - 1, j.version)
         key, source = self.retainer.acquire_model(j.spec.job, run.tenant, version, holder, keep, current)
         sources.append(source)
@@ -1477,7 +1631,7 @@ class Agent:
                 if v is None or not version_queryable(policy, v, j.version):
                     entry[what] = None
                     continue
-                current = self.loop.call(lambda v=v: run.model_key if run.model_version == v else None)
+                current = self._model_in_memory(run, v)
                 keep = in_memory(policy, Held(MODEL, v), newest, j.version)
                 key, source = self.retainer.acquire_model(j.spec.job, run.tenant, v, holder, keep, current)
                 sources.append(source)
@@ -2169,7 +2323,7 @@ class Agent:
             self.store.pin(e.input.key)  # from the round's working memory to the node's models
             if run.model_key is not None:
                 self.store.release(run.model_key, ("model", job))
-            run.model_key, run.model_version = e.input.key, version
+            self._hold_model(run, e.input.key, version)
             if self.retainer.policy(job).active:
                 self.retainer.keep_model(job, run.tenant, e.input.key, version)
             self._count_round(job, summary)
@@ -2329,7 +2483,7 @@ class Agent:
             del self._touched[name]
         return (set(self.trees.rounds) | {n for n, c in self.uploads.counts.items() if c}
                 | {item.job for item in self.retainer.items.values()}
-                | {n for n, run in self.jobs.items() if run.replica is not None} | set(self._touched))
+                | {n for n in self._resident if self.jobs[n].replica is not None} | set(self._touched))
 
     def publish_status(self) -> None:
         status = self.status()
@@ -2341,8 +2495,9 @@ class Agent:
         self.store.trim_pool(idle_seconds=max(self.config.keep_warm, 30.0))
 
     def drop_stale_replicas(self) -> None:
-        """A replica of an older version serves nobody: let it go."""
-        held = {name: run.replica[1] for name, run in self.jobs.items() if run.replica is not None}
+        """A replica of an older version serves nobody: let it go (replicas are in memory: idle
+        ones are dropped by ``spill_idle_models``, so this visits only those in use lately)."""
+        held = {name: run.replica[1] for name in self._resident if (run := self.jobs[name]).replica is not None}
         if not held:
             return
 
@@ -2352,6 +2507,8 @@ class Agent:
                 if version != held[name] and run.replica is not None and run.replica[1] == held[name]:
                     self.store.release(run.replica[0], ("replica", name))
                     run.replica = None
+                    if run.model_key is None:
+                        del self._resident[name]
 
         self.loop.offload(lambda: {name: self.state.version(name) for name in held}, drop)
 
@@ -2367,10 +2524,16 @@ class Agent:
             task = self.board.running.get(w.task) if w.task is not None else None
             if task is not None:
                 at_work[task.job, task.role] = at_work.get((task.job, task.role), 0) + 1
+        # only jobs with something going on here: an idle job's activity is all zeros (readers take a
+        # missing job as such), and the status is published every second whatever the number of jobs
+        ledger = self.store.ledger
+        busy = (set(self.trees.rounds) | {n for n, c in self.uploads.counts.items() if c} | {job for job, _ in at_work}
+                | {job for t in ledger.tenants.values() for job in t.in_rounds})
         jobs: dict[str, JobActivity] = {}
-        for name, run in self.jobs.items():
+        for name in sorted(busy & self.jobs.keys()):
+            run = self.jobs[name]
             r = self.trees.round_of(name)
-            memory = self.store.ledger.usage(name)
+            memory = ledger.usage(name)
             jobs[name] = JobActivity(run.tenant.name, run.leaf_fan_in, r.round if r else None,
                                      self.uploads.counts.get(name, 0), *(at_work.get((name, role), 0) for role in ROLES),
                                      memory.working, memory.reserved)
@@ -2391,6 +2554,16 @@ class Agent:
         self.metrics.publish_memory(self.store.ledger, self.store.pooled_bytes, self.jobs)
         self._refresh_instance_gauges()
         return self.metrics.exposition()
+
+
+def _outside_rounds(run: JobRun) -> list[tuple[bytes, Hashable]]:
+    """(object, holder) of what the job keeps in memory here between rounds: its model, its
+    replica and its strategy's state (each with a durable copy to come back from)."""
+    job = run.spec.job
+    held = [(run.model_key, ("model", job)), (run.replica[0] if run.replica else None, ("replica", job))]
+    if run.strategy_state is not None:
+        held.append((run.strategy_state[0], ("strategy", job, run.strategy_state[1])))
+    return [(key, holder) for key, holder in held if key is not None]
 
 
 def _assume_live(shard: Shard) -> set[str]:
@@ -2436,13 +2609,16 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retain-budget", type=int, default=0, metavar="BYTES",
                    help="shared memory each tenant may keep for queries on retained updates (least recently used "
                         "go first; default 0: half of --shm-limit)")
+    p.add_argument("--model-idle", type=float, default=spill.DEFAULT_MODEL_IDLE_S, metavar="SECONDS",
+                   help="a job's model unused this long (no update, round, read or query) leaves shared memory and "
+                        f"comes back from its checkpoint when next used (default {spill.DEFAULT_MODEL_IDLE_S:g})")
     ControlConfig.add_arguments(p)
 
 
 def agent_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"max_instances": args.max_instances, "keep_warm": args.keep_warm, "reuse": not args.no_reuse,
             "lazy": args.lazy, "control": ControlConfig.from_arguments(args), "channel": args.channel,
-            "functions": args.functions, "retain_budget": args.retain_budget}
+            "functions": args.functions, "retain_budget": args.retain_budget, "model_idle_s": args.model_idle}
 
 
 def agent_argv(options: dict[str, Any]) -> list[str]:
@@ -2450,6 +2626,7 @@ def agent_argv(options: dict[str, Any]) -> list[str]:
     argv = ["--max-instances", str(options["max_instances"]), "--keep-warm", str(options["keep_warm"])]
     argv += ["--no-reuse"] * (not options["reuse"]) + ["--lazy"] * options["lazy"] + ["--channel", options["channel"]]
     argv += ["--functions", options["functions"], "--retain-budget", str(options["retain_budget"])]
+    argv += ["--model-idle", str(options["model_idle_s"])]
     return argv + options["control"].argv()
 
 

@@ -40,6 +40,7 @@ from lifl.net.tls import ServerTls
 from lifl.node import netns, operator_token
 from lifl.node.agent import agent_argv
 from lifl.node.privilege import current, popen_as, prepare_data_dir, secure_checkpoints, service_identity
+from lifl.node.spill import DEFAULT_MODEL_IDLE_S
 from lifl.node.supervisor import NodeConfig, default_data_dir, default_run_dir, default_shm_capacity, embedded_redis_argv
 from lifl.procs import die_with_parent, on_signals
 from lifl.keys.ebpf import remove_node_channel
@@ -86,6 +87,7 @@ class ClusterConfig:
     channel: str = "auto"  # every node's key transport
     functions: str = "processes"  # who starts every node's function instances (lifl.node.actuator.ACTUATORS)
     retain_budget: int = 0  # every node's, per tenant (see lifl.node.agent.AgentConfig)
+    model_idle_s: float = DEFAULT_MODEL_IDLE_S  # every node's (lifl.node.spill)
     control: ControlConfig = field(default_factory=ControlConfig)
     gateway_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     open_metrics: bool = False  # every node's GET /metrics without a token
@@ -133,7 +135,7 @@ class ClusterConfig:
             run_dir=self.run_dir / node, data_dir=self.data_dir / node, checkpoints=self.checkpoints,
             shm_capacity=self.shm_capacity, pool_limit=self.pool_limit, max_instances=self.max_instances,
             keep_warm=self.keep_warm, reuse=self.reuse, lazy=self.lazy, channel=self.channel, functions=self.functions,
-            retain_budget=self.retain_budget, control=self.control,
+            retain_budget=self.retain_budget, model_idle_s=self.model_idle_s, control=self.control,
             gateway_limits=self.gateway_limits, service_user=self.service_user, tls=self.tls, open_metrics=self.open_metrics,
         )
 

@@ -56,6 +56,9 @@ class Metrics:
         self.version = Gauge("lifl_job_version", "Current global model version", ["job"], registry=r)
         self.checkpoint_failures = Counter("lifl_checkpoint_failures", "Checkpoint writes that failed (each is tried again)",
                                            ["job"], registry=r)
+        self.models_moved = Counter("lifl_models_moved", "Models (and replicas) leaving shared memory and coming back "
+                                    "(lifl.node.spill), by direction: idle, pressure (spilled) or restored",
+                                    ["direction"], registry=r)
         self.checkpoint_seconds = Histogram("lifl_checkpoint_seconds", "Time to write a checkpoint durably", registry=r,
                                             buckets=(1e-3, 0.01, 0.05, 0.1, 0.5, 1, 5, 30))
         self.shm = Gauge("lifl_shm_bytes", "Shared memory held by objects (used; pinned: of which models and replicas), "

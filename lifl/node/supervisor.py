@@ -46,6 +46,7 @@ from lifl.net.limits import ConnectionLimits
 from lifl.net.tls import ServerTls
 from lifl.node import operator_token
 from lifl.node.actuator import instance_pids
+from lifl.node.spill import DEFAULT_MODEL_IDLE_S
 from lifl.node.agent import agent_argv
 from lifl.node.privilege import (
     Identity, can_connect, current, make_private_tree, popen_as, prepare_data_dir, require_reachable, secure_checkpoints,
@@ -96,6 +97,7 @@ class NodeConfig:
     channel: str = "auto"  # the key transport (lifl.keys.factory.CHANNELS)
     functions: str = "processes"  # who starts function instances (lifl.node.actuator.ACTUATORS)
     retain_budget: int = 0  # shared-memory bytes a tenant may keep for queries (0: half the capacity)
+    model_idle_s: float = DEFAULT_MODEL_IDLE_S  # a model unused this long leaves shared memory (lifl.node.spill)
     control: ControlConfig = field(default_factory=ControlConfig)
     gateway_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     open_metrics: bool = False  # GET /metrics without a token
@@ -107,7 +109,7 @@ class NodeConfig:
     def agent_options(self) -> dict[str, object]:
         return {"max_instances": self.max_instances, "keep_warm": self.keep_warm, "reuse": self.reuse, "lazy": self.lazy,
                 "control": self.control, "channel": self.channel, "functions": self.functions,
-                "retain_budget": self.retain_budget}
+                "retain_budget": self.retain_budget, "model_idle_s": self.model_idle_s}
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z0-9]{1,16}", self.node):  # no '-': it separates name parts in /dev/shm
