@@ -131,7 +131,7 @@ def test_cluster_config_names_addresses_and_node_options(tmp_path: Path) -> None
         "--checkpoints": f"dir:{tmp_path / 'data/checkpoints'}",  # shared: any node can restore any job
         "--shm-limit": str(1 << 30), "--pool-limit": str(1 << 28), "--max-instances": "16", "--keep-warm": "5",
         "--placement": "worstfit", "--capacity": "20.0", "--ewma-alpha": "0.7", "--plan-period": "2.0", "--channel": "auto", "--functions": "processes",
-        "--retain-budget": "0",
+        "--retain-budget": "0", "--model-idle": "60.0",
         **dict(zip(limits[::2], limits[1::2])),  # the gateway's connection limits too
     }
 
