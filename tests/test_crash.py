@@ -241,8 +241,10 @@ def test_kill_everything_next_start_cleans_up(up: Up, shm_node: str, run_dir: Pa
     program = ebpf.program_id(PIN_ROOT / up.node)
     again = Up(shm_node, run_dir.parent)
     try:
-        now = again.objects()
-        assert not stale & set(again.shm()) and len(now) == 1  # only the model, restored from its checkpoint
+        assert not stale & set(again.shm()) and again.objects() == []  # models come back from checkpoints when used
+        with urllib.request.urlopen(urllib.request.Request(again.http + "/v1/jobs/j/model", headers=auth()), timeout=60) as r:
+            assert r.status == 200 and r.read() == MODEL
+        assert len(again.objects()) == 1  # the model, restored from its checkpoint as it was read
         assert ebpf.program_id(PIN_ROOT / up.node) != program  # the crashed run's channel unloaded, a new one loaded
     finally:
         again.proc.send_signal(signal.SIGTERM)
