@@ -13,6 +13,7 @@ from lifl.errors import BadRequest
 from lifl.fixedpoint import FixedPoint
 from lifl.flstore.retention import RetentionPolicy
 from lifl.models import MODELS
+from lifl.shards import ELEMENT, check_request as check_shards
 from lifl.strategy import StrategySpec
 
 # Always fullmatch: "$" also matches before a final newline, and a name ending in one would become
@@ -46,6 +47,8 @@ class JobSpec:
     architecture: str = ""  # the model's torch architecture (lifl.models.MODELS), for inference queries
     strategy: dict[str, Any] = field(default_factory=dict, hash=False)  # lifl.strategy, every parameter filled in; {}: fedavg
     fixed_point: dict[str, Any] = field(default_factory=dict, hash=False)  # lifl.fixedpoint; {}: float aggregation
+    shards: int = 1  # tensor shards, each aggregated in a hierarchy of its own (lifl.shards); 0: "auto"
+    shard_alignment: str = ELEMENT  # where shards are cut: between elements, or between tensors
 
     @property
     def sample_cap(self) -> int:
@@ -89,7 +92,7 @@ class JobSpec:
             "min_updates": (1, 1_000_000),
             "max_samples": (0, MAX_SAMPLES),
         }
-        values: dict[str, int] = {}
+        values: dict[str, Any] = {}
         for key, (low, high) in ints.items():
             if key not in body:
                 continue
@@ -121,6 +124,12 @@ class JobSpec:
                 raise BadRequest(f"fixed-point aggregation sums updates in the hierarchy; strategy {strategy.name!r} "
                                  "reads every update at the top instead: choose one", code="bad_job")
             values["fixed_point"] = fixed_point.to_json()
+        if "shards" in body or "shard_alignment" in body:
+            shards, alignment = check_shards(body.get("shards", 1), body.get("shard_alignment", ELEMENT))
+            if shards != 1 and strategy.runs_step:
+                raise BadRequest(f"strategy {strategy.name!r} does not run on tensor shards (yet): only fedavg does; "
+                                 "drop 'shards' or choose fedavg", code="bad_job")
+            values["shards"], values["shard_alignment"] = shards, alignment
         return cls(job=name, tenant=tenant, **values)
 
     @property

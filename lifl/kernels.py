@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,6 +12,8 @@ from lifl._kernels import ffi, lib
 from lifl.errors import Internal
 from lifl import format as fmt
 from lifl.format import Layout, ModelSpec
+
+_ITEMSIZE = {d.code: d.itemsize for d in (*fmt.WIRE_DTYPES.values(), fmt.I128)}
 
 
 def _ptr(ctype: str, array: np.ndarray) -> Any:
@@ -66,12 +69,24 @@ class TensorTable:
     with that layout (blobs with the same tensors may order them differently)."""
 
     def __init__(self, layout: Layout, spec: ModelSpec) -> None:
+        self._place(layout, [(t.name, 0, t.numel) for t in spec.tensors])
+
+    @classmethod
+    def ranges(cls, layout: Layout, ranges: Sequence[tuple[str, int, int]]) -> TensorTable:
+        """Runs of elements instead of whole tensors: (tensor, first element, elements) each,
+        which is how a tensor shard (``lifl.shards``) sees a blob of the whole model."""
+        table = cls.__new__(cls)
+        table._place(layout, ranges)
+        return table
+
+    def _place(self, layout: Layout, ranges: Sequence[tuple[str, int, int]]) -> None:
         by_name = {e.spec.name: e for e in layout.entries}
-        entries = [by_name[t.name] for t in spec.tensors]
+        entries = [by_name[name] for name, _, _ in ranges]
         self.layout = layout
-        self.offsets = np.array([layout.data_start + e.begin for e in entries], np.uint64)
+        self.offsets = np.array([layout.data_start + e.begin + first * e.spec.dtype.itemsize
+                                 for e, (_, first, _) in zip(entries, ranges)], np.uint64)
         self.dtypes = np.array([e.spec.dtype.code for e in entries], np.int32)
-        self.numel = np.array([t.numel for t in spec.tensors], np.uint64)
+        self.numel = np.array([numel for _, _, numel in ranges], np.uint64)
         self.c_dtypes, self.c_numel = _ptr("int32_t[]", self.dtypes), _ptr("uint64_t[]", self.numel)  # made once
 
 
@@ -114,6 +129,15 @@ def fold(acc: Tensors, inputs: Sequence[tuple[Tensors, int]], *, init: bool, fra
     if rc:
         raise Internal("fold received tensors whose dtypes do not match their accumulators")
     return max_abs
+
+
+def copy(out: Tensors, source: Tensors) -> None:
+    """out = source, tensor by tensor, in the same dtypes (a lone update's slice of a sharded
+    round's next model)."""
+    if not (np.array_equal(out.dtypes, source.dtypes) and np.array_equal(out.numel, source.numel)):
+        raise Internal("copy between tensors of different dtypes or sizes")
+    for dst, src, code, numel in zip(out.pointers, source.pointers, out.dtypes, out.numel):
+        ctypes.memmove(int(dst), int(src), int(numel) * _ITEMSIZE[int(code)])
 
 
 def finalize(out: Tensors, acc: Tensors, total: int, *, frac_bits: int = 0) -> None:

@@ -648,6 +648,7 @@ class Invoke(Message):
     parent_task: int = 0  # ...so the result's key goes there first, before the agent hears of it
     inputs: list[list[Any]] = field(default_factory=list)  # inputs known at the start (``input_record``): no key messages
     scratch: bytes = b""  # an accumulator allocated for its first fold (its descriptor comes along), b"": none
+    shard: int = 0  # the tensor shard it aggregates (options["shards"]: how the job's model is cut)
 
 
 def input_record(key: bytes, samples: int, updates: int, partial: bool, sent_ns: int) -> list[Any]:
@@ -685,6 +686,15 @@ class Ready(Message):
 class Alloc(Message):
     task: int
     size: int
+
+
+@message("next_model", Allocated)
+@dataclass(frozen=True)
+class NextModel(Message):
+    """The top of a sharded round asks for the object its round's next model is written into:
+    one for all the round's tops, the model's header written, each writing its slice."""
+
+    task: int
 
 
 @message("folded", Allocated)

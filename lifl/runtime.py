@@ -41,9 +41,10 @@ from lifl.keys.transport import KeyEndpoint
 from lifl.errors import LiflError
 from lifl.fixedpoint import FixedPoint
 from lifl.protocol import (
-    QUERY_ROLE, Alloc, Attach, CancelTask, Done, Failed, Finished, Folded, InstallResult, Invoke, Ready, StrategyInputs,
-    StrategyWork, input_fields,
+    QUERY_ROLE, Alloc, Attach, CancelTask, Done, Failed, Finished, Folded, InstallResult, Invoke, NextModel, Ready,
+    StrategyInputs, StrategyWork, input_fields,
 )
+from lifl.shards import ShardPlan, TensorShard, plan as shard_plan
 from lifl.net.io import ready
 from lifl.rpc import Client, Connection
 from lifl.store import MappingCache, object_name
@@ -66,6 +67,7 @@ class Invocation:
     parent: tuple[int, int] = (0, 0)  # (instance, task) of the parent when this task started; (0, 0): unknown
     strategy: StrategySpec = StrategySpec()  # how the top turns the round into the next model
     fixed_point: FixedPoint | None = None  # sum quantised updates in integers (deterministic)
+    shard: TensorShard | None = None  # the slice of the model it aggregates (lifl.shards); None: all of it
 
 
 class Context:
@@ -175,6 +177,11 @@ class Context:
         mm[: len(header)] = header
         return key, mm
 
+    def next_model(self, inv: Invocation) -> tuple[bytes, mmap.mmap]:
+        """The object the round's next model is written into (sharded rounds: each top its slice)."""
+        reply, fds = self.client.call(NextModel(task=inv.task))
+        return reply.key, self._mapped(fds)
+
     def _mapped(self, fds: list[int]) -> mmap.mmap:
         try:
             return self.mappings.map_fd(fds[0], writable=True)
@@ -259,7 +266,7 @@ def load_handler(spec: str) -> Handler:
 
 def serve(ctx: Context, handler: Handler, finished: Callable[[Invocation, dict[str, Any]], None] | None = None) -> None:
     """Run invocations until the agent goes; ``finished`` hears of each task's statistics."""
-    specs: dict[str, tuple[fmt.ModelSpec, StrategySpec, FixedPoint | None]] = {}
+    specs: dict[str, tuple[fmt.ModelSpec, StrategySpec, FixedPoint | None, ShardPlan | None]] = {}
     while True:
         try:
             push, fds = ctx.client.next_push()
@@ -281,12 +288,15 @@ def serve(ctx: Context, handler: Handler, finished: Callable[[Invocation, dict[s
         if push.spec is not None:
             options = push.options or {}
             strategy = options.get("strategy")
-            specs[push.job] = (fmt.ModelSpec.from_json(push.spec),
-                               StrategySpec.from_json(strategy) if strategy else StrategySpec(),
-                               FixedPoint.from_request(options.get("fixed_point")))
-        model_spec, strategy_spec, fixed_point = specs[push.job]
+            model_spec = fmt.ModelSpec.from_json(push.spec)
+            shards = options.get("shards")  # [count, alignment] when the job's model is cut
+            specs[push.job] = (model_spec, StrategySpec.from_json(strategy) if strategy else StrategySpec(),
+                               FixedPoint.from_request(options.get("fixed_point")),
+                               shard_plan(model_spec, *shards) if shards else None)
+        model_spec, strategy_spec, fixed_point, plan = specs[push.job]
         inv = Invocation(push.task, push.job, push.version, push.role, push.fan_in, push.lazy, model_spec,
-                         (push.parent_instance, push.parent_task), strategy_spec, fixed_point)
+                         (push.parent_instance, push.parent_task), strategy_spec, fixed_point,
+                         plan[push.shard] if plan is not None else None)
         try:
             stats = handler(inv, ctx)
             ctx.finish(inv, stats)

@@ -303,6 +303,15 @@ class ObjectStore:
         seg.holders[new] += count
         self._held.setdefault(new, set()).add(key)
 
+    def pass_on(self, key: bytes, via: Hashable, new: Hashable) -> None:
+        """Move an object in flight to ``new``: the one holder it has, or, when tasks of several
+        tensor shards hold the same client update, the reference ``via`` holds."""
+        seg = self.get(key)
+        if sum(not retention_holder(h) for h in seg.holders) == 1:
+            self.hand_over(key, new)
+        else:
+            self.move_ref(key, via, new)
+
     def discard(self, key: bytes) -> None:
         """Let go of an object whoever holds it (nobody will use it)."""
         seg = self.get(key)

@@ -201,3 +201,60 @@ def test_producers_are_the_unfinished_tasks_feeding_a_task() -> None:
     assert t.producers(1) == [] and t.producers(4) == [1]
     t.finished(1)
     assert t.producers(4) == [] and t.producers(99) == []
+
+
+# -- tensor shards: a lane per shard -------------------------------------------------------------------
+def test_a_sharded_round_gives_every_update_to_a_leaf_of_each_shard() -> None:
+    t = Trees("a")
+    first = t.accepted("j", 0, 0, 2, update(0), shards=2)
+    assert kinds(first) == ["S:middle1", "S:middle2", "S:leaf3", "D:3", "S:leaf4", "D:4"]
+    assert [e.shared for e in first if isinstance(e, Deliver)] == [False, True]  # one object, a reference each
+    assert [e.task.shard for e in first if isinstance(e, Start)] == [0, 1, 0, 1]
+    assert kinds(t.accepted("j", 0, 0, 2, update(1), shards=2)) == ["D:3", "D:4"]
+    assert kinds(t.accepted("j", 0, 0, 2, update(2), shards=2)) == ["S:leaf5", "D:5", "S:leaf6", "D:6"]
+    assert kinds(t.sync("j", shard(counts={"a": 3}))) == ["R:5=1", "R:1=2", "R:6=1", "R:2=2"]
+    assert kinds(t.sync("j", shard(counts={"a": 3}, top="a"))) == ["S:top7", "S:top8", "R:7=1", "R:8=1"]
+    assert t.producers(1) == [3, 5] and t.producers(2) == [4, 6] and t.producers(8) == [2]
+
+
+def test_a_sharded_round_installs_once_every_shard_wrote_its_slice() -> None:
+    t = Trees("a")
+    for i in range(2):
+        t.accepted("j", 0, 0, 2, update(i), shards=3)
+    t.sync("j", shard(counts={"a": 2}, top="a"))
+    tops = [task.id for task in t.tasks.values() if task.role == "top"]
+    for middle, top in zip((1, 2, 3), tops):
+        leaf = t.producers(middle)[0]
+        assert kinds(t.result(leaf, Input(key(100 + leaf), 2, 2, True))) == [f"D:{middle}"]
+        assert kinds(t.result(middle, Input(key(200 + middle), 2, 2, True))) == [f"D:{top}"]
+    model = Input(key(999), 2, 2, False)  # every top wrote its slice into this one object
+    assert t.result(tops[0], model) == [] and t.result(tops[2], model) == []
+    effects = t.result(tops[1], model)
+    assert kinds(effects) == ["I:2"] and effects[0].input == model
+
+
+def test_shards_that_disagree_on_the_model_are_an_error() -> None:
+    t = Trees("a")
+    t.accepted("j", 0, 0, 1, update(0), shards=2)
+    t.sync("j", shard(counts={"a": 1}, top="a"))
+    tops = [task.id for task in t.tasks.values() if task.role == "top"]
+    t.result(tops[0], Input(key(1), 1, 1, False))
+    with pytest.raises(ValueError, match="wrote different models"):
+        t.result(tops[1], Input(key(2), 1, 1, False))
+
+
+def test_a_sharded_round_whose_top_is_elsewhere_is_an_error() -> None:
+    t = Trees("b")
+    t.accepted("j", 0, 0, 1, update(0), shards=2)
+    t.sync("j", shard(counts={"a": 1, "b": 1}))
+    t.result(3, Input(key(3), 1, 1, False))
+    t.result(1, Input(key(1), 1, 1, False))
+    with pytest.raises(ValueError, match="tensor shards, which aggregate on one node"):
+        t.sync("j", shard(counts={"a": 1, "b": 1}, top="a"))
+
+
+def test_ending_a_sharded_round_cancels_every_lane() -> None:
+    t = Trees("a")
+    t.accepted("j", 0, 0, 2, update(0), shards=2)
+    assert kinds(t.end("j", "gone")) == ["C:3", "C:1", "C:4", "C:2", "Rel:0"]
+    assert t.tasks == {}

@@ -8,6 +8,10 @@ invocation, the baseline of the comparisons, folds everything at once after the 
 
 The same code serves every role; the invocation says which one and the fan-in (open until
 the round closes); where the result goes is the runtime's business.
+
+A task of a sharded job (``lifl.shards``) sees only its shard: the pieces of each client
+update it folds (mapped where they lie in the update's object), partial sums of the shard's
+size, and, as a top, its slice of the next model, in the object the round's tops share.
 """
 
 from __future__ import annotations
@@ -20,22 +24,25 @@ from lifl.keys.record import KIND_CLOSE, KIND_PREPARE, now_ns
 from lifl.fedavg import Contribution, StreamingFedAvg, average_into
 from lifl.fixedpoint import FixedPoint, partial_spec, read_bound, write_bound
 from lifl.errors import NotFound
-from lifl.kernels import TensorTable, Tensors
+from lifl.kernels import TensorTable, Tensors, copy
+from lifl.shards import TensorShard
 from lifl.protocol import TOP
 from lifl.functions.aggregator import top
 from lifl.runtime import Context, Invocation
 
-_tables: dict[tuple[int, int], tuple[fmt.Layout, fmt.ModelSpec, TensorTable]] = {}
+_tables: dict[tuple[int, int], tuple[fmt.Layout, fmt.ModelSpec | TensorShard, TensorTable]] = {}
 _headers: dict[tuple[int, FixedPoint | None], tuple[fmt.ModelSpec, bytes, bytes, int]] = {}
 
 
-def _table(layout: fmt.Layout, spec: fmt.ModelSpec) -> TensorTable:
+def _table(layout: fmt.Layout, spec: fmt.ModelSpec | TensorShard) -> TensorTable:
+    """Where ``spec``'s tensors (or a shard's pieces of a whole model's) lie in ``layout``."""
     key = (id(layout), id(spec))
     hit = _tables.get(key)
     if hit is None:
         if len(_tables) > 256:
             _tables.clear()
-        hit = _tables[key] = (layout, spec, TensorTable(layout, spec))
+        table = TensorTable.ranges(layout, spec.ranges) if isinstance(spec, TensorShard) else TensorTable(layout, spec)
+        hit = _tables[key] = (layout, spec, table)
     return hit[2]
 
 
@@ -48,12 +55,21 @@ def _spec_headers(spec: fmt.ModelSpec, fixed_point: FixedPoint | None) -> tuple[
     return hit[1], hit[2], hit[3]
 
 
-def _mapped(ctx: Context, mm: Any, spec: fmt.ModelSpec) -> Tensors:
+def _whole_model(layout: fmt.Layout, shard: TensorShard) -> bool:
+    """Whether an input of a shard's task is a blob of the whole model (a client update) rather
+    than one of the shard's partial sums (where a piece is a whole tensor, both read the same)."""
+    numel = {e.spec.name: e.spec.numel for e in layout.entries}
+    return any(numel.get(p.tensor) != p.numel for p in shard.pieces)
+
+
+def _mapped(ctx: Context, mm: Any, spec: fmt.ModelSpec | TensorShard) -> Tensors:
     return Tensors(mm, _table(ctx.layout(mm), spec))
 
 
 def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
-    spec = inv.spec
+    shard = inv.shard
+    spec = shard.spec if shard else inv.spec  # what its partial sums hold
+    whole: fmt.ModelSpec | TensorShard = shard or spec  # what it reads of a client update
     fixed_point = inv.fixed_point
     model_header, partial_header, partial_bytes = _spec_headers(spec, fixed_point)
     agg = StreamingFedAvg(inv.fan_in or None, fixed_point)
@@ -85,7 +101,8 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
         premapped += hit is not None
         if hit is None:
             mm = ctx.open(key)
-            hit = mm, _mapped(ctx, mm, spec)
+            layout = ctx.layout(mm)
+            hit = mm, Tensors(mm, _table(layout, whole if shard and _whole_model(layout, shard) else spec))
             live.append(hit[1])
         return hit
 
@@ -140,13 +157,21 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
         if inv.role != TOP:
             ctx.forward(inv, result.token, result.samples, result.updates, result.partial, agg_s, folded=last_fold)
         else:
-            def write_mean(mm: Any, out_spec: fmt.ModelSpec, total: Contribution) -> None:
+            def write_mean(mm: Any, out_spec: fmt.ModelSpec | TensorShard, total: Contribution) -> None:
                 out = _mapped(ctx, mm, out_spec)
                 live.append(out)
                 average_into(out, total, fixed_point)
 
             key, state, report = result.token, b"", None
-            if inv.strategy.runs_step:  # lifl.strategy: the sum is one of the step's inputs
+            if shard is not None:  # its slice of the one object every top of the round writes
+                key, mm = ctx.next_model(inv)
+                if result.partial:
+                    write_mean(mm, shard, result)
+                else:  # a lone client update: its slice is the model's
+                    out = _mapped(ctx, mm, shard)
+                    live.append(out)
+                    copy(out, result.tensors)
+            elif inv.strategy.runs_step:  # lifl.strategy: the sum is one of the step's inputs
                 key, state, report = top.run_step(inv, ctx, result, model_header, write_mean)
             elif result.partial:  # a single client update needs no averaging: it is the model
                 key, mm = ctx.accumulator(inv, model_header, spec.data_bytes)
@@ -169,5 +194,5 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
         "agg_s": agg_s,
         "alloc_s": alloc_s,  # part of agg_s: getting (and on first use, mapping) the accumulator
         "send_s": send_s,
-        "bytes": spec.data_bytes,
+        "bytes": spec.data_bytes,  # of its shard, if the job has shards
     }

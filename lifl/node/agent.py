@@ -48,7 +48,7 @@ import traceback
 from collections import OrderedDict, deque
 from concurrent.futures import Future
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -74,15 +74,17 @@ from lifl.node.metrics import Metrics
 from lifl.node.privilege import attach_refusal, current, peer_identity
 from lifl.node.retention import Retainer, query_holder, update_blob
 from lifl.quotas import Quota
+from lifl import shards
 from lifl.procs import die_with_parent, on_signals
 from lifl.protocol import (
     PROTOCOL, QUERY_ROLE, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Admitted, Alloc, Allocated, Attach,
     Attached, CancelTask, Done, Failed, Finished, Folded, Forwarded, ForwardPartial, GetMetrics, GetRecent, GetStatus,
-    Hello, InstallModel, InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, Ok, OpenModel,
+    Hello, InstallModel, InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, NextModel, Ok, OpenModel,
     Query, Ready, Release, StrategyInputs, Submit, SubmitPartial, Submitted, TakeQuery, Text, Welcome, decode, input_record,
 )
+from lifl.fixedpoint import FixedPoint
 from lifl.protocol import (
-    ROLES, InstanceCounts, JobActivity, NodeStatus, QueryAnswer, QueryData, QueryRound, QuerySeconds, QueryUpdate, QueryWork,
+    ROLES, TOP, InstanceCounts, JobActivity, NodeStatus, QueryAnswer, QueryData, QueryRound, QuerySeconds, QueryUpdate, QueryWork,
     RecentTasks, SharedMemory, StatusReply, StrategyUpdate, StrategyWork, TaskReport,
 )
 from lifl.rpc import MessageStream, error_reply, reply_frame
@@ -182,6 +184,7 @@ class JobRun:
     model_version: int = NO_MODEL
     replica: tuple[bytes, int] | None = None  # (key, version): a copy fetched to serve it here
     strategy_state: tuple[bytes, int] | None = None  # (key, version): the strategy's state after that version, if made here
+    shm_capacity: int = 0  # the node's shared memory, from which "shards": "auto" sizes its shards
 
     @property
     def spilled(self) -> bool:
@@ -196,12 +199,45 @@ class JobRun:
     def sizes(self) -> JobSizes:
         """What aggregating its updates allocates (computed once: it encodes the model's header)."""
         assert self.model_spec is not None
-        return job_sizes(self.spec, self.model_spec)
+        return job_sizes(self.spec, self.model_spec, self.shard_plan)
+
+    @cached_property
+    def shard_plan(self) -> shards.ShardPlan | None:
+        """How its model is cut into tensor shards (None: it is not)."""
+        assert self.model_spec is not None
+        return shard_plan(self.spec, self.model_spec, self.shm_capacity)
+
+    @property
+    def lanes(self) -> int:
+        """The trees of each of its rounds: one per shard."""
+        return len(self.shard_plan) if self.shard_plan is not None else 1
+
+    def accumulator_bytes(self, shard: int) -> int:
+        """A partial sum of one task of ``shard``."""
+        if self.shard_plan is None:
+            return self.sizes.accumulator
+        return shard_accumulator_bytes(self.shard_plan[shard], self.spec.fixed_point_spec)
 
 
-def job_sizes(spec: JobSpec, model_spec: fmt.ModelSpec) -> JobSizes:
-    return JobSizes.of(model_spec, spec.fan_in_for(model_spec.data_bytes), strategy_bytes(spec.strategy_spec, model_spec),
-                       spec.fixed_point_spec)
+def shard_plan(spec: JobSpec, model_spec: fmt.ModelSpec, shm_capacity: int) -> shards.ShardPlan | None:
+    count = spec.shards or shards.auto_count(model_spec.data_bytes, shm_capacity)
+    plan = shards.plan(model_spec, count, spec.shard_alignment) if count > 1 else None
+    return plan if plan is not None and len(plan) > 1 else None
+
+
+def shard_accumulator_bytes(shard: shards.TensorShard, fixed_point: FixedPoint | None) -> int:
+    return JobSizes.of(shard.spec, 1, 0, fixed_point).accumulator
+
+
+def job_sizes(spec: JobSpec, model_spec: fmt.ModelSpec, plan: shards.ShardPlan | None = None) -> JobSizes:
+    """What aggregating a job's updates allocates; with shards, one accumulator of each shard
+    stands for one of the whole model (a task of each shard has one at a time)."""
+    fixed_point = spec.fixed_point_spec
+    sizes = JobSizes.of(model_spec, spec.fan_in_for(model_spec.data_bytes), strategy_bytes(spec.strategy_spec, model_spec),
+                        fixed_point)
+    if plan is None:
+        return sizes
+    return replace(sizes, accumulator=sum(shard_accumulator_bytes(s, fixed_point) for s in plan.shards))
 
 
 def check_round_fits(spec: JobSpec, model_spec: fmt.ModelSpec, update_bytes: int, for_jobs: list[int]) -> None:
@@ -219,6 +255,16 @@ def check_round_fits(spec: JobSpec, model_spec: fmt.ModelSpec, update_bytes: int
             f"spread over up to {len(for_jobs)} node(s)) and the largest has {available} bytes for its tenant's rounds; "
             "raise --shm-limit (or the tenant's shm_bytes quota), lower the job's goal (or min_updates, with a deadline) "
             "or add nodes", code="round_too_large", extra={"needed": needed, "available": available})
+
+
+def check_shards_fit(spec: JobSpec, model_spec: fmt.ModelSpec, shm_capacity: int, nodes: int) -> None:
+    """Refuse a sharded job's model on a cluster of several nodes: its shards' trees aggregate on
+    the node hosting the round's top, and results of other nodes' shards cannot reach it yet."""
+    plan = shard_plan(spec, model_spec, shm_capacity)
+    if plan is not None and nodes > 1:
+        raise Unprocessable(
+            f"job {spec.job!r} cuts its model into {len(plan)} tensor shards, which aggregate on one node, and this "
+            f"cluster has {nodes} nodes: run it on one node, or create it without 'shards'", code="shards_need_one_node")
 
 
 @dataclass(eq=False)
@@ -497,6 +543,7 @@ class Agent:
         self._swept: dict[str, float] = {}  # when a duty last visited every job (monotonic)
         self._settle_then: dict[str, list[Callable[[], None]]] = {}  # what waits for a job's settle
         self._aggregated: dict[tuple[str, int], int] = {}  # updates folded, not yet counted in Redis
+        self._next_models: dict[tuple[str, int], bytes] = {}  # what a sharded round's tops write into
         self._listeners: list[socket.socket] = []
         self._holders: set[Hashable] = set()  # gateway connections that are open
         self._stopping = False
@@ -781,6 +828,7 @@ class Agent:
         peer.handlers = {
             Ready: lambda m, f, r: self.ready(iid, r),
             Alloc: lambda m, f, r: self.alloc(iid, m, r),
+            NextModel: lambda m, f, r: self.next_model(iid, m, r),
             Folded: lambda m, f, r: self.folded(iid, m, r),
             Finished: lambda m, f, r: self.finished(iid, m),
             InstallResult: lambda m, f, r: self.install(iid, m, r),
@@ -805,7 +853,7 @@ class Agent:
         """This node's record of a job (``j`` was read from Redis)."""
         run = self.jobs.get(j.spec.job)
         if run is None:
-            run = self.jobs[j.spec.job] = JobRun(j.spec, tenant, j.model_spec)
+            run = self.jobs[j.spec.job] = JobRun(j.spec, tenant, j.model_spec, shm_capacity=self.store.capacity)
         if run.model_spec is None:
             run.model_spec = j.model_spec
         return run
@@ -1149,7 +1197,7 @@ class Agent:
             if retained is not None:
                 self.retainer.keep_update(job, run.tenant, m.key, upload.round, upload.base, retained["client"], m.samples)
             effects += self.trees.accepted(job, upload.round, upload.version, run.leaf_fan_in,
-                                           tree.Input(m.key, m.samples, 1, False))
+                                           tree.Input(m.key, m.samples, 1, False), run.lanes)
             reply(Submitted(upload.round, self.uploads.counts.get(job, 0)))
         if refused:
             self._script_io(self.state.count_call(job, [(r, f"rejected.{code}", 1) for r, code in refused]), "counting refusals")
@@ -1232,6 +1280,7 @@ class Agent:
                 others = [min(s.shm.capacity - s.shm.pinned - size, quota if quota is not None else s.shm.capacity)
                           for n, s in self.state.nodes().items() if n != self.node]
                 check_round_fits(run.spec, spec, size, [here, *others])
+                check_shards_fit(run.spec, spec, self.store.capacity, len(others) + 1)
             except BaseException:
                 os.close(fd)  # the checkpoint's writer would have
                 raise
@@ -1703,6 +1752,22 @@ class Agent:
                                 owner=RoundOf(task.job, task.round), scratch=True)
         reply(Allocated(seg.key), [os.dup(seg.fd)])
 
+    def next_model(self, iid: int, m: NextModel, reply: Reply) -> None:
+        """The object a sharded round's tops write the next model into: made by the first that
+        asks, the model's header written, kept by the round until it is installed."""
+        task = self._task_of(iid, m.task)
+        run = self.jobs[task.job]
+        if task.role != TOP or run.shard_plan is None or run.model_spec is None:
+            raise BadRequest(f"task {task.id} is not the top of a sharded round", code="not_sharded")
+        key = self._next_models.get((task.job, task.round))
+        if key is None:
+            header = fmt.spec_header(run.model_spec)
+            seg = self.store.create(run.tenant, len(header) + run.model_spec.data_bytes, ("round", task.job, task.round),
+                                    owner=RoundOf(task.job, task.round))
+            os.pwrite(seg.fd, header, 0)
+            key = self._next_models[(task.job, task.round)] = seg.key
+        reply(Allocated(key), [os.dup(self.store.get(key).fd)])
+
     def folded(self, iid: int, m: Folded, reply: Reply) -> None:
         """Inputs (and the previous accumulator) are summed up in a new accumulator, ``m.state``:
         it is what the task runs again from if its instance dies; what it sums up may go. The
@@ -1864,7 +1929,7 @@ class Agent:
         task = self._task_of(iid, task_id)
         if not self.store.get(output.key).sealed:
             self.store.seal(output.key)
-        self.store.hand_over(output.key, ("round", task.job, task.round))
+        self.store.pass_on(output.key, _input_holder(task.id), ("round", task.job, task.round))
         self._result_exists(task.id)
         self._apply(self.trees.result(task.id, output), sent, agg_us)
         return task
@@ -2032,7 +2097,10 @@ class Agent:
         for e in effects:
             if isinstance(e, tree.Deliver):
                 task = self.trees.tasks[e.task]
-                self.store.hand_over(e.input.key, _input_holder(e.task))
+                if e.shared:
+                    self.store.add_ref(e.input.key, _input_holder(e.task))
+                else:
+                    self.store.pass_on(e.input.key, ("round", task.job, task.round), _input_holder(e.task))
                 msg = KeyMessage(dest=0, task=e.task, key=e.input.key, samples=e.input.samples, count=e.input.updates,
                                  partial=e.input.partial, sent_ns=now_ns(), agg_us=agg_us)
                 produced = self.board.deliver(task, msg)
@@ -2053,6 +2121,7 @@ class Agent:
             elif isinstance(e, tree.Drop):
                 self.store.discard(e.key)
             elif isinstance(e, tree.Release):
+                self._next_models.pop((e.job, e.round), None)
                 self.store.release_holder(("round", e.job, e.round))
                 self.store.release_round(RoundOf(e.job, e.round))  # what it reserved and did not use
                 self.forwards.release_round(e.job, e.round)
@@ -2109,16 +2178,18 @@ class Agent:
             assert run.model_spec is not None
             spec = run.model_spec.to_json()
             options = {"strategy": run.spec.strategy, "fixed_point": run.spec.fixed_point}
+            if run.shard_plan is not None:
+                options["shards"] = [len(run.shard_plan), run.spec.shard_alignment]
         self.metrics.starts.labels("warm" if self.board.workers[e.instance].ready else "cold").inc()
         scratch, fds = b"", []
         if len(e.inputs) >= 2:
             with contextlib.suppress(Overloaded):  # it asks when it folds (and is told then)
-                seg = self.store.create(self.instance_tenants[e.instance], run.sizes.accumulator, _scratch_holder(task.id),
+                seg = self.store.create(self.instance_tenants[e.instance], run.accumulator_bytes(task.shard), _scratch_holder(task.id),
                                         affinity=e.instance, owner=RoundOf(task.job, task.round), scratch=True)
                 scratch, fds = seg.key, [os.dup(seg.fd)]
         inputs = [input_record(m.key, m.samples, m.count, m.partial, m.sent_ns) for m in e.inputs]
         self._push(e.instance, Invoke(task.id, task.job, task.version, task.role, e.fan_in, self.config.lazy, spec, options,
-                                      *e.parent, inputs, scratch), fds)
+                                      *e.parent, inputs, scratch, task.shard), fds)
 
     def _push(self, instance: int, message: Message, fds: Sequence[int] = ()) -> None:
         peer = self.instances.get(instance)
@@ -2268,6 +2339,7 @@ class Agent:
     # -- installing a round's model ---------------------------------------------------------------
     def _install(self, e: tree.Install) -> None:
         """The top's result: checkpoint it, then (once durable) make it the next version."""
+        self._next_models.pop((e.job, e.round), None)
         self.uploads.update_done(e.input.key)  # a lone client update is itself the model
         self.store.hand_over(e.input.key, ("pending", e.job, e.round))
         self._write_checkpoint(e)

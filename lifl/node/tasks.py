@@ -412,7 +412,7 @@ class Board:
             return 0, 0
         for other, instance in self.placed.items():
             t = self.running.get(other)
-            if t is not None and t.role == MIDDLE and (t.job, t.round) == (task.job, task.round):
+            if t is not None and t.role == MIDDLE and (t.job, t.round, t.shard) == (task.job, task.round, task.shard):
                 return instance, other
         return 0, 0
 

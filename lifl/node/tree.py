@@ -14,6 +14,11 @@ fan-in is open (this node does not know how many updates it will get); once the 
 closed and its counts are final, the last leaf and the middle learn their fan-ins; once
 the shard names the top's node, the middle's result is routed there. The top's fan-in is
 the number of nodes that took part; it shrinks when a node dies before its result arrived.
+
+A job with tensor shards (``lifl.shards``) has one such tree per shard in each round, its
+*lanes*: every update goes to a leaf of each lane (which folds only its shard's slice of
+it), and each lane's top writes its slice of the next model into one object, installed
+once every lane's top is done. Lanes of a round run on the node hosting all its tops.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class Task:
     role: str
     fan_in: int  # OPEN until known
     inputs: int = 0  # inputs delivered so far
+    shard: int = 0  # the tensor shard (lane) it aggregates
 
 
 # -- effects ---------------------------------------------------------------------------------------
@@ -57,10 +63,12 @@ class Start:
 
 @dataclass(frozen=True)
 class Deliver:
-    """Hand ``input`` to a local task (its object now belongs to the task)."""
+    """Hand ``input`` to a local task (its object now belongs to the task; ``shared``: the task
+    takes a reference of its own, the object being delivered to a leaf of each shard)."""
 
     task: int
     input: Input
+    shared: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,26 +132,47 @@ class NotTheTop(Exception):
 
 
 @dataclass(eq=False)
+class Lane:
+    """One shard's tree in a round (a job without shards has one)."""
+
+    middle: Task
+    leaves: list[Task] = field(default_factory=list)
+    top: Task | None = None
+    result: Input | None = None  # the middle's result while it is kept here
+    sent: tuple[str, int] | None = None  # (node, epoch) the result was forwarded to
+    received_from: set[str] = field(default_factory=set)  # nodes whose partials the top got
+    written: Input | None = None  # sharded: the top wrote its slice of the next model
+
+    @property
+    def tasks(self) -> list[Task]:
+        return [*self.leaves, self.middle, *([self.top] if self.top else [])]
+
+
+@dataclass(eq=False)
 class LocalRound:
     job: str
     round: int
     version: int
     leaf_fan_in: int
-    middle: Task
-    leaves: list[Task] = field(default_factory=list)
-    top: Task | None = None
+    lanes: list[Lane]
     count: int = 0  # client updates acknowledged here
     final: int | None = None  # this node's count once the round closed
     tree_closed: bool = False  # the last leaf and the middle know their fan-ins
     top_node: str | None = None
     epoch: int = -1
-    result: Input | None = None  # the middle's result while it is kept here
-    sent: tuple[str, int] | None = None  # (node, epoch) the result was forwarded to
-    received_from: set[str] = field(default_factory=set)  # nodes whose partials the top got
 
     @property
     def tasks(self) -> list[Task]:
-        return [*self.leaves, self.middle, *([self.top] if self.top else [])]
+        return [t for lane in self.lanes for t in lane.tasks]
+
+    @property
+    def top(self) -> Task | None:
+        """The first lane's top: every lane has one once this node hosts the round's top."""
+        return self.lanes[0].top
+
+    @property
+    def sent(self) -> tuple[str, int] | None:
+        return self.lanes[0].sent
 
 
 class Trees:
@@ -155,9 +184,9 @@ class Trees:
         self.tasks: dict[int, Task] = {}
         self._next_id = 0
 
-    def _task(self, job: str, round_id: int, version: int, role: str, fan_in: int) -> Task:
+    def _task(self, job: str, round_id: int, version: int, role: str, fan_in: int, shard: int) -> Task:
         self._next_id += 1
-        task = Task(self._next_id, job, round_id, version, role, fan_in)
+        task = Task(self._next_id, job, round_id, version, role, fan_in, shard=shard)
         self.tasks[task.id] = task
         return task
 
@@ -165,8 +194,10 @@ class Trees:
         return self.rounds.get(job)
 
     # -- events ---------------------------------------------------------------------------------
-    def accepted(self, job: str, round_id: int, version: int, leaf_fan_in: int, update: Input) -> list[Effect]:
-        """A client update of round ``round_id`` was acknowledged on this node."""
+    def accepted(self, job: str, round_id: int, version: int, leaf_fan_in: int, update: Input, shards: int = 1
+                 ) -> list[Effect]:
+        """A client update of round ``round_id`` was acknowledged on this node (``shards``: the
+        lanes of a round of the job)."""
         effects: list[Effect] = []
         r = self.rounds.get(job)
         if r is not None and r.round < round_id:
@@ -175,16 +206,17 @@ class Trees:
         if r is not None and r.round > round_id:
             return [Drop(update.key)]  # the round ended here already (this node was fenced)
         if r is None:
-            middle = self._task(job, round_id, version, MIDDLE, OPEN)
-            r = self.rounds[job] = LocalRound(job, round_id, version, leaf_fan_in, middle)
-            effects.append(Start(middle))
+            lanes = [Lane(self._task(job, round_id, version, MIDDLE, OPEN, s)) for s in range(shards)]
+            r = self.rounds[job] = LocalRound(job, round_id, version, leaf_fan_in, lanes)
+            effects += [Start(lane.middle) for lane in lanes]
         index = r.count // r.leaf_fan_in
-        if index == len(r.leaves):
-            leaf = self._task(job, round_id, version, LEAF, r.leaf_fan_in)
-            r.leaves.append(leaf)
-            effects.append(Start(leaf))
         r.count += 1
-        effects.append(self._deliver(r.leaves[index], update))
+        for s, lane in enumerate(r.lanes):
+            if index == len(lane.leaves):
+                leaf = self._task(job, round_id, version, LEAF, r.leaf_fan_in, s)
+                lane.leaves.append(leaf)
+                effects.append(Start(leaf))
+            effects.append(self._deliver(lane.leaves[index], update, shared=s > 0))
         return effects + self._close_tree(r)
 
     def sync(self, job: str, shard: Shard) -> list[Effect]:
@@ -207,15 +239,16 @@ class Trees:
             effects += self._close_tree(r)
         if shard.top is not None and (shard.top, shard.epoch) != (r.top_node, r.epoch):
             r.top_node, r.epoch = shard.top, shard.epoch
-            if shard.top == self.node and r.top is None:
-                r.top = self._task(job, r.round, r.version, TOP, OPEN)
-                effects.append(Start(r.top))
-            effects += self._route_result(r)
-        if r.top is not None:
-            wanted = len(shard.participants)
-            if wanted != r.top.fan_in and wanted >= r.top.inputs:
-                r.top.fan_in = wanted
-                effects.append(Resize(r.top.id, wanted))
+            for s, lane in enumerate(r.lanes):
+                if shard.top == self.node and lane.top is None:
+                    lane.top = self._task(job, r.round, r.version, TOP, OPEN, s)
+                    effects.append(Start(lane.top))
+                effects += self._route_result(r, lane)
+        wanted = len(shard.participants)
+        for lane in r.lanes:
+            if lane.top is not None and wanted != lane.top.fan_in and wanted >= lane.top.inputs:
+                lane.top.fan_in = wanted
+                effects.append(Resize(lane.top.id, wanted))
         return effects
 
     def result(self, task_id: int, output: Input) -> list[Effect]:
@@ -225,11 +258,21 @@ class Trees:
         r = self.rounds[task.job]
         if r.round != task.round:
             raise ValueError(f"task {task_id} belongs to round {task.round}, not the current {r.round}")
+        lane = r.lanes[task.shard]
         if task.role == LEAF:
-            return [self._deliver(r.middle, output)]
+            return [self._deliver(lane.middle, output)]
         if task.role == MIDDLE:
-            r.result = output
-            return self._route_result(r)
+            lane.result = output
+            return self._route_result(r, lane)
+        if len(r.lanes) == 1:
+            return [Install(r.job, r.round, r.version, output)]
+        lane.written = output
+        written = [other.written for other in r.lanes]
+        if any(w is None for w in written):
+            return []
+        if len({(w.key, w.samples, w.updates) for w in written if w is not None}) != 1:
+            raise ValueError(f"the shards of round {r.round} of {r.job!r} wrote different models or sums: "
+                             + ", ".join(f"{w.key.hex()} ({w.samples} samples)" for w in written if w is not None))
         return [Install(r.job, r.round, r.version, output)]
 
     def partial(self, job: str, round_id: int, from_node: str, epoch: int, partial: Input) -> list[Effect]:
@@ -237,10 +280,12 @@ class Trees:
         r = self.rounds.get(job)
         if r is None or r.round != round_id or r.top is None or r.epoch != epoch:
             raise NotTheTop(f"node {self.node} does not host the top of round {round_id} (epoch {epoch}) of {job!r}")
-        if from_node in r.received_from:
+        lane = r.lanes[0]
+        if from_node in lane.received_from:
             return [Drop(partial.key)]
-        r.received_from.add(from_node)
-        return [self._deliver(r.top, partial)]
+        lane.received_from.add(from_node)
+        assert lane.top is not None
+        return [self._deliver(lane.top, partial)]
 
     def producers(self, task_id: int) -> list[int]:
         """The unfinished tasks here whose results are inputs of ``task_id``: a middle's leaves,
@@ -249,7 +294,8 @@ class Trees:
         r = self.rounds.get(task.job) if task is not None else None
         if task is None or r is None or r.round != task.round:
             return []
-        children = {MIDDLE: r.leaves, TOP: [r.middle]}.get(task.role, [])
+        lane = r.lanes[task.shard]
+        children = {MIDDLE: lane.leaves, TOP: [lane.middle]}.get(task.role, [])
         return [t.id for t in children if t.id in self.tasks]
 
     def finished(self, task_id: int) -> None:
@@ -262,11 +308,11 @@ class Trees:
         return self._end(r, reason) if r else []
 
     # -- helpers --------------------------------------------------------------------------------
-    def _deliver(self, task: Task, item: Input) -> Deliver:
+    def _deliver(self, task: Task, item: Input, *, shared: bool = False) -> Deliver:
         task.inputs += 1
         if task.fan_in != OPEN and task.inputs > task.fan_in:
             raise ValueError(f"task {task.id} ({task.role}) got input {task.inputs} of a fan-in of {task.fan_in}")
-        return Deliver(task.id, item)
+        return Deliver(task.id, item, shared)
 
     def _close_tree(self, r: LocalRound) -> list[Effect]:
         """Once every update of this node has arrived, the last leaf and the middle can finish."""
@@ -274,26 +320,30 @@ class Trees:
             return []
         r.tree_closed = True
         effects: list[Effect] = []
-        last = r.leaves[-1]
-        if last.inputs < last.fan_in:
-            last.fan_in = last.inputs
-            effects.append(Resize(last.id, last.fan_in))
-        r.middle.fan_in = len(r.leaves)
-        effects.append(Resize(r.middle.id, r.middle.fan_in))
+        for lane in r.lanes:
+            last = lane.leaves[-1]
+            if last.inputs < last.fan_in:
+                last.fan_in = last.inputs
+                effects.append(Resize(last.id, last.fan_in))
+            lane.middle.fan_in = len(lane.leaves)
+            effects.append(Resize(lane.middle.id, lane.middle.fan_in))
         return effects
 
-    def _route_result(self, r: LocalRound) -> list[Effect]:
-        """Send the middle's result to the top once both are known (again if the top moved)."""
-        if r.result is None or r.top_node is None:
+    def _route_result(self, r: LocalRound, lane: Lane) -> list[Effect]:
+        """Send the lane's middle's result to its top once both are known (again if the top moved)."""
+        if lane.result is None or r.top_node is None:
             return []
-        if r.top is not None:
-            item, r.result = r.result, None
-            r.received_from.add(self.node)
-            return [self._deliver(r.top, item)]
-        if r.sent == (r.top_node, r.epoch):
+        if lane.top is not None:
+            item, lane.result = lane.result, None
+            lane.received_from.add(self.node)
+            return [self._deliver(lane.top, item)]
+        if lane.sent == (r.top_node, r.epoch):
             return []
-        r.sent = (r.top_node, r.epoch)
-        return [Forward(r.job, r.round, r.top_node, r.epoch, r.result)]
+        if len(r.lanes) > 1:  # checked where the job is created; a cluster that grew since refuses here
+            raise ValueError(f"round {r.round} of {r.job!r} has tensor shards, which aggregate on one node, "
+                             f"but its top is on {r.top_node}")
+        lane.sent = (r.top_node, r.epoch)
+        return [Forward(r.job, r.round, r.top_node, r.epoch, lane.result)]
 
     def _end(self, r: LocalRound, reason: str) -> list[Effect]:
         del self.rounds[r.job]

@@ -1,0 +1,166 @@
+"""Tensor shards: a model's flat data range cut into slices that aggregate apart.
+
+A sharded job (``"shards": M``) aggregates each slice of its updates in a hierarchy of its
+own, so one aggregator holds about 1/M of an update and its accumulator, and the M
+hierarchies fold in parallel. A slice is a contiguous byte range of the model's canonical
+data section (its tensors in the initial model's order, packed as ``format.spec_header``
+lays them out), made of *pieces*: runs of consecutive elements of one tensor. Cuts fall
+
+- on tensor boundaries (``"tensor"`` alignment): no tensor is split, so there are at most as
+  many shards as tensors that hold data, and a tensor larger than a slice makes its shard
+  larger; or
+- on element boundaries (``"element"``): M slices of nearly equal bytes, each cut moved down
+  to a cache line of the data section where the tensor's elements allow it (in slices of at
+  least CUT_ALIGN_MIN_SLICE bytes).
+
+Cuts that would leave a slice empty are dropped, so a plan may have fewer shards than asked
+(a model of 3 elements has at most 3). Tensors without elements belong to the shard their
+offset falls in. The plan is a pure function of the model's spec, the count and the
+alignment: every node and every aggregator derives the same one.
+
+(``lifl.cluster_types.Shard`` is something else: a round's per-node record in Redis.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from lifl.errors import BadRequest
+from lifl.format import DType, ModelSpec, TensorSpec
+
+TENSOR = "tensor"
+ELEMENT = "element"
+ALIGNMENTS = (ELEMENT, TENSOR)
+MAX_SHARDS = 64  # hierarchies per round: each costs a task per role and a hand-off per update
+AUTO_SHARD_BYTES = 256 << 20  # "shards": "auto" aims at slices of at most this many bytes...
+AUTO_MEMORY_FRACTION = 16  # ...and at most this fraction of the node's shared memory
+CUT_ALIGN_BYTES = 64  # element cuts prefer cache-line boundaries (the data section starts on one)...
+CUT_ALIGN_MIN_SLICE = 16 * CUT_ALIGN_BYTES  # ...in slices large enough that a line makes no imbalance
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [begin, end) of one tensor, at byte ``offset`` of the canonical data section."""
+
+    tensor: str
+    dtype: DType
+    begin: int
+    end: int
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    index: int
+    pieces: tuple[Piece, ...]
+    data_begin: int  # bytes of the canonical data section this shard covers
+    data_end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data_end - self.data_begin
+
+    @cached_property
+    def spec(self) -> ModelSpec:
+        """The shard as a model of its own: one flat tensor per piece, named after its tensor
+        (a shard holds at most one piece of each), which is how its partial sums are laid out."""
+        return ModelSpec(tuple(TensorSpec(p.tensor, p.dtype, (p.numel,)) for p in self.pieces))
+
+    @property
+    def ranges(self) -> list[tuple[str, int, int]]:
+        """(tensor, first element, elements) of each piece: where it lies in any blob of the model."""
+        return [(p.tensor, p.begin, p.numel) for p in self.pieces]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    alignment: str
+    shards: tuple[TensorShard, ...]
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def __getitem__(self, index: int) -> TensorShard:
+        return self.shards[index]
+
+    @property
+    def largest_bytes(self) -> int:
+        return max(s.nbytes for s in self.shards)
+
+
+def check_request(value: object, alignment: object) -> tuple[int, str]:
+    """A job's ``shards`` (a count, or "auto": 0) and ``shard_alignment``, validated."""
+    if alignment not in ALIGNMENTS:
+        raise BadRequest(f"shard_alignment must be one of {', '.join(ALIGNMENTS)}, got {alignment!r}", code="bad_job")
+    if value == "auto":
+        return 0, str(alignment)
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_SHARDS:
+        raise BadRequest(f"shards must be an integer in [1, {MAX_SHARDS}] or \"auto\", got {value!r}", code="bad_job")
+    return value, str(alignment)
+
+
+def auto_count(data_bytes: int, memory_bytes: int) -> int:
+    """How many shards ``"auto"`` asks for: slices of at most AUTO_SHARD_BYTES and of at most
+    1/AUTO_MEMORY_FRACTION of the node's shared memory (``memory_bytes``)."""
+    target = max(1, min(AUTO_SHARD_BYTES, memory_bytes // AUTO_MEMORY_FRACTION))
+    return max(1, min(MAX_SHARDS, -(-data_bytes // target)))
+
+
+def plan(spec: ModelSpec, count: int, alignment: str = ELEMENT) -> ShardPlan:
+    """Cut ``spec``'s canonical data section into at most ``count`` non-empty slices."""
+    if not 1 <= count <= MAX_SHARDS:
+        raise ValueError(f"a plan has 1..{MAX_SHARDS} shards, not {count}")
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"unknown shard alignment {alignment!r}")
+    spans: list[tuple[TensorSpec, int]] = []  # each tensor with its canonical offset
+    total = 0
+    for t in spec.tensors:
+        spans.append((t, total))
+        total += t.nbytes
+    lined = total // count >= CUT_ALIGN_MIN_SLICE
+    cuts = sorted({_cut(spans, total * k // count, alignment, lined) for k in range(1, count)} - {0, total}) if total else []
+    bounds = [0, *cuts, total]
+    shards = []
+    for index, (begin, end) in enumerate(zip(bounds, bounds[1:])):
+        last = index == len(bounds) - 2
+        pieces = tuple(_piece(t, offset, begin, end) for t, offset in spans if _overlaps(t, offset, begin, end, last))
+        shards.append(TensorShard(index, pieces, begin, end))
+    return ShardPlan(alignment, tuple(shards))
+
+
+def _cut(spans: list[tuple[TensorSpec, int]], target: int, alignment: str, lined: bool) -> int:
+    """The cut nearest ``target`` allowed by the alignment (``lined``: on a cache line if it can)."""
+    if alignment == TENSOR:
+        boundaries = [offset for t, offset in spans if t.nbytes]
+        return min(boundaries, key=lambda b: (abs(b - target), b))  # 0 among them: dropped by the caller
+    for t, offset in spans:
+        if offset <= target < offset + t.nbytes:
+            size = t.dtype.itemsize
+            cut = offset + (target - offset) // size * size
+            line = cut - cut % CUT_ALIGN_BYTES
+            return line if lined and line >= offset and (line - offset) % size == 0 else cut
+    return target  # the end of the data: dropped by the caller
+
+
+def _overlaps(t: TensorSpec, offset: int, begin: int, end: int, last: bool) -> bool:
+    """Whether the tensor has elements in [begin, end), or, without elements, lies there (the
+    last shard also takes those at its end)."""
+    if t.nbytes:
+        return offset < end and offset + t.nbytes > begin
+    return begin <= offset and (offset < end or last)
+
+
+def _piece(t: TensorSpec, offset: int, begin: int, end: int) -> Piece:
+    size = t.dtype.itemsize
+    first = max(begin, offset)
+    last = min(end, offset + t.nbytes)
+    return Piece(t.name, t.dtype, (first - offset) // size, (last - offset) // size, first)

@@ -1,0 +1,112 @@
+"""Tensor-sharded aggregation on a real node: each shard's tree folds its slice of every
+update, the tops write their slices into one object, and the model equals the unsharded one
+(bit for bit under fixed point, within 1e-6 relative in floats)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lifl import format as fmt
+from lifl.errors import BadRequest, Unprocessable
+from lifl.format import F32, ModelSpec, TensorSpec
+from lifl.jobs import JobSpec
+from lifl.kernels import validate
+from lifl.node.agent import check_shards_fit
+
+SHAPES = {"embed": (64, 33), "w": (33, 17), "b": (17,), "scale": (1,)}
+
+
+def encode(arrays: dict[str, np.ndarray]) -> bytearray:
+    return fmt.encode(arrays)
+
+
+def updates(n: int, seed: int = 3) -> tuple[list[bytearray], list[int]]:
+    rng = np.random.default_rng(seed)
+    blobs = []
+    for i in range(n):
+        arrays = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+        if i % 2:  # blobs may order their tensors differently from the model
+            arrays = dict(reversed(list(arrays.items())))
+        blobs.append(encode(arrays))
+    return blobs, [int(s) for s in rng.integers(1, 300, n)]
+
+
+def run_round(gw, name: str, blobs: list[bytearray], samples: list[int], **fields) -> dict[str, np.ndarray]:
+    from conftest import wait_for
+
+    gw.create_job(name, len(blobs), **fields)
+    gw.set_model(name, encode({k: np.zeros(s, np.float32) for k, s in SHAPES.items()}))
+    for i, (blob, n) in enumerate(zip(blobs, samples)):
+        gw.push(name, blob, client=f"c{i}", samples=n, base_version=0)
+    wait_for(lambda: gw.model(name)[0] == 1, what=f"{name}'s round")
+    model = bytes(gw.model(name)[1])
+    return {k: v.copy() for k, v in fmt.views(model, validate(model)).items()}
+
+
+@pytest.mark.slow
+def test_sharded_rounds_install_the_unsharded_model(node) -> None:
+    from lifl.client import Gateway
+
+    gw = Gateway(node.http)
+    blobs, samples = updates(7)
+    fixed_point = {"frac_bits": 20, "width": 64}
+    exact = {name: run_round(gw, name, blobs, samples, leaf_fan_in=fan_in, fixed_point=fixed_point, **extra)
+             for name, fan_in, extra in [
+                 ("fp-1", 2, {}), ("fp-4", 2, {"shards": 4}), ("fp-3t", 3, {"shards": 3, "shard_alignment": "tensor"}),
+                 ("fp-9", 1, {"shards": 9}),
+             ]}
+    reference = exact.pop("fp-1")
+    for name, model in exact.items():  # fixed point: the same bits
+        for k in SHAPES:
+            assert model[k].tobytes() == reference[k].tobytes(), (name, k)
+    floats = run_round(gw, "float-1", blobs, samples)
+    sharded = run_round(gw, "float-5", blobs, samples, shards=5)
+    for k in SHAPES:
+        np.testing.assert_allclose(sharded[k], floats[k], rtol=1e-6, atol=1e-7)
+        mean = sum(n * fmt.views(b, validate(b))[k].astype(np.float64) for b, n in zip(blobs, samples)) / sum(samples)
+        np.testing.assert_allclose(sharded[k], mean, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_sharded_round_of_one_update_installs_that_update(node) -> None:
+    from lifl.client import Gateway
+
+    gw = Gateway(node.http)
+    blobs, samples = updates(1, seed=9)
+    model = run_round(gw, "one", blobs, samples, shards=4, fixed_point={"frac_bits": 16, "width": 64})
+    sent = fmt.views(blobs[0], validate(blobs[0]))
+    for k in SHAPES:
+        assert model[k].tobytes() == sent[k].tobytes()
+
+
+@pytest.mark.slow
+def test_sharded_jobs_refuse_what_they_cannot_do(node) -> None:
+    from lifl.client import Gateway
+
+    gw = Gateway(node.http)
+    for fields, needle in [({"shards": 0}, "shards must be"), ({"shards": 65}, "shards must be"),
+                           ({"shards": "all"}, "shards must be"), ({"shards": 2, "shard_alignment": "row"}, "shard_alignment"),
+                           ({"shards": 2, "strategy": {"name": "fedadam"}}, "does not run on tensor shards")]:
+        with pytest.raises(BadRequest, match=needle):
+            gw.create_job("refused", 2, **fields)
+    with pytest.raises(Exception):
+        gw.job("refused")
+
+
+@pytest.mark.parametrize("shards, data_bytes, capacity, nodes, refused", [
+    (4, 4096, 1 << 30, 1, False),
+    (4, 4096, 1 << 30, 2, True),
+    (1, 4096, 1 << 30, 3, False),
+    (0, 4096, 1 << 30, 3, False),  # "auto" keeps a small model whole
+    (0, 1 << 20, 1 << 20, 3, True),  # ...and cuts a large one
+    (4, 4, 1 << 30, 2, False),  # a model of one element has one shard however many are asked
+])
+def test_sharded_jobs_need_one_node(shards: int, data_bytes: int, capacity: int, nodes: int, refused: bool) -> None:
+    spec = JobSpec("j", 2, shards=shards)
+    model = ModelSpec((TensorSpec("w", F32, (data_bytes // 4,)),))
+    if refused:
+        with pytest.raises(Unprocessable, match="tensor shards, which aggregate on one node"):
+            check_shards_fit(spec, model, capacity, nodes)
+    else:
+        check_shards_fit(spec, model, capacity, nodes)
