@@ -1023,7 +1023,7 @@ class GatewayService:
                 if not fresh:
                     raise _Recheck(job_name)
                 raise Conflict(f"job {job_name!r} has no model yet", code="no_model")
-            spec = partial_spec(job.model_spec, job.spec.fixed_point_spec) if meta.partial else job.model_spec
+            spec = partial_spec(job.model_spec, job.spec.fixed_point_spec, job.spec.float_accumulator) if meta.partial else job.model_spec
             limit = spec.data_bytes + fmt.MAX_HEADER_BYTES
             return Ingest(self, "partial", job_name, "internal", spec, limit, expected_size, partial=meta)
 

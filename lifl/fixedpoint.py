@@ -29,7 +29,7 @@ from fractions import Fraction
 from typing import Any
 
 from lifl.errors import BadRequest, Unprocessable
-from lifl.format import I32, I64, I128, Layout, ModelSpec, TensorSpec
+from lifl.format import F64, I32, I64, I128, DType, Layout, ModelSpec, TensorSpec
 
 WIDTHS = (32, 64)
 DEFAULT_FRAC_BITS = 24
@@ -94,12 +94,12 @@ class FixedPoint:
                 code="fixed_point_overflow",
             )
 
-def partial_spec(spec: ModelSpec, fixed_point: FixedPoint | None) -> ModelSpec:
-    """The spec of the model's partial sums: float accumulators without fixed point
-    (``ModelSpec.partial``); with it, float tensors sum in integers of its width, and one more
-    tensor carries the sum's overflow bound."""
+def partial_spec(spec: ModelSpec, fixed_point: FixedPoint | None, floats: DType = F64) -> ModelSpec:
+    """The spec of the model's partial sums: float accumulators of ``floats`` without fixed
+    point (``ModelSpec.partial``); with it, float tensors sum in integers of its width, and one
+    more tensor carries the sum's overflow bound."""
     if fixed_point is None:
-        return spec.partial()
+        return spec.partial(floats)
     if BOUND_TENSOR in spec:
         raise BadRequest(f"tensor name {BOUND_TENSOR!r} is reserved for fixed-point aggregation", code="bad_fixed_point")
     integer = I64 if fixed_point.width == 64 else I32

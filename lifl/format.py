@@ -64,9 +64,13 @@ _PARTIAL_DTYPES: dict[str, DType] = {**WIRE_DTYPES, I128.name: I128}
 _NUMPY_TO_DTYPE = {F16.storage: F16, F32.storage: F32, F64.storage: F64, I32.storage: I32, I64.storage: I64}
 
 
-def accumulator_dtype(dtype: DType) -> DType:
-    """The dtype in which an aggregator sums tensors of ``dtype`` exactly enough."""
-    return F64 if dtype.kind == "f" else I128
+ACCUMULATORS: dict[str, DType] = {"float64": F64, "float32": F32}  # a job's "accumulator" for float tensors
+
+
+def accumulator_dtype(dtype: DType, floats: DType = F64) -> DType:
+    """The dtype in which an aggregator sums tensors of ``dtype`` exactly enough (``floats``:
+    float tensors' accumulator, a job's choice)."""
+    return floats if dtype.kind == "f" else I128
 
 
 @dataclass(frozen=True)
@@ -113,10 +117,10 @@ class ModelSpec:
         order, and metadata, fit easily; a receiver refuses a longer one before reading it."""
         return min(MAX_HEADER_BYTES, HEADER_SPACING * len(spec_header(self)) + MAX_METADATA_BYTES)
 
-    def partial(self) -> ModelSpec:
-        """The spec of this model's partial sums in float accumulators (under fixed point:
-        ``lifl.fixedpoint.partial_spec``)."""
-        return ModelSpec(tuple(TensorSpec(t.name, accumulator_dtype(t.dtype), t.shape) for t in self.tensors))
+    def partial(self, floats: DType = F64) -> ModelSpec:
+        """The spec of this model's partial sums in float accumulators of ``floats`` (under fixed
+        point: ``lifl.fixedpoint.partial_spec``)."""
+        return ModelSpec(tuple(TensorSpec(t.name, accumulator_dtype(t.dtype, floats), t.shape) for t in self.tensors))
 
     def to_json(self) -> list[list[Any]]:
         return [[t.name, t.dtype.name, list(t.shape)] for t in self.tensors]

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import math
 import re
+import reprlib
 import urllib.parse
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from lifl.errors import BadRequest
+from lifl.format import ACCUMULATORS, DType
 from lifl.fixedpoint import FixedPoint
 from lifl.flstore.retention import RetentionPolicy
 from lifl.models import MODELS
@@ -49,6 +51,7 @@ class JobSpec:
     fixed_point: dict[str, Any] = field(default_factory=dict, hash=False)  # lifl.fixedpoint; {}: float aggregation
     shards: int = 1  # tensor shards, each aggregated in a hierarchy of its own (lifl.shards); 0: "auto"
     shard_alignment: str = ELEMENT  # where shards are cut: between elements, or between tensors
+    accumulator: str = "float64"  # what partial sums of float tensors are kept in (format.ACCUMULATORS)
 
     @property
     def sample_cap(self) -> int:
@@ -130,7 +133,22 @@ class JobSpec:
                 raise BadRequest(f"strategy {strategy.name!r} does not run on tensor shards (yet): only fedavg does; "
                                  "drop 'shards' or choose fedavg", code="bad_job")
             values["shards"], values["shard_alignment"] = shards, alignment
+        if "accumulator" in body:
+            accumulator = body["accumulator"]
+            if accumulator not in ACCUMULATORS:
+                raise BadRequest(f"job field 'accumulator' must be one of {', '.join(ACCUMULATORS)}, got "
+                                 f"{reprlib.repr(accumulator)}", code="bad_job")
+            if accumulator != "float64" and (fixed_point is not None or strategy.runs_step):
+                raise BadRequest(f"accumulator {accumulator!r} is for fedavg in floats; "
+                                 + ("fixed point sums in integers" if fixed_point is not None else
+                                    f"strategy {strategy.name!r} computes in float64") + ": choose one", code="bad_job")
+            values["accumulator"] = accumulator
         return cls(job=name, tenant=tenant, **values)
+
+    @property
+    def float_accumulator(self) -> DType:
+        """What its partial sums of float tensors are kept in."""
+        return ACCUMULATORS[self.accumulator]
 
     @property
     def strategy_spec(self) -> StrategySpec:

@@ -208,6 +208,35 @@ static int fold_float(double *acc, uint64_t n, int32_t ninputs, int32_t stride, 
     return 0;
 }
 
+/* Float32 accumulators (a job's "accumulator": "float32", for bf16/fp16 updates where float64
+ * is waste): each block is folded in float64, as fold_float does, and stored once, so a fold
+ * rounds each element once however many inputs it sums. */
+#define F32_ACC_BLOCK 2048
+#define F32_ACC_INPUTS 64
+static int fold_float32(float *acc, uint64_t n, int32_t ninputs, int32_t stride, const int32_t *dt,
+                        const void *const *in, const int64_t *weight, int init) {
+    double block[F32_ACC_BLOCK];
+    const void *at[F32_ACC_INPUTS];
+    int32_t dts[F32_ACC_INPUTS];
+    for (int32_t first = 0; first < ninputs; first += F32_ACC_INPUTS) {  /* inputs in groups of a bounded scratch */
+        int32_t count = ninputs - first < F32_ACC_INPUTS ? ninputs - first : F32_ACC_INPUTS;
+        int fresh = init && first == 0;
+        for (uint64_t off = 0; off < n; off += F32_ACC_BLOCK) {
+            uint64_t len = n - off < F32_ACC_BLOCK ? n - off : F32_ACC_BLOCK;
+            for (int32_t j = 0; j < count; j++) {
+                int64_t k = (int64_t)(first + j) * stride;
+                dts[j] = dt[k];
+                at[j] = (const uint8_t *)in[k] + off * (uint64_t)itemsize(dt[k]);
+            }
+            if (!fresh)
+                for (uint64_t i = 0; i < len; i++) block[i] = (double)acc[off + i];
+            if (fold_float(block, len, count, 1, dts, at, weight + first, fresh)) return -1;
+            for (uint64_t i = 0; i < len; i++) acc[off + i] = (float)block[i];
+        }
+    }
+    return 0;
+}
+
 static int fold_int(__int128 *acc, uint64_t n, int32_t ninputs, int32_t stride, const int32_t *dt,
                     const void *const *in, const int64_t *weight, int init) {
     for (uint64_t i = 0; i < n; i++) {
@@ -360,6 +389,8 @@ int lifl_fold(int32_t ntensors, const uint64_t *numel, const int32_t *acc_dtype,
         int rc;
         if (acc_dtype[t] == F64)
             rc = fold_float((double *)acc[t], n, ninputs, ntensors, in_dtype + t, in + t, weight, init);
+        else if (acc_dtype[t] == F32)
+            rc = fold_float32((float *)acc[t], n, ninputs, ntensors, in_dtype + t, in + t, weight, init);
         else if (acc_dtype[t] == I128)
             rc = fold_int((__int128 *)acc[t], n, ninputs, ntensors, in_dtype + t, in + t, weight, init);
         else if (acc_dtype[t] == I64)
@@ -454,6 +485,9 @@ int lifl_finalize(int32_t ntensors, const uint64_t *numel, const int32_t *out_dt
         if (ad == F64) {
             const double *a = (const double *)acc[t];
             WRITE_FLOATS(a[i] * inv)
+        } else if (ad == F32) {
+            const float *a = (const float *)acc[t];
+            WRITE_FLOATS((double)a[i] * inv)
         } else if (ad == I64) {
             const int64_t *a = (const int64_t *)acc[t];
             WRITE_FLOATS((double)a[i] / denom)

@@ -104,11 +104,11 @@ class JobSizes:
 
     @classmethod
     def of(cls, spec: fmt.ModelSpec, leaf_fan_in: int, strategy_bytes: int = 0,
-           fixed_point: FixedPoint | None = None) -> JobSizes:
+           fixed_point: FixedPoint | None = None, floats: fmt.DType = fmt.F64) -> JobSizes:
         """The objects the aggregator function allocates (``functions/aggregator/handler``);
         ``strategy_bytes``: what a strategy step allocates besides the model (``functions/aggregator/top``);
-        ``fixed_point``: partial sums are integers (``lifl.fixedpoint``)."""
-        partial = partial_spec(spec, fixed_point)
+        ``fixed_point``: partial sums are integers (``lifl.fixedpoint``); ``floats``: else, their dtype."""
+        partial = partial_spec(spec, fixed_point, floats)
         return cls(len(fmt.spec_header(partial)) + partial.data_bytes,
                    len(fmt.spec_header(spec)) + spec.data_bytes + strategy_bytes, leaf_fan_in)
 

@@ -68,6 +68,7 @@ class Invocation:
     strategy: StrategySpec = StrategySpec()  # how the top turns the round into the next model
     fixed_point: FixedPoint | None = None  # sum quantised updates in integers (deterministic)
     shard: TensorShard | None = None  # the slice of the model it aggregates (lifl.shards); None: all of it
+    accumulator: fmt.DType = fmt.F64  # what partial sums of float tensors are kept in (without fixed point)
 
 
 class Context:
@@ -266,7 +267,7 @@ def load_handler(spec: str) -> Handler:
 
 def serve(ctx: Context, handler: Handler, finished: Callable[[Invocation, dict[str, Any]], None] | None = None) -> None:
     """Run invocations until the agent goes; ``finished`` hears of each task's statistics."""
-    specs: dict[str, tuple[fmt.ModelSpec, StrategySpec, FixedPoint | None, ShardPlan | None]] = {}
+    specs: dict[str, tuple[fmt.ModelSpec, StrategySpec, FixedPoint | None, ShardPlan | None, fmt.DType]] = {}
     while True:
         try:
             push, fds = ctx.client.next_push()
@@ -292,11 +293,12 @@ def serve(ctx: Context, handler: Handler, finished: Callable[[Invocation, dict[s
             shards = options.get("shards")  # [count, alignment] when the job's model is cut
             specs[push.job] = (model_spec, StrategySpec.from_json(strategy) if strategy else StrategySpec(),
                                FixedPoint.from_request(options.get("fixed_point")),
-                               shard_plan(model_spec, *shards) if shards else None)
-        model_spec, strategy_spec, fixed_point, plan = specs[push.job]
+                               shard_plan(model_spec, *shards) if shards else None,
+                               fmt.ACCUMULATORS[options.get("accumulator", "float64")])
+        model_spec, strategy_spec, fixed_point, plan, accumulator = specs[push.job]
         inv = Invocation(push.task, push.job, push.version, push.role, push.fan_in, push.lazy, model_spec,
                          (push.parent_instance, push.parent_task), strategy_spec, fixed_point,
-                         plan[push.shard] if plan is not None else None)
+                         plan[push.shard] if plan is not None else None, accumulator)
         try:
             stats = handler(inv, ctx)
             ctx.finish(inv, stats)

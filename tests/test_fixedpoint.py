@@ -68,9 +68,9 @@ def test_partial_spec_sums_floats_in_integers_of_the_width_and_carries_the_bound
 class Memory:
     """Objects in bytearrays, so that the pure fold logic runs without the store."""
 
-    def __init__(self, spec: fmt.ModelSpec, fp: FixedPoint | None) -> None:
+    def __init__(self, spec: fmt.ModelSpec, fp: FixedPoint | None, floats: fmt.DType = fmt.F64) -> None:
         self.spec, self.fp = spec, fp
-        self.partial = partial_spec(spec, fp)
+        self.partial = partial_spec(spec, fp, floats)
         self.partial_header = fmt.spec_header(self.partial)
 
     def update(self, tensors: dict[str, np.ndarray], samples: int) -> Contribution:

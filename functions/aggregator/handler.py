@@ -31,7 +31,7 @@ from lifl.functions.aggregator import top
 from lifl.runtime import Context, Invocation
 
 _tables: dict[tuple[int, int], tuple[fmt.Layout, fmt.ModelSpec | TensorShard, TensorTable]] = {}
-_headers: dict[tuple[int, FixedPoint | None], tuple[fmt.ModelSpec, bytes, bytes, int]] = {}
+_headers: dict[tuple[int, FixedPoint | None, fmt.DType], tuple[fmt.ModelSpec, bytes, bytes, int]] = {}
 
 
 def _table(layout: fmt.Layout, spec: fmt.ModelSpec | TensorShard) -> TensorTable:
@@ -46,12 +46,13 @@ def _table(layout: fmt.Layout, spec: fmt.ModelSpec | TensorShard) -> TensorTable
     return hit[2]
 
 
-def _spec_headers(spec: fmt.ModelSpec, fixed_point: FixedPoint | None) -> tuple[bytes, bytes, int]:
+def _spec_headers(spec: fmt.ModelSpec, fixed_point: FixedPoint | None, floats: fmt.DType) -> tuple[bytes, bytes, int]:
     """(model header, partial-sum header, partial-sum data bytes) for a job's model, made once."""
-    hit = _headers.get((id(spec), fixed_point))
+    hit = _headers.get((id(spec), fixed_point, floats))
     if hit is None or hit[0] is not spec:
-        partial = partial_spec(spec, fixed_point)
-        hit = _headers[(id(spec), fixed_point)] = (spec, fmt.spec_header(spec), fmt.spec_header(partial), partial.data_bytes)
+        partial = partial_spec(spec, fixed_point, floats)
+        hit = _headers[(id(spec), fixed_point, floats)] = (spec, fmt.spec_header(spec), fmt.spec_header(partial),
+                                                           partial.data_bytes)
     return hit[1], hit[2], hit[3]
 
 
@@ -71,7 +72,7 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
     spec = shard.spec if shard else inv.spec  # what its partial sums hold
     whole: fmt.ModelSpec | TensorShard = shard or spec  # what it reads of a client update
     fixed_point = inv.fixed_point
-    model_header, partial_header, partial_bytes = _spec_headers(spec, fixed_point)
+    model_header, partial_header, partial_bytes = _spec_headers(spec, fixed_point, inv.accumulator)
     agg = StreamingFedAvg(inv.fan_in or None, fixed_point)
     delivery_us: list[float] = []  # sent -> the message in hand (the channel, and waking up)
     handoff_us: list[float] = []  # sent -> a readable view of the object (delivery, then mapping it)

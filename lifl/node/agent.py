@@ -82,7 +82,6 @@ from lifl.protocol import (
     Hello, InstallModel, InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, NextModel, Ok, OpenModel,
     Query, Ready, Release, StrategyInputs, Submit, SubmitPartial, Submitted, TakeQuery, Text, Welcome, decode, input_record,
 )
-from lifl.fixedpoint import FixedPoint
 from lifl.protocol import (
     ROLES, TOP, InstanceCounts, JobActivity, NodeStatus, QueryAnswer, QueryData, QueryRound, QuerySeconds, QueryUpdate, QueryWork,
     RecentTasks, SharedMemory, StatusReply, StrategyUpdate, StrategyWork, TaskReport,
@@ -216,7 +215,7 @@ class JobRun:
         """A partial sum of one task of ``shard``."""
         if self.shard_plan is None:
             return self.sizes.accumulator
-        return shard_accumulator_bytes(self.shard_plan[shard], self.spec.fixed_point_spec)
+        return shard_accumulator_bytes(self.shard_plan[shard], self.spec)
 
 
 def shard_plan(spec: JobSpec, model_spec: fmt.ModelSpec, shm_capacity: int) -> shards.ShardPlan | None:
@@ -225,19 +224,18 @@ def shard_plan(spec: JobSpec, model_spec: fmt.ModelSpec, shm_capacity: int) -> s
     return plan if plan is not None and len(plan) > 1 else None
 
 
-def shard_accumulator_bytes(shard: shards.TensorShard, fixed_point: FixedPoint | None) -> int:
-    return JobSizes.of(shard.spec, 1, 0, fixed_point).accumulator
+def shard_accumulator_bytes(shard: shards.TensorShard, spec: JobSpec) -> int:
+    return JobSizes.of(shard.spec, 1, 0, spec.fixed_point_spec, spec.float_accumulator).accumulator
 
 
 def job_sizes(spec: JobSpec, model_spec: fmt.ModelSpec, plan: shards.ShardPlan | None = None) -> JobSizes:
     """What aggregating a job's updates allocates; with shards, one accumulator of each shard
     stands for one of the whole model (a task of each shard has one at a time)."""
-    fixed_point = spec.fixed_point_spec
     sizes = JobSizes.of(model_spec, spec.fan_in_for(model_spec.data_bytes), strategy_bytes(spec.strategy_spec, model_spec),
-                        fixed_point)
+                        spec.fixed_point_spec, spec.float_accumulator)
     if plan is None:
         return sizes
-    return replace(sizes, accumulator=sum(shard_accumulator_bytes(s, fixed_point) for s in plan.shards))
+    return replace(sizes, accumulator=sum(shard_accumulator_bytes(s, spec) for s in plan.shards))
 
 
 def check_round_fits(spec: JobSpec, model_spec: fmt.ModelSpec, update_bytes: int, for_jobs: list[int]) -> None:
@@ -2180,6 +2178,8 @@ class Agent:
             options = {"strategy": run.spec.strategy, "fixed_point": run.spec.fixed_point}
             if run.shard_plan is not None:
                 options["shards"] = [len(run.shard_plan), run.spec.shard_alignment]
+            if run.spec.accumulator != "float64":
+                options["accumulator"] = run.spec.accumulator
         self.metrics.starts.labels("warm" if self.board.workers[e.instance].ready else "cold").inc()
         scratch, fds = b"", []
         if len(e.inputs) >= 2:
