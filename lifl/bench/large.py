@@ -1,0 +1,283 @@
+"""`lifl bench large`: a round of updates larger than one aggregator should hold.
+
+A model of ``--parameters`` bf16 parameters (default 1e9: 2 GB per update), cut into a few
+LLM-like tensors, and ``--clients`` updates generated into files (random normal values, seeded)
+that each client streams from disk (the file is mapped, not read into memory). One run
+measures, on fresh nodes:
+
+- ``unsharded``: lifl on one node, every aggregator folding whole updates;
+- ``sharded``: lifl on one node with ``--shards`` M tensor shards;
+- ``sharded_f32``: the same with float32 accumulators.
+
+Each system reports ``round_s`` (first byte pushed to the new version installed), ``ingest_gbps``
+(update bytes over the time until every push was acknowledged), ``aggregate_gbps`` (update
+bytes folded per second of fold time, summed over the leaves: one core's fold bandwidth, against
+``memcpy_gbps``, numpy copying an update's bytes in the same run), the node's peaks sampled
+every 50 ms (``peak_shm_bytes_per_node``: the store's objects; ``peak_rss_bytes_per_node``: the
+proportional set size of its gateway, agent and aggregators, shared memory counted once;
+``peak_aggregator_rss_bytes``: the largest of one aggregator), and ``max_abs_error`` of the
+model against float64 FedAvg computed slice by slice from the files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import mmap
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lifl import format as fmt
+from lifl.errors import Unprocessable
+
+GB = 1e9
+SAMPLE_INTERVAL_S = 0.05
+ROWS = 4096  # a tensor's row: the model is a few (rows x 4096) matrices and a remainder vector
+TENSORS = 8
+CHUNK_ELEMENTS = 1 << 24  # generation and checking go through this many elements at a time
+SHM_CAPACITY = 20 << 30  # the node's --shm-limit, or less if /dev/shm has less free
+
+
+def model_tensors(parameters: int) -> list[tuple[str, fmt.DType, tuple[int, ...]]]:
+    rows = parameters // (TENSORS * ROWS)
+    tensors = [(f"layers.{i}.weight", fmt.BF16, (rows, ROWS)) for i in range(TENSORS) if rows]
+    rest = parameters - TENSORS * rows * ROWS
+    return tensors + ([("head.bias", fmt.BF16, (rest,))] if rest else [])
+
+
+def _to_bf16(x: np.ndarray) -> np.ndarray:
+    bits = x.astype(np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
+
+
+def _from_bf16(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def write_update(path: Path, tensors: list[tuple[str, fmt.DType, tuple[int, ...]]], seed: int | None) -> int:
+    """An update file: random normal values (``seed`` None: zeros, the initial model)."""
+    header = fmt.encode_header(tensors)
+    elements = sum(fmt.TensorSpec(*t).numel for t in tensors)
+    rng = np.random.default_rng(seed) if seed is not None else None
+    with open(path, "wb") as f:
+        f.write(header)
+        for start in range(0, elements, CHUNK_ELEMENTS):
+            n = min(CHUNK_ELEMENTS, elements - start)
+            f.write((_to_bf16(rng.standard_normal(n, np.float32)) if rng else np.zeros(n, np.uint16)).tobytes())
+    return len(header) + 2 * elements
+
+
+def shm_capacity() -> int:
+    """Most of /dev/shm's free space (the round's objects live there), at most SHM_CAPACITY."""
+    st = os.statvfs("/dev/shm")
+    return min(SHM_CAPACITY, int(st.f_bavail * st.f_frsize * 0.85))
+
+
+def memcpy_gbps(nbytes: int) -> float:
+    """numpy copying ``nbytes`` (best of three), for the fold bandwidth's reference."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / GB
+
+
+class Peaks:
+    """The node's memory, sampled on a thread until stopped."""
+
+    def __init__(self, node: Any, shm_used: Callable[[], float]) -> None:
+        self.node, self.shm_used = node, shm_used
+        self.shm = self.rss = self.aggregator = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Peaks:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        from lifl.procstat import pss_mb
+
+        while not self._stop.is_set():
+            groups = self.node.pids()
+            self.rss = max(self.rss, pss_mb([pid for pids in groups.values() for pid in pids]) * (1 << 20))
+            self.aggregator = max([self.aggregator, *(pss_mb([pid]) * (1 << 20) for pid in groups["aggregators"])])
+            self.shm = max(self.shm, self.shm_used())
+            self._stop.wait(SAMPLE_INTERVAL_S)
+
+
+def _shm_used(metrics: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith('lifl_shm_bytes{state="used"'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@contextlib.contextmanager
+def _mapped(path: Path) -> Iterator[tuple[mmap.mmap, memoryview]]:
+    """A file mapped read-only, and a view of it. Slices of the view that outlive it (held by an
+    exception's traceback) keep the mapping open: it goes with the last of them."""
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    view = memoryview(mm)
+    try:
+        yield mm, view
+    finally:
+        with contextlib.suppress(BufferError):
+            view.release()
+            mm.close()
+
+
+def _values(buffer: Any, offset: int, n: int) -> np.ndarray:
+    """bf16 elements as float64 (a copy: no view of the buffer outlives the call)."""
+    return _from_bf16(np.frombuffer(buffer, np.uint16, n, offset)).astype(np.float64)
+
+
+def max_abs_error(model: bytes, files: list[Path], samples: list[int]) -> float:
+    """The largest |model - float64 FedAvg| over the elements, computed a slice at a time."""
+    layout = fmt.parse_layout(model)
+    elements = layout.data_len // 2
+    with contextlib.ExitStack() as stack:
+        maps = [stack.enter_context(_mapped(path))[0] for path in files]
+        worst = 0.0
+        for first in range(0, elements, CHUNK_ELEMENTS):
+            n = min(CHUNK_ELEMENTS, elements - first)
+            offset = layout.data_start + 2 * first  # the files share the model's header, hence its layout
+            mean = sum(s * _values(mm, offset, n) for mm, s in zip(maps, samples)) / sum(samples)
+            worst = max(worst, float(np.abs(_values(model, offset, n) - mean).max()))
+        return worst
+
+
+def run_system(name: str, files: list[Path], model_file: Path, samples: list[int], fields: dict[str, Any],
+               workdir: Path, shm_capacity: int) -> dict[str, Any]:
+    from lifl.client import Gateway
+    from lifl.node.supervisor import Node, NodeConfig
+    from lifl.protocol import GetRecent, Hello
+    from lifl.rpc import Client
+
+    update_bytes = files[0].stat().st_size
+    root = workdir / name
+    root.mkdir()
+    with open(root / "node.log", "w") as log:
+        node = Node(NodeConfig(node=f"lg{os.getpid() % 10000}{name[:4]}", http="127.0.0.1:0", grpc="127.0.0.1:0",
+                               run_dir=root / "run", data_dir=root / "data", shm_capacity=shm_capacity), log=log)
+        http = node.start().http
+        gw = Gateway(http, token=node.operator_token)
+        try:
+            gw.create_job("large", len(files), **fields)
+            with _mapped(model_file) as (_, view):
+                try:
+                    gw.set_model("large", view)
+                except Unprocessable as e:  # the node cannot hold the round: what it would need is the result
+                    if e.code != "round_too_large":
+                        raise
+                    return {"refused": e.code, "needed_bytes": e.extra["needed"], "available_bytes": e.extra["available"]}
+            errors: list[BaseException] = []
+
+            def push(i: int) -> None:
+                client = Gateway(http, token=node.operator_token)
+                try:
+                    with _mapped(files[i]) as (_, view):
+                        client.push("large", view, client=f"c{i}", samples=samples[i], base_version=0)
+                except BaseException as e:
+                    errors.append(e)
+                finally:
+                    client.close()
+
+            watcher = Gateway(http, token=node.operator_token)  # its own connection: a client is not shared by threads
+            with Peaks(node, lambda: _shm_used(watcher.metrics())) as peaks:
+                t0 = time.perf_counter()
+                pushers = [threading.Thread(target=push, args=(i,)) for i in range(len(files))]
+                for t in pushers:
+                    t.start()
+                for t in pushers:
+                    t.join()
+                ingested = time.perf_counter() - t0
+                if errors:
+                    raise errors[0]
+                while gw.job("large")["version"] < 1:
+                    time.sleep(0.02)
+                round_s = time.perf_counter() - t0
+            watcher.close()
+            agent = Client.connect(str(root / "run" / "agent.sock"), Hello("gateway"))
+            tasks = [t.stats for t in agent.call(GetRecent())[0].tasks if t.job == "large"]
+            agent.close()
+            leaves = [t for t in tasks if t["role"] == "leaf" and t["folds"]]
+            fold_s = sum(t["agg_s"] - t["alloc_s"] for t in leaves)
+            folded = sum(t["inputs"] * t["bytes"] for t in leaves)  # "bytes": of the model (its shard) in update dtypes
+            version, model = gw.model("large")
+            return {
+                "round_s": round(round_s, 2),
+                "ingest_gbps": round(len(files) * update_bytes / ingested / GB, 3),
+                "aggregate_gbps": round(folded / fold_s / GB, 3) if fold_s else None,
+                "peak_shm_bytes_per_node": int(peaks.shm),
+                "peak_rss_bytes_per_node": int(peaks.rss),
+                "peak_aggregator_rss_bytes": int(peaks.aggregator),
+                "max_abs_error": max_abs_error(model, files, samples),
+                "tasks": {role: sum(t["role"] == role for t in tasks) for role in ("leaf", "middle", "top")},
+            }
+        finally:
+            gw.close()
+            node.stop()
+
+
+def run(parameters: int, clients: int, shards: int, say: Callable[[str], None] = lambda _: None,
+        workdir: Path | None = None) -> dict[str, Any]:
+    tensors = model_tensors(parameters)
+    with tempfile.TemporaryDirectory(prefix="lifl-large-", dir=workdir) as tmp:
+        root = Path(tmp)
+        os.chmod(root, 0o755)  # the node's gateway and redis run as its service user
+        files = [root / f"update{i}.safetensors" for i in range(clients)]
+        update_bytes = 0
+        for i, path in enumerate(files):
+            update_bytes = write_update(path, tensors, seed=i)
+        model_file = root / "model.safetensors"
+        write_update(model_file, tensors, seed=None)
+        say(f"{parameters:,} bf16 parameters: {clients} updates of {update_bytes / GB:.2f} GB generated")
+        samples = [100 + 10 * i for i in range(clients)]
+        out: dict[str, Any] = {"parameters": parameters, "clients": clients, "shards": shards, "update_bytes": update_bytes,
+                               "memcpy_gbps": round(memcpy_gbps(update_bytes), 3)}
+        capacity = shm_capacity()
+        for name, fields in [("unsharded", {}), ("sharded", {"shards": shards}),
+                             ("sharded_f32", {"shards": shards, "accumulator": "float32"})]:
+            out[name] = run_system(name, files, model_file, samples, fields, root, capacity)
+            say(f"{name}: {out[name]}")
+        unsharded, sharded = out["unsharded"], out["sharded"]
+        if "refused" not in unsharded and "refused" not in sharded:
+            out["sharded_round_ratio"] = round(sharded["round_s"] / unsharded["round_s"], 3)
+            out["sharded_aggregator_rss_ratio"] = round(sharded["peak_aggregator_rss_bytes"]
+                                                        / max(unsharded["peak_aggregator_rss_bytes"], 1), 3)
+        return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--parameters", type=float, default=1e9, help="bf16 parameters of the model (default 1e9: 2 GB)")
+    p.add_argument("--clients", type=int, default=8, help="updates in the round (default 8)")
+    p.add_argument("--shards", type=int, default=4, help="tensor shards of the sharded runs (default 4)")
+    p.add_argument("--workdir", type=Path, help="where the update files go (default: the temporary directory)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.parameters < 1 or args.clients < 1 or not 2 <= args.shards <= 64:
+        raise SystemExit("--parameters and --clients must be at least 1, --shards between 2 and 64")
+    result = run(int(args.parameters), args.clients, args.shards, say=(lambda _: None) if args.json else print,
+                 workdir=args.workdir)
+    if args.json:
+        print(json.dumps(result))
+    return 0

@@ -1,0 +1,34 @@
+"""`lifl bench large` in a small configuration: every system completes its round, and the
+figures say what sharding and float32 accumulators change (full figures: `lifl bench large`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lifl.bench import large
+from lifl.format import BF16, TensorSpec
+
+
+@pytest.mark.parametrize("parameters, shapes", [
+    (8 * 4096 * 3, [(3, 4096)] * 8),
+    (8 * 4096 * 3 + 5, [(3, 4096)] * 8 + [(5,)]),
+    (100, [(100,)]),
+])
+def test_model_tensors(parameters: int, shapes: list[tuple[int, ...]]) -> None:
+    tensors = large.model_tensors(parameters)
+    assert [shape for _, _, shape in tensors] == shapes
+    assert all(dtype is BF16 for _, dtype, _ in tensors)
+    assert sum(TensorSpec(*t).numel for t in tensors) == parameters
+
+
+@pytest.mark.slow
+def test_a_small_large_run() -> None:
+    result = large.run(300_000, clients=3, shards=3)
+    assert result["update_bytes"] > 600_000 and result["memcpy_gbps"] > 0
+    for name in ("unsharded", "sharded", "sharded_f32"):
+        r = result[name]
+        assert r["round_s"] > 0 and r["ingest_gbps"] > 0 and r["aggregate_gbps"] > 0
+        assert r["max_abs_error"] < 2 ** -4  # the model's bf16 rounding of averages below 4 in magnitude
+    assert result["sharded"]["tasks"]["leaf"] == 3 * result["unsharded"]["tasks"]["leaf"]
+    assert result["sharded"]["tasks"]["top"] == 3
+    assert {"sharded_round_ratio", "sharded_aggregator_rss_ratio"} <= set(result)
