@@ -129,9 +129,9 @@ class JobSpec:
             values["fixed_point"] = fixed_point.to_json()
         if "shards" in body or "shard_alignment" in body:
             shards, alignment = check_shards(body.get("shards", 1), body.get("shard_alignment", ELEMENT))
-            if shards != 1 and strategy.runs_step:
-                raise BadRequest(f"strategy {strategy.name!r} does not run on tensor shards (yet): only fedavg does; "
-                                 "drop 'shards' or choose fedavg", code="bad_job")
+            if shards != 1 and not strategy.coordinatewise:
+                raise BadRequest(f"strategy {strategy.name!r} reads norms or distances of whole updates, so it does not "
+                                 "run on tensor shards: drop 'shards' or choose a coordinate-wise strategy", code="bad_job")
             values["shards"], values["shard_alignment"] = shards, alignment
         if "accumulator" in body:
             accumulator = body["accumulator"]

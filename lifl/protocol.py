@@ -692,9 +692,11 @@ class Alloc(Message):
 @dataclass(frozen=True)
 class NextModel(Message):
     """The top of a sharded round asks for the object its round's next model is written into:
-    one for all the round's tops, the model's header written, each writing its slice."""
+    one for all the round's tops, the model's header written, each writing its slice
+    (``state``: the object of the strategy's next state, shared the same way)."""
 
     task: int
+    state: bool = False
 
 
 @message("folded", Allocated)

@@ -178,9 +178,10 @@ class Context:
         mm[: len(header)] = header
         return key, mm
 
-    def next_model(self, inv: Invocation) -> tuple[bytes, mmap.mmap]:
-        """The object the round's next model is written into (sharded rounds: each top its slice)."""
-        reply, fds = self.client.call(NextModel(task=inv.task))
+    def next_model(self, inv: Invocation, *, state: bool = False) -> tuple[bytes, mmap.mmap]:
+        """The object the round's next model (``state``: the strategy's next state) is written
+        into, each top of a sharded round its slice."""
+        reply, fds = self.client.call(NextModel(task=inv.task, state=state))
         return reply.key, self._mapped(fds)
 
     def _mapped(self, fds: list[int]) -> mmap.mmap:

@@ -35,9 +35,9 @@ def assert_model(model: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> No
         np.testing.assert_allclose(model[k], ref[k], rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("fault", ["exit", "raise"])
+@pytest.mark.parametrize("fault, shards", [("exit", 1), ("raise", 1), ("exit", 3)])
 def test_every_task_broken_once_after_its_first_fold_still_yields_the_exact_fedavg(
-        started: Callable[..., Agent], state: ClusterState, monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+        started: Callable[..., Agent], state: ClusterState, monkeypatch: pytest.MonkeyPatch, fault: str, shards: int) -> None:
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
     job = f"flaky-{uuid.uuid4().hex[:8]}"
     markers = FAULTS / job
@@ -45,13 +45,13 @@ def test_every_task_broken_once_after_its_first_fold_still_yields_the_exact_feda
     FAULTS.chmod(0o777)
     markers.chmod(0o777)  # instances run as the tenant's uid
     try:
-        run_broken_tasks(started(handler=f"flaky_handler:handle_{fault}"), state, job, markers)
+        run_broken_tasks(started(handler=f"flaky_handler:handle_{fault}"), state, job, markers, shards)
     finally:
         shutil.rmtree(markers)
 
 
-def run_broken_tasks(agent: Agent, state: ClusterState, job: str, markers: Path) -> None:
-    state.create_job(JobSpec(job, goal=6, leaf_fan_in=2))
+def run_broken_tasks(agent: Agent, state: ClusterState, job: str, markers: Path, shards: int = 1) -> None:
+    state.create_job(JobSpec(job, goal=6, leaf_fan_in=2, shards=shards))
     rng = np.random.default_rng(11)
     client = gateway(agent)
     put_model(client, job, fmt.encode(random_model(rng)))
@@ -65,7 +65,7 @@ def run_broken_tasks(agent: Agent, state: ClusterState, job: str, markers: Path)
     summary = state.job(job).last_round
     assert summary["outcome"] == "complete" and summary["updates"] == 6
     broken = len(list(markers.iterdir()))
-    assert broken >= 4  # three leaves and the middle fold at least twice; the top may hold its lone input
+    assert broken >= 4 * shards  # each shard's three leaves and middle fold at least twice; a top may hold its lone input
     assert metric(client, "lifl_task_reruns_total") == broken
     wait_for(lambda: client.call(GetStatus())[0].status.shm.objects == 1, what="only the model is left")
 

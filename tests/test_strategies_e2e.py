@@ -101,6 +101,31 @@ def test_each_strategy_matches_its_pure_step_round_after_round(node: RunningNode
         assert all(len(r["strategy"]["selected"]) == (1 if strategy["name"] == "krum" else 3) for r in history), history
 
 
+@pytest.mark.parametrize("strategy", [
+    {"name": "fedavgm", "server_momentum": 0.9},
+    {"name": "fedadam"},
+    {"name": "median"},
+    {"name": "trimmed_mean", "beta": 0.2},
+])
+def test_coordinatewise_strategies_step_shard_by_shard_like_the_whole_model(node: RunningNode,
+                                                                             strategy: dict[str, Any]) -> None:
+    """Each shard's top steps its pieces of the mean, the updates, the current model and the
+    state, into its slices of the next model and state: the pure step of the whole model."""
+    gw = Gateway(node.http)
+    rng = np.random.default_rng(9)
+    initial = tensors(rng)
+    status = gw.create_job("sh", 5, strategy=strategy, shards=3)
+    gw.set_model("sh", fmt.encode(initial))
+    run_rounds(gw, "sh", Reference(status, initial), 3, rng, goal=5)
+
+
+@pytest.mark.parametrize("strategy", [{"name": "krum", "num_malicious": 1}, {"name": "multi_krum", "num_malicious": 1},
+                                      {"name": "dp_fedavg", "clipping_norm": 1.0, "noise_multiplier": 0.5, "population": 100}])
+def test_strategies_of_whole_updates_refuse_shards(node: RunningNode, strategy: dict[str, Any]) -> None:
+    with pytest.raises(BadRequest, match="reads norms or distances of whole updates"):
+        Gateway(node.http).create_job("whole", 5, strategy=strategy, shards=2)
+
+
 def test_median_ignores_an_outlier_that_fedavg_follows(node: RunningNode) -> None:
     gw = Gateway(node.http)
     for name in ("median", "fedavg"):
@@ -153,11 +178,12 @@ def test_dp_fedavg_clips_adds_noise_and_reports_the_privacy_spent(node: RunningN
     assert spent["epsilon"] == pytest.approx(report["epsilon"]) and spent["delta"] == 1e-5, (spent, last)
 
 
-def test_fedbuff_takes_stale_updates_weighted_and_refuses_too_stale_ones(node: RunningNode) -> None:
+@pytest.mark.parametrize("shards", [1, 2])
+def test_fedbuff_takes_stale_updates_weighted_and_refuses_too_stale_ones(node: RunningNode, shards: int) -> None:
     gw = Gateway(node.http)
     rng = np.random.default_rng(11)
     initial = tensors(rng)
-    status = gw.create_job("fb", 3, strategy={"name": "fedbuff", "max_staleness": 1})
+    status = gw.create_job("fb", 3, strategy={"name": "fedbuff", "max_staleness": 1}, shards=shards)
     gw.set_model("fb", fmt.encode(initial))
     ref = Reference(status, initial)
     first = [(f"c{i}", tensors(rng), 10, 0) for i in range(3)]

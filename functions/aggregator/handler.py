@@ -164,7 +164,9 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
                 average_into(out, total, fixed_point)
 
             key, state, report = result.token, b"", None
-            if shard is not None:  # its slice of the one object every top of the round writes
+            if inv.strategy.runs_step:  # lifl.strategy: the sum is one of the step's inputs
+                key, state, report = top.run_step(inv, ctx, result, model_header, write_mean)
+            elif shard is not None:  # its slice of the one object every top of the round writes
                 key, mm = ctx.next_model(inv)
                 if result.partial:
                     write_mean(mm, shard, result)
@@ -172,8 +174,6 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
                     out = _mapped(ctx, mm, shard)
                     live.append(out)
                     copy(out, result.tensors)
-            elif inv.strategy.runs_step:  # lifl.strategy: the sum is one of the step's inputs
-                key, state, report = top.run_step(inv, ctx, result, model_header, write_mean)
             elif result.partial:  # a single client update needs no averaging: it is the model
                 key, mm = ctx.accumulator(inv, model_header, spec.data_bytes)
                 write_mean(mm, spec, result)

@@ -19,6 +19,7 @@ import numpy as np
 from lifl import format as fmt
 from lifl.fedavg import Contribution
 from lifl.runtime import Context, Invocation
+from lifl.shards import TensorShard
 from lifl.strategy import StepInputs, Update, mean_spec, state_model_spec, step
 
 
@@ -26,15 +27,32 @@ def _views(ctx: Context, mm: Any) -> dict[str, np.ndarray]:
     return fmt.views(mm, ctx.layout(mm))
 
 
+def _sliced(views: dict[str, np.ndarray], shard: TensorShard | None) -> dict[str, np.ndarray]:
+    """The shard's pieces of an object of the whole model, or of the strategy's state (whose
+    tensors are "<prefix>/<tensor>"), as flat views named as the object names them."""
+    if shard is None:
+        return views
+    pieces = {p.tensor: p for p in shard.pieces}
+    out = {}
+    for name, array in views.items():
+        piece = pieces.get(name) or pieces.get(name.split("/", 1)[-1])
+        if piece is not None:
+            out[name] = array.reshape(-1)[piece.begin : piece.end]
+    return out
+
+
 def run_step(inv: Invocation, ctx: Context, result: Contribution, model_header: bytes,
              average_into: Callable[[Any, fmt.ModelSpec, Contribution], None]) -> tuple[bytes, bytes, dict[str, Any]]:
     """The round's new model: (its key, the strategy state's key or b"", the step's report).
-    ``average_into(mapped, spec, result)`` writes the round's FedAvg into a mapped object of ``spec``."""
-    spec, strategy = inv.spec, inv.strategy  # no bfloat16 tensors: the agent refuses such a model for a strategy
+    ``average_into(mapped, spec, result)`` writes the round's FedAvg into a mapped object of ``spec``.
+    A top of a sharded round (a coordinate-wise strategy) steps its shard: its pieces of every
+    input, written into its slices of the next model and state the round's tops share."""
+    shard, strategy = inv.shard, inv.strategy  # no bfloat16 tensors: the agent refuses such a model for a strategy
+    spec = shard.spec if shard else inv.spec
     inputs = ctx.strategy_inputs(inv, result.updates)
 
-    def opened(key: bytes) -> dict[str, np.ndarray]:
-        return _views(ctx, ctx.open(key))
+    def opened(key: bytes) -> dict[str, np.ndarray]:  # an object of the whole model (or state)
+        return _sliced(_views(ctx, ctx.open(key)), shard)
 
     if result.partial:  # the sum becomes the round's mean first, in an object of this task
         mean = mean_spec(spec)
@@ -44,14 +62,20 @@ def run_step(inv: Invocation, ctx: Context, result: Contribution, model_header: 
     else:  # a single update is its own mean
         average = opened(result.token)
     updates = [Update(opened(u.key), u.samples, u.staleness, opened(u.base), u.client) for u in inputs.updates]
-    key, out = ctx.accumulator(inv, model_header, spec.data_bytes)
+    if shard is not None:
+        key, mm = ctx.next_model(inv)
+        out = _sliced(_views(ctx, mm), shard)
+    else:
+        key, model_mm = ctx.accumulator(inv, model_header, spec.data_bytes)
+        out = _views(ctx, model_mm)
     state_key, state_out = b"", None
-    state = state_model_spec(strategy, spec)
+    state = state_model_spec(strategy, inv.spec)
     if state is not None:
-        state_key, state_mm = ctx.accumulator(inv, fmt.spec_header(state), state.data_bytes)
-        state_out = _views(ctx, state_mm)
+        state_key, state_mm = (ctx.next_model(inv, state=True) if shard is not None else
+                               ctx.accumulator(inv, fmt.spec_header(state), state.data_bytes))
+        state_out = _sliced(_views(ctx, state_mm), shard)
     report = step(strategy, StepInputs(
         current=opened(inputs.current), version=inv.version, average=average, updates=updates,
         state=opened(inputs.state) if inputs.state else None, seed=inputs.seed,
-    ), _views(ctx, out), state_out)
+    ), out, state_out)
     return key, state_key, report

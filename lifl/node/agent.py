@@ -94,7 +94,7 @@ from lifl.state import (
     retained_index,
 )
 from lifl.store import SHM_DIR, ObjectStore, Segment, Tenant, remove_node_objects, retention_holder
-from lifl.strategy import privacy, strategy_bytes
+from lifl.strategy import privacy, state_model_spec, strategy_bytes
 
 DEFAULT_HANDLER = "lifl.functions.aggregator.handler:handle"
 STRATEGY_INPUTS_TIMEOUT_S = 60.0  # how long a top waits for other nodes' updates of its round to be readable
@@ -541,7 +541,7 @@ class Agent:
         self._swept: dict[str, float] = {}  # when a duty last visited every job (monotonic)
         self._settle_then: dict[str, list[Callable[[], None]]] = {}  # what waits for a job's settle
         self._aggregated: dict[tuple[str, int], int] = {}  # updates folded, not yet counted in Redis
-        self._next_models: dict[tuple[str, int], bytes] = {}  # what a sharded round's tops write into
+        self._next_models: dict[tuple[str, int, bool], bytes] = {}  # what a sharded round's tops write into (True: state)
         self._listeners: list[socket.socket] = []
         self._holders: set[Hashable] = set()  # gateway connections that are open
         self._stopping = False
@@ -1751,19 +1751,23 @@ class Agent:
         reply(Allocated(seg.key), [os.dup(seg.fd)])
 
     def next_model(self, iid: int, m: NextModel, reply: Reply) -> None:
-        """The object a sharded round's tops write the next model into: made by the first that
-        asks, the model's header written, kept by the round until it is installed."""
+        """The object a sharded round's tops write the next model (or the strategy's next state)
+        into: made by the first that asks, its header written, kept by the round until installed."""
         task = self._task_of(iid, m.task)
         run = self.jobs[task.job]
-        if task.role != TOP or run.shard_plan is None or run.model_spec is None:
-            raise BadRequest(f"task {task.id} is not the top of a sharded round", code="not_sharded")
-        key = self._next_models.get((task.job, task.round))
+        spec = run.model_spec
+        if m.state and spec is not None:
+            spec = state_model_spec(run.spec.strategy_spec, spec)
+        if task.role != TOP or run.shard_plan is None or spec is None:
+            raise BadRequest(f"task {task.id} is not the top of a sharded round"
+                             + (" of a strategy with a state" if m.state else ""), code="not_sharded")
+        key = self._next_models.get((task.job, task.round, m.state))
         if key is None:
-            header = fmt.spec_header(run.model_spec)
-            seg = self.store.create(run.tenant, len(header) + run.model_spec.data_bytes, ("round", task.job, task.round),
+            header = fmt.spec_header(spec)
+            seg = self.store.create(run.tenant, len(header) + spec.data_bytes, ("round", task.job, task.round),
                                     owner=RoundOf(task.job, task.round))
             os.pwrite(seg.fd, header, 0)
-            key = self._next_models[(task.job, task.round)] = seg.key
+            key = self._next_models[(task.job, task.round, m.state)] = seg.key
         reply(Allocated(key), [os.dup(self.store.get(key).fd)])
 
     def folded(self, iid: int, m: Folded, reply: Reply) -> None:
@@ -1864,7 +1868,8 @@ class Agent:
     def install(self, iid: int, m: InstallResult, reply: Reply) -> None:
         """The top has the round's model: checkpoint it in the background, then install it."""
         task = self._task_of(iid, m.task)
-        if not (m.state or m.report):
+        if not (m.state or m.report) or self.trees.lanes_writing(task.id) > 1:
+            # a sharded round's step is staged with its last top: the state is written by then
             self._result(iid, m.task, tree.Input(m.key, m.samples, m.updates, False))
             reply(Installed(task.version + 1))
             return
@@ -2119,7 +2124,7 @@ class Agent:
             elif isinstance(e, tree.Drop):
                 self.store.discard(e.key)
             elif isinstance(e, tree.Release):
-                self._next_models.pop((e.job, e.round), None)
+                self._forget_next_models(e.job, e.round)
                 self.store.release_holder(("round", e.job, e.round))
                 self.store.release_round(RoundOf(e.job, e.round))  # what it reserved and did not use
                 self.forwards.release_round(e.job, e.round)
@@ -2339,10 +2344,14 @@ class Agent:
     # -- installing a round's model ---------------------------------------------------------------
     def _install(self, e: tree.Install) -> None:
         """The top's result: checkpoint it, then (once durable) make it the next version."""
-        self._next_models.pop((e.job, e.round), None)
+        self._forget_next_models(e.job, e.round)
         self.uploads.update_done(e.input.key)  # a lone client update is itself the model
         self.store.hand_over(e.input.key, ("pending", e.job, e.round))
         self._write_checkpoint(e)
+
+    def _forget_next_models(self, job: str, round_id: int) -> None:
+        for state in (False, True):
+            self._next_models.pop((job, round_id, state), None)
 
     def _write_checkpoint(self, e: tree.Install) -> None:
         seg = self.store.get(e.input.key)

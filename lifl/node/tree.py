@@ -275,6 +275,13 @@ class Trees:
                              + ", ".join(f"{w.key.hex()} ({w.samples} samples)" for w in written if w is not None))
         return [Install(r.job, r.round, r.version, output)]
 
+    def lanes_writing(self, task_id: int) -> int:
+        """A top's round: how many of its shards' tops have not written their slices yet (this
+        one among them, until its result is given); 1 for a round without shards."""
+        task = self.tasks[task_id]
+        r = self.rounds[task.job]
+        return sum(lane.written is None for lane in r.lanes) if len(r.lanes) > 1 else 1
+
     def partial(self, job: str, round_id: int, from_node: str, epoch: int, partial: Input) -> list[Effect]:
         """Another node's result of the round, for the top hosted here."""
         r = self.rounds.get(job)

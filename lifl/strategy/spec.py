@@ -19,6 +19,8 @@ EAGER = frozenset({"fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad"})  # 
 STATEFUL = frozenset({"fedavgm", "fedadam", "fedyogi", "fedadagrad"})  # a server optimiser's state across versions
 MEAN_ONLY = frozenset({"fedavg"})  # the next model is the round's mean itself: no step
 PRIVATE = frozenset({"dp_fedavg"})  # spend a privacy budget each round (lifl.strategy.privacy)
+# steps that read each coordinate apart (not norms or distances of whole updates): they run on tensor shards
+COORDINATEWISE = frozenset({"fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean", "fedbuff"})
 
 MAX_STALENESS = 100  # fedbuff keeps max_staleness + 1 models: a bound on that memory
 MAX_POPULATION = 1 << 40
@@ -139,6 +141,12 @@ class StrategySpec:
         """The top runs a step on the round's sum (``lifl.strategy.step``), in float64, instead of
         installing the mean as the next model."""
         return self.name not in MEAN_ONLY
+
+    @property
+    def coordinatewise(self) -> bool:
+        """Its step reads each coordinate of the model apart, so it runs shard by shard
+        (``lifl.shards``) and the shards' results make the unsharded one."""
+        return self.name in COORDINATEWISE
 
     @property
     def spends_privacy(self) -> bool:
