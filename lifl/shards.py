@@ -115,6 +115,14 @@ def auto_count(data_bytes: int, memory_bytes: int) -> int:
     return max(1, min(MAX_SHARDS, -(-data_bytes // target)))
 
 
+def resolve(requested: int, alignment: str, spec: ModelSpec, memory_bytes: int) -> ShardPlan | None:
+    """A job's plan: ``requested`` shards (0: "auto", from the model's size and the node's
+    ``memory_bytes``); None when the model stays whole (one shard asked, or possible)."""
+    count = requested or auto_count(spec.data_bytes, memory_bytes)
+    cut = plan(spec, count, alignment) if count > 1 else None
+    return cut if cut is not None and len(cut) > 1 else None
+
+
 def plan(spec: ModelSpec, count: int, alignment: str = ELEMENT) -> ShardPlan:
     """Cut ``spec``'s canonical data section into at most ``count`` non-empty slices."""
     if not 1 <= count <= MAX_SHARDS:

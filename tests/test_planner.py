@@ -146,6 +146,25 @@ def test_size_hierarchy_rejects(queue: float, fan_in: int) -> None:
         size_hierarchy("n1", queue, fan_in)
 
 
+@pytest.mark.parametrize("queue, fan_in, top, lanes, leaves, middles, warm_reuse, warm_no_reuse", [
+    (5, 2, False, 3, 9, 3, 9, 12),  # each tensor shard has the tree of the whole model
+    (5, 2, True, 3, 9, 3, 9, 15),  # ... and a top of its own
+    (0, 2, True, 4, 0, 0, 4, 4),  # a node hosting only the tops runs them side by side
+    (0, 2, False, 4, 0, 0, 0, 0),
+    (1, 1, False, 1, 1, 1, 1, 2),
+])
+def test_tensor_shards_size_a_tree_per_shard(queue: float, fan_in: int, top: bool, lanes: int, leaves: int, middles: int,
+                                             warm_reuse: int, warm_no_reuse: int) -> None:
+    h = size_hierarchy("n1", queue, fan_in, top=top, lanes=lanes)
+    assert (h.leaves, h.middles, h.lanes) == (leaves, middles, lanes)
+    assert warm_instances(h, reuse=True) == warm_reuse
+    assert warm_instances(h, reuse=False) == warm_no_reuse
+    assert plan_warm({"n1": queue}, fan_in=fan_in, reuse=True, top="n1" if top else None, lanes=lanes) == (
+        {"n1": warm_reuse} if warm_reuse else {})
+    with pytest.raises(ValueError):
+        size_hierarchy("n1", queue, fan_in, lanes=0)
+
+
 # --- placement -------------------------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from lifl.cluster_types import NO_MODEL, Job
 from lifl.control.planner import BESTFIT, DEFAULT_ALPHA, POLICIES, Counters, Estimate, estimate, plan_warm
+from lifl import shards
 from lifl.errors import NotFound
 from lifl.protocol import NodeStatus
 from lifl.state import ClusterState
@@ -97,11 +98,14 @@ class Controller:
                 queues[(node, name)] = max(queues.get((node, name), 0.0), float(waiting))
         warm: dict[str, dict[str, int]] = {}
         loads: dict[str, float] = {}
+        memory = min((s.shm.capacity for s in statuses.values()), default=0)  # what "shards": "auto" sizes from
         for name, job in jobs.items():
             per_node = {node: q for (node, of), q in queues.items() if of == name}
             for node, q in per_node.items():
                 loads[node] = loads.get(node, 0.0) + q
-            for node, n in plan_warm(per_node, fan_in=job.leaf_fan_in, reuse=self.reuse).items():
+            plan = shards.resolve(job.spec.shards, job.spec.shard_alignment, job.model_spec, memory) if job.model_spec else None
+            for node, n in plan_warm(per_node, fan_in=job.leaf_fan_in, reuse=self.reuse,
+                                     lanes=len(plan) if plan is not None else 1).items():
                 per_tenant = warm.setdefault(node, {})
                 per_tenant[job.spec.tenant] = per_tenant.get(job.spec.tenant, 0) + n
         return warm, loads

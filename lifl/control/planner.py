@@ -129,22 +129,26 @@ class NodeHierarchy:
 
     node: str
     leaves: int  # ceil(Q / I) leaf aggregators of fan-in I
-    middles: int  # 1 when the node has any leaves, else 0
-    top: bool  # this node hosts the job's top aggregator
+    middles: int  # 1 when the node has any leaves, else 0 (per tensor shard)
+    top: bool  # this node hosts the job's top aggregator (one per tensor shard)
+    lanes: int = 1  # tensor shards (lifl.shards): each has a tree of its own, the same size
 
 
-def size_hierarchy(node: str, queue: float, fan_in: int, *, top: bool = False) -> NodeHierarchy:
-    """The tree for ``queue`` pending updates: as many leaves as keep each at fan-in ``fan_in``.
+def size_hierarchy(node: str, queue: float, fan_in: int, *, top: bool = False, lanes: int = 1) -> NodeHierarchy:
+    """The tree for ``queue`` pending updates: as many leaves as keep each at fan-in ``fan_in``,
+    in each of ``lanes`` tensor shards.
 
     A small fan-in maximises parallelism (§5.2). Float noise (within ``TOLERANCE``) neither
     creates a leaf from an empty queue nor adds one for a queue just above a multiple of I.
     """
+    if lanes < 1:
+        raise ValueError(f"a job has at least one lane, got {lanes}")
     if fan_in < 1:
         raise ValueError(f"leaf fan-in must be >= 1, got {fan_in}")
     if not math.isfinite(queue):
         raise ValueError(f"queue must be finite, got {queue}")
     leaves = 0 if queue <= TOLERANCE else max(1, math.ceil(queue / fan_in - TOLERANCE))
-    return NodeHierarchy(node=node, leaves=leaves, middles=1 if leaves else 0, top=top)
+    return NodeHierarchy(node=node, leaves=lanes * leaves, middles=lanes if leaves else 0, top=top, lanes=lanes)
 
 
 def warm_instances(h: NodeHierarchy, *, reuse: bool) -> int:
@@ -155,8 +159,8 @@ def warm_instances(h: NodeHierarchy, *, reuse: bool) -> int:
     every role needs its own instance.
     """
     if reuse:
-        return max(h.leaves, 1) if h.leaves > 0 or h.top else 0
-    return h.leaves + h.middles + (1 if h.top else 0)
+        return max(h.leaves, h.lanes) if h.leaves > 0 or h.top else 0
+    return h.leaves + h.middles + (h.lanes if h.top else 0)
 
 
 # --- Placing client updates on nodes (§5.1) ------------------------------------------------
@@ -383,13 +387,15 @@ def plan_round(expected_updates: int, nodes: Sequence[NodeLoad], *, policy: str,
     return ClusterPlan(policy=policy, quotas=per_node, top=top, hierarchies=hierarchies, warm=warm)
 
 
-def plan_warm(queues: Mapping[str, float], *, fan_in: int, reuse: bool, top: str | None = None) -> dict[str, int]:
-    """The periodic re-plan (§5.2): instances to keep warm per node from its smoothed queue.
+def plan_warm(queues: Mapping[str, float], *, fan_in: int, reuse: bool, top: str | None = None,
+              lanes: int = 1) -> dict[str, int]:
+    """The periodic re-plan (§5.2): instances to keep warm per node from its smoothed queue
+    (``lanes``: the job's tensor shards, each a tree of its own).
 
     Nodes needing none are left out. ``top`` needs an instance even without a queue estimate.
     """
     loads = dict(queues)
     if top is not None:
         loads.setdefault(top, 0.0)
-    hierarchies = [size_hierarchy(node, q, fan_in, top=node == top) for node, q in loads.items()]
+    hierarchies = [size_hierarchy(node, q, fan_in, top=node == top, lanes=lanes) for node, q in loads.items()]
     return {h.node: n for h in hierarchies if (n := warm_instances(h, reuse=reuse))}

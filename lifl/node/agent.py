@@ -204,7 +204,7 @@ class JobRun:
     def shard_plan(self) -> shards.ShardPlan | None:
         """How its model is cut into tensor shards (None: it is not)."""
         assert self.model_spec is not None
-        return shard_plan(self.spec, self.model_spec, self.shm_capacity)
+        return shards.resolve(self.spec.shards, self.spec.shard_alignment, self.model_spec, self.shm_capacity)
 
     @property
     def lanes(self) -> int:
@@ -216,12 +216,6 @@ class JobRun:
         if self.shard_plan is None:
             return self.sizes.accumulator
         return shard_accumulator_bytes(self.shard_plan[shard], self.spec)
-
-
-def shard_plan(spec: JobSpec, model_spec: fmt.ModelSpec, shm_capacity: int) -> shards.ShardPlan | None:
-    count = spec.shards or shards.auto_count(model_spec.data_bytes, shm_capacity)
-    plan = shards.plan(model_spec, count, spec.shard_alignment) if count > 1 else None
-    return plan if plan is not None and len(plan) > 1 else None
 
 
 def shard_accumulator_bytes(shard: shards.TensorShard, spec: JobSpec) -> int:
@@ -258,7 +252,7 @@ def check_round_fits(spec: JobSpec, model_spec: fmt.ModelSpec, update_bytes: int
 def check_shards_fit(spec: JobSpec, model_spec: fmt.ModelSpec, shm_capacity: int, nodes: int) -> None:
     """Refuse a sharded job's model on a cluster of several nodes: its shards' trees aggregate on
     the node hosting the round's top, and results of other nodes' shards cannot reach it yet."""
-    plan = shard_plan(spec, model_spec, shm_capacity)
+    plan = shards.resolve(spec.shards, spec.shard_alignment, model_spec, shm_capacity)
     if plan is not None and nodes > 1:
         raise Unprocessable(
             f"job {spec.job!r} cuts its model into {len(plan)} tensor shards, which aggregate on one node, and this "
