@@ -76,7 +76,7 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
     agg = StreamingFedAvg(inv.fan_in or None, fixed_point)
     delivery_us: list[float] = []  # sent -> the message in hand (the channel, and waking up)
     handoff_us: list[float] = []  # sent -> a readable view of the object (delivery, then mapping it)
-    recv_s = agg_s = alloc_s = 0.0
+    recv_s = agg_s = agg_cpu_s = alloc_s = 0.0
     folds = 0
     live: list[Tensors] = []
     prepared: dict[bytes, tuple[Any, Tensors]] = {}  # inputs announced and mapped ahead of their key
@@ -130,9 +130,10 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
                 bound = read_bound(mm, ctx.layout(mm)) if fixed_point and msg.partial else 0
                 queued.append(Contribution(tensors, msg.samples, msg.count, msg.partial, msg.key, bound))
             batch = [] if inv.lazy and not agg.complete_with(len(queued)) else queued
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             folded = agg.offer(batch, new_accumulator)
             t2 = time.perf_counter()
+            agg_cpu_s += time.thread_time() - c1
             recv_s += t1 - t0
             agg_s += t2 - t1
             if batch is queued:
@@ -193,6 +194,7 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
         "premapped": premapped,  # inputs whose hand-off found them mapped already (announced)
         "recv_s": recv_s,
         "agg_s": agg_s,
+        "agg_cpu_s": agg_cpu_s,  # the same on this thread's CPU: what folding costs whatever else runs
         "alloc_s": alloc_s,  # part of agg_s: getting (and on first use, mapping) the accumulator
         "send_s": send_s,
         "bytes": spec.data_bytes,  # of its shard, if the job has shards

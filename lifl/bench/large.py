@@ -11,7 +11,7 @@ measures, on fresh nodes:
 
 Each system reports ``round_s`` (first byte pushed to the new version installed), ``ingest_gbps``
 (update bytes over the time until every push was acknowledged), ``aggregate_gbps`` (update
-bytes folded per second of fold time, summed over the leaves: one core's fold bandwidth, against
+bytes folded per CPU second of the leaves' folds: one core's fold bandwidth, against
 ``memcpy_gbps``, numpy copying an update's bytes in the same run), the node's peaks sampled
 every 50 ms (``peak_shm_bytes_per_node``: the store's objects; ``peak_rss_bytes_per_node``: the
 proportional set size of its gateway, agent and aggregators, shared memory counted once;
@@ -218,7 +218,7 @@ def run_system(name: str, files: list[Path], model_file: Path, samples: list[int
             tasks = [t.stats for t in agent.call(GetRecent())[0].tasks if t.job == "large"]
             agent.close()
             leaves = [t for t in tasks if t["role"] == "leaf" and t["folds"]]
-            fold_s = sum(t["agg_s"] - t["alloc_s"] for t in leaves)
+            fold_s = sum(t["agg_cpu_s"] for t in leaves)  # CPU, not wall time: the shards' leaves share the cores
             folded = sum(t["inputs"] * t["bytes"] for t in leaves)  # "bytes": of the model (its shard) in update dtypes
             version, model = gw.model("large")
             return {
