@@ -342,6 +342,11 @@ class ObjectStore:
                 self._settle_retention(seg)
         return len(keys)
 
+    def held_by_any(self, key: bytes, which: Callable[[Hashable], bool]) -> bool:
+        """Whether a holder of the object (if it still exists) is one of ``which``."""
+        seg = self._objects.get(key)
+        return seg is not None and any(which(h) for h in seg.holders)
+
     def holders(self, key: bytes) -> Counter:
         return Counter(self.get(key).holders)
 

@@ -290,6 +290,10 @@ def _input_holder(task_id: int) -> tuple[str, int]:
     return ("input", task_id)
 
 
+def _is_input_holder(holder: Hashable) -> bool:
+    return isinstance(holder, tuple) and holder[:1] == ("input",)
+
+
 def _accepting_holder(job: str) -> tuple[str, str]:
     """Holds client updates while Redis counts them (their gateway connection may close meanwhile)."""
     return ("accepting", job)
@@ -1792,8 +1796,9 @@ class Agent:
         inputs, previous = self.board.folded(task.id, keys, state, now_ns())
         updates = 0
         for msg in inputs:
-            updates += self.uploads.update_done(msg.key) is not None
             self.store.release(msg.key, _input_holder(task.id))
+            if not self.store.held_by_any(msg.key, _is_input_holder):  # a leaf of each tensor shard folds it: done with the last
+                updates += self.uploads.update_done(msg.key) is not None
         if previous is not None:
             self.store.release(previous.key, _state_holder(task.id))
         self.metrics.aggregated(task.job, updates, seconds)
