@@ -1,13 +1,17 @@
-"""HTTP ranges of model downloads: the grammar (lifl.net.ranges, with tables), and the
-gateway's answers on a real node."""
+"""HTTP ranges of model downloads: the grammar (lifl.net.ranges, with tables), the gateway's
+answers on a real node, and the SDK's download that resumes with them."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import RunningNode
+from cutting_proxy import DOWN, CuttingProxy
 from lifl import format as fmt
+from lifl.client import Gateway
 from lifl.errors import BadRequest, RangeNotSatisfiable
 from lifl.net.ranges import ByteRange, parse_content_range, requested_range
 
@@ -122,3 +126,17 @@ def test_model_downloads_answer_ranges(node: RunningNode, job: str) -> None:
             assert b'"range_not_satisfiable"' in body and f'"size": {size}'.encode() in body
         else:
             assert b'"bad_range"' in body
+
+
+@pytest.mark.slow
+def test_sdk_download_resumes_from_the_bytes_written(node: RunningNode, job: str, tmp_path: Path) -> None:
+    proxy = CuttingProxy(node.http, cut_after=len(BLOB) // 2, direction=DOWN)  # the answer's head, and about half the model
+    gateway = Gateway(proxy.address)
+    try:
+        version = gateway.download_model(job, tmp_path / "model.safetensors")
+    finally:
+        gateway.close()
+        proxy.close()
+    assert proxy.cut == 1 and version == 0
+    assert (tmp_path / "model.safetensors").read_bytes() == BLOB
+    assert proxy.passed[DOWN] < len(BLOB) + 1024, "the second request asked for the rest, not the whole model again"

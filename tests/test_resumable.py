@@ -1,21 +1,25 @@
 """Resumable uploads (tus 1.0): the headers (lifl.net.tus) and the upload table
 (gateway/resumable.py) with tables, then the protocol against a real node (cuts at every stage,
-offsets, expiry, races, limits, malformed requests, validation as bytes arrive)."""
+offsets, expiry, races, limits, malformed requests, validation as bytes arrive) and the SDK's
+push from a file that resumes by itself."""
 
 from __future__ import annotations
 
 import json
+import math
 import socket
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from conftest import OPERATOR_TOKEN, RunningNode, read_response, wait_for
+from cutting_proxy import DOWN, UP, CuttingProxy
 from lifl import format as fmt
-from lifl.client import from_blob
+from lifl.client import Gateway, RetryPolicy, from_blob
 from lifl.errors import BadRequest, Conflict, NotFound, Overloaded, PayloadTooLarge, PreconditionFailed, QuotaBusy
-from lifl.errors import UnsupportedMediaType
+from lifl.errors import UnsupportedMediaType, Unprocessable
 from lifl.gateway.resumable import ResumableTable
 from lifl.net import tus
 from lifl.net.limits import ConnectionLimits
@@ -485,3 +489,68 @@ def test_the_blob_is_validated_as_its_bytes_arrive_and_a_refusal_drops_the_uploa
     assert {"non_finite": 1, "missing_tensor": 1, "version_conflict": 1, "already_acknowledged": 1}.items() \
         <= rnd["rejected"].items()
     wait_for(lambda: reserved_bytes(node) <= baseline + len(UPDATE) * 4, what="refused uploads' memory to be given back")
+
+
+# -- the SDK ----------------------------------------------------------------------------------------
+BIG = {"w": np.random.default_rng(7).standard_normal((1024, 1024)).astype(np.float32), "b": np.zeros(64, np.float32)}
+
+
+def big_job(node: RunningNode, path: Path, blob: bytes | bytearray) -> None:
+    """A job of BIG's tensors, and an update of it in ``path``."""
+    model = {name: np.zeros_like(value) for name, value in BIG.items()}
+    assert node.json("POST", "/v1/jobs", {"job": "big", "goal": 2})[0] == 201
+    assert node.json("PUT", "/v1/jobs/big/model", fmt.encode(model))[0] == 201
+    path.write_bytes(blob)
+
+
+def push_through(proxy: CuttingProxy, path: Path) -> dict[str, Any]:
+    """``push_file`` through ``proxy``, which breaks its first connection."""
+    gateway = Gateway(proxy.address, retry=RetryPolicy(base_delay_s=0.05))
+    try:
+        return gateway.push_file("big", path, samples=4, base_version=0, client="c1")
+    finally:
+        gateway.close()
+        proxy.close()
+
+
+@pytest.mark.slow
+def test_sdk_push_file_resumes_sending_only_the_rest(node: RunningNode, tmp_path: Path) -> None:
+    path = tmp_path / "update.safetensors"
+    big_job(node, path, fmt.encode(BIG))
+    size = path.stat().st_size
+    proxy = CuttingProxy(node.http, cut_after=size // 2, direction=UP)
+    result = push_through(proxy, path)
+    assert proxy.cut == 1 and result["version"] == 0 and result["resumes"] == 1
+    heads = proxy.passed[UP] - size  # every byte of the file crossed once: the rest is request heads
+    assert 0 <= heads < 4096, f"{heads} bytes beyond the file: the resume sent more than the rest"
+    assert heads < math.ceil(size * 0.01)
+    assert result["sent_bytes"] >= size
+    wait_for(lambda: round_status(node, "big")["received"] == 1, what="the update in its round")
+
+
+@pytest.mark.slow
+def test_sdk_push_file_finds_the_answer_it_lost(node: RunningNode, tmp_path: Path) -> None:
+    path = tmp_path / "update.safetensors"
+    big_job(node, path, fmt.encode(BIG))
+    proxy = CuttingProxy(node.http, direction=DOWN, cut_at=b"HTTP/1.1 202")  # the last byte went; its answer did not
+    result = push_through(proxy, path)
+    assert (proxy.cut, result["version"], result["resumes"]) == (1, 0, 1)
+    assert proxy.passed[UP] - path.stat().st_size < 4096, "the resume found the upload complete and sent nothing again"
+    assert round_status(node, "big")["received"] == 1
+
+
+@pytest.mark.slow
+def test_sdk_push_file_stops_at_a_refusal(node: RunningNode, tmp_path: Path) -> None:
+    path = tmp_path / "update.safetensors"
+    blob = fmt.encode(BIG)
+    start = fmt.PREFIX_BYTES + int.from_bytes(blob[:8], "little")
+    blob[start + 4 : start + 8] = np.array([np.inf], np.float32).tobytes()  # the first tensor's second float
+    big_job(node, path, blob)
+    gateway = Gateway(node.http)
+    with pytest.raises(Unprocessable) as info:
+        gateway.push_file("big", path, samples=4, base_version=0, client="c1")
+    gateway.close()
+    assert info.value.code == "non_finite"
+    assert round_status(node, "big")["rejected"] == {"non_finite": 1}
+    with pytest.raises(ValueError):
+        Gateway(node.grpc, protocol="grpc").push_file("big", path, samples=4, base_version=0)
