@@ -170,8 +170,9 @@ class ResumableUploads:
     def _ready(self, upload: Resumable, error: LiflError | None) -> None:
         """The agent answered the admission of the upload's blob: its PATCH (if one is waiting)
         goes on or is refused; with none waiting, a refusal drops the upload at once."""
-        if upload.writer is not None:
-            upload.writer.on_ready(error)
+        writer = upload.writer
+        if isinstance(writer, PatchWriter):
+            writer.on_ready(error)
         elif error is not None:
             self.drop(upload, error)
 
