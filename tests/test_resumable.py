@@ -233,6 +233,17 @@ def patch(node: RunningNode, location: str, at: int, data: bytes, token: str = O
     return status, answer, json.loads(body) if body else None
 
 
+def resume(node: RunningNode, location: str, at: int, data: bytes) -> tuple[int, dict[str, str], Any]:
+    """``patch``, sent again while the gateway has not yet seen the end of the client's last PATCH
+    (409 upload_busy), as a client resuming after a cut does."""
+
+    def free() -> tuple[int, dict[str, str], Any] | None:
+        answer = patch(node, location, at, data)
+        return None if answer[0] == 409 and answer[2]["error"]["code"] == "upload_busy" else answer
+
+    return wait_for(free, what="the last PATCH to end")
+
+
 def cut_patch(node: RunningNode, location: str, at: int, data: bytes, length: int) -> None:
     """A PATCH announcing ``length`` bytes whose connection ends after ``data``, its answer unread."""
     host, port = node.http.rsplit(":", 1)
@@ -307,7 +318,7 @@ def test_a_cut_at_every_stage_keeps_the_bytes_and_the_reservation(node: RunningN
         if cut is not None and HEADER_END <= cut < len(UPDATE):  # admitted: the slot and the memory stay
             wait_for(lambda: round_status(node)["in_progress"] == 1, what=f"the admission of the header {stage}")
             assert reserved_bytes(node) >= len(UPDATE), stage
-        status, headers, body = patch(node, location, cut or 0, UPDATE[cut or 0:])
+        status, headers, body = resume(node, location, cut or 0, UPDATE[cut or 0:])
         assert (status, body) == (202, {"version": 0}), (stage, body)
         assert round_status(node)["in_progress"] == 0
     assert round_status(node)["received"] == len(STAGES)
