@@ -10,6 +10,9 @@ the body's framing (``Body``) are pure functions of the bytes received, every ma
 refused with a documented 4xx (and its connection closed), and an unexpected exception answers
 500 and is logged while the server goes on.
 
+Resumable uploads (tus 1.0) are gateway/tus.py's: a PATCH's body is read as an upload's, into
+the resumable upload's sink. Model downloads serve one HTTP range (lifl.net.ranges).
+
 Every connection is a state machine on the gateway's event loop (``HttpConnection``): waiting
 for a head, reading a body (into memory for a JSON request, into shared memory for a blob),
 waiting for the service (whatever blocks runs on the loop's pool; an upload's admission and
@@ -24,18 +27,24 @@ import re
 import socket
 import traceback
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from lifl.auth import Action, Principal, authorize
-from lifl.errors import BadRequest, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge, Unauthenticated
+from lifl.errors import (
+    BadRequest, Internal, LiflError, NotFound, Overloaded, PayloadTooLarge, RangeNotSatisfiable, Unauthenticated,
+)
 from lifl.gateway.auth_backoff import TooManyAuthFailures
-from lifl.gateway.service import GatewayService, Ingest, ModelView, PartialMeta
+from lifl.gateway.resumable import Resumable
+from lifl.gateway.service import GatewayService, Ingest, ModelView, PartialMeta, update_fields
 from lifl.gateway.stream import BODY, BUSY, HEAD, IDLE, READ_AHEAD, Conn, ConnectionProtocol, LoopServer, PeerGone, Wait
+from lifl.gateway.tus import PatchWriter, ResumableUploads
 from lifl.jobs import version_wait_query
+from lifl.net import tus
 from lifl.net.limits import ConnectionLimits
 from lifl.net.loop import IO_POOL, SLOW_POOL
+from lifl.net.ranges import requested_range
 
 MAX_HEAD = 64 << 10  # bytes of a request head: request line, fields, CRLFs and the empty line
 MAX_HEADER_FIELDS = 100  # fields in a head (and in a chunked body's trailer)
@@ -48,9 +57,10 @@ DRAIN_READ = 1 << 16  # bytes read at a time of a body that is dropped
 HEALTH_CHECK = ("GET", "/healthz")  # the one request answered on a reserved connection
 
 REASONS = {
-    100: "Continue", 200: "OK", 201: "Created", 202: "Accepted", 204: "No Content", 400: "Bad Request",
-    401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
-    405: "Method Not Allowed", 408: "Request Timeout", 409: "Conflict", 413: "Payload Too Large",
+    100: "Continue", 200: "OK", 201: "Created", 202: "Accepted", 204: "No Content", 206: "Partial Content",
+    400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
+    405: "Method Not Allowed", 408: "Request Timeout", 409: "Conflict", 412: "Precondition Failed", 413: "Payload Too Large",
+    415: "Unsupported Media Type", 416: "Range Not Satisfiable",
     422: "Unprocessable Entity", 429: "Too Many Requests", 431: "Request Header Fields Too Large",
     500: "Internal Server Error", 503: "Service Unavailable",
 }
@@ -322,7 +332,7 @@ class Response:
     status: int
     body: bytes = b""
     headers: dict[str, str] | None = None
-    sendfile: Any = None  # (fd, size): sent from shared memory after the headers
+    sendfile: tuple[int, int, int] | None = None  # (fd, offset, count): sent from shared memory after the headers
     close: bool = False
     after_send: Callable[[], None] | None = None  # e.g. release the model's reference
 
@@ -337,6 +347,8 @@ def error_response(e: LiflError) -> Response:
         headers["Retry-After"] = str(max(1, round(e.retry_after)))
     if isinstance(e, Unauthenticated):
         headers["WWW-Authenticate"] = 'Bearer realm="lifl"'  # RFC 6750
+    if isinstance(e, RangeNotSatisfiable):
+        headers["Content-Range"] = f"bytes */{e.extra['size']}"  # RFC 9110, 15.5.17
     response = json_response(e.status, e.body(), headers)
     # the client stalled mid-request (nothing more to read), or keeps failing to authenticate
     # (each further guess costs it a connection)
@@ -352,10 +364,11 @@ def internal_error_response(e: BaseException) -> Response:
     return response
 
 
-def response_head(r: Response, *, close: bool) -> bytes:
-    headers = dict(r.headers or {})
+def response_head(r: Response, *, close: bool, common: Mapping[str, str] | None = None) -> bytes:
+    """The status line and fields of ``r``, after ``common`` ones (its route's)."""
+    headers = {**(common or {}), **(r.headers or {})}
     if r.status != 204:  # a 204 has no body, and says nothing of its length
-        headers["Content-Length"] = str(r.sendfile[1] if r.sendfile else len(r.body))
+        headers["Content-Length"] = str(r.sendfile[2] if r.sendfile else len(r.body))
     if close:
         headers["Connection"] = "close"
     head = f"HTTP/1.1 {r.status} {REASONS.get(r.status, 'Unknown')}\r\n"
@@ -369,6 +382,7 @@ def _too_many_connections() -> Overloaded:
 _REFUSED = error_response(_too_many_connections())
 _REFUSAL = response_head(_REFUSED, close=True) + _REFUSED.body  # sent from the accept handler, built once
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+TUS_HEADERS = {"Tus-Resumable": tus.VERSION, "Tus-Version": tus.VERSION}  # on every answer of a resumable upload
 
 # What a route's handler is and where it runs:
 LOCAL = "local"  # handler(req) -> Response, on the loop (cheap: health checks)
@@ -388,6 +402,8 @@ class Route:
     status: int = 200  # UPLOAD: the status of the answer once the blob is handed over
     pool: str = IO_POOL  # BLOCKING: where it runs
     internal: bool = False  # gateway to gateway: the caller's role is checked before anything of the request is read
+    headers: Mapping[str, str] | None = None  # fields of every answer, errors included (tus: its version)
+    answer: Callable[[Any, Any], Response] | None = None  # UPLOAD: answer(ingest, result); default: status, result as JSON
 
 
 class HttpServer(LoopServer):
@@ -395,6 +411,7 @@ class HttpServer(LoopServer):
         limits = limits or ConnectionLimits()
         super().__init__(service.loop, host, port, limits, reserve=limits.reserved)
         self.service = service
+        self.resumable = ResumableUploads(service, limits)
         # Every route but the health check needs a caller (metrics too, unless they are open);
         # the service authorizes each operation (an internal route's caller is checked first, here).
         self.routes: list[Route] = [
@@ -411,6 +428,12 @@ class HttpServer(LoopServer):
             Route("GET", re.compile(r"/v1/jobs/([^/]+)/model"), DOWNLOAD, self.get_model),
             Route("GET", re.compile(r"/v1/jobs/([^/]+)/version"), DEFERRED, self.get_version),
             Route("POST", re.compile(r"/v1/jobs/([^/]+)/updates"), UPLOAD, self.post_update, status=202),
+            Route("POST", re.compile(r"/v1/jobs/([^/]+)/uploads"), DEFERRED, self.create_upload, headers=TUS_HEADERS),
+            Route("OPTIONS", re.compile(r"/v1/jobs/([^/]+)/uploads"), DEFERRED, self.upload_options, headers=TUS_HEADERS),
+            Route("HEAD", re.compile(r"/v1/jobs/([^/]+)/uploads/([^/]+)"), DEFERRED, self.upload_status, headers=TUS_HEADERS),
+            Route("PATCH", re.compile(r"/v1/jobs/([^/]+)/uploads/([^/]+)"), UPLOAD, self.patch_upload, headers=TUS_HEADERS,
+                  answer=self.patch_answer),
+            Route("DELETE", re.compile(r"/v1/jobs/([^/]+)/uploads/([^/]+)"), DEFERRED, self.cancel_upload, headers=TUS_HEADERS),
             Route("POST", re.compile(r"/v1/jobs/([^/]+)/queries"), BLOCKING, self.post_query, MAX_QUERY_BODY, pool=SLOW_POOL),
             Route("GET", re.compile(r"/v1/jobs/([^/]+)/retention"), BLOCKING, self.get_retention),
             Route("PUT", re.compile(r"/v1/jobs/([^/]+)/retention"), BLOCKING, self.put_retention, MAX_JSON_BODY),
@@ -539,11 +562,8 @@ class HttpServer(LoopServer):
         self.service.begin_model(caller, job, "http", req.body.length, done)
 
     def post_update(self, req: Request, caller: Principal, job: str, done: Callable[..., None]) -> None:
-        h = req.headers
         _require_framing(req)
-        fields = {"client": h.get("x-lifl-client"), "samples": h.get("x-lifl-samples"),
-                  "base_version": h.get("x-lifl-base-version"), "lease": h.get("x-lifl-lease", "")}
-        self.service.begin_update(caller, job, fields, "http", req.body.length, done)
+        self.service.begin_update(caller, job, update_fields(req.headers), "http", req.body.length, done)
 
     def post_partial(self, req: Request, caller: Principal, job: str, round_id: str, done: Callable[..., None]) -> None:
         """Another node's result of a round, for the top on this node (gateway to gateway)."""
@@ -552,6 +572,49 @@ class HttpServer(LoopServer):
                                  h.get("x-lifl-updates"), h.get("x-lifl-partial"))
         _require_framing(req)
         self.service.begin_partial(caller, job, meta, req.body.length, done)
+
+    # -- endpoints: resumable uploads (tus 1.0, gateway/tus.py), on the loop ------------------------
+    def create_upload(self, req: Request, caller: Principal, job: str, done: Callable[..., None]) -> None:
+        """A resumable upload of an update (POST with Upload-Length and the update's X-Lifl-* headers)."""
+        if not req.body.ended:
+            raise BadRequest("an upload is created by an empty POST (creation-with-upload is not supported): send its "
+                             "bytes with PATCH", code="unexpected_body")
+
+        def created(upload: Resumable | None, error: BaseException | None) -> None:
+            if error is not None:
+                done(None, error)
+                return
+            assert upload is not None
+            location = f"/v1/jobs/{job}/uploads/{upload.id}"
+            done(json_response(201, {"upload": upload.id, "location": location},
+                               {"Location": location, **self.resumable.headers(upload)}), None)
+
+        self.resumable.create(caller, job, req.headers, update_fields(req.headers), created)
+
+    def upload_options(self, req: Request, caller: Principal, job: str, done: Callable[..., None]) -> None:
+        """What the uploads of the job support (OPTIONS): the tus version, extensions and largest size."""
+
+        def answer(size: int | None, error: BaseException | None) -> None:
+            done(None if error else Response(204, headers={"Tus-Extension": tus.EXTENSIONS, "Tus-Max-Size": str(size)}),
+                 error)
+
+        self.service.update_limit(caller, job, answer)
+
+    def upload_status(self, req: Request, caller: Principal, job: str, upload_id: str, done: Callable[..., None]) -> None:
+        """HEAD: the upload's offset (the bytes the gateway holds), length and expiry."""
+        done(Response(200, headers=self.resumable.status(caller, job, upload_id, req.headers)), None)
+
+    def patch_upload(self, req: Request, caller: Principal, job: str, upload_id: str, done: Callable[..., None]) -> None:
+        done(self.resumable.open_patch(caller, job, upload_id, req.headers, req.body.length), None)
+
+    def patch_answer(self, writer: PatchWriter, result: dict[str, Any] | None) -> Response:
+        """A PATCH's answer: 204 with the new offset, or the update's (202) if it completed the blob."""
+        headers = self.resumable.headers(writer.upload)
+        return Response(204, headers=headers) if result is None else json_response(202, result, headers)
+
+    def cancel_upload(self, req: Request, caller: Principal, job: str, upload_id: str, done: Callable[..., None]) -> None:
+        self.resumable.cancel(caller, job, upload_id, req.headers,
+                              lambda _, error: done(None if error else Response(204), error))
 
     def get_model(self, req: Request, caller: Principal, job: str, done: Callable[..., None]) -> None:
         self.service.open_model(caller, job, done)
@@ -764,29 +827,29 @@ class HttpConnection(ConnectionProtocol):
 
     def _receive_blob(self) -> None:
         """The body, straight into the blob's shared memory (its header first, into the sink's
-        own buffer: the agent admits the blob from it, and this pauses until it has)."""
+        own buffer: the agent admits the blob from it, and this pauses until it has). When the
+        body ends, ``finish`` decides: an update's body must have been the whole blob, a PATCH's
+        may be a part of it; a body whose last bytes completed the header is answered only once
+        the agent has answered its admission."""
         conn, req, ingest = self.conn, self.request, self.ingest
         assert req is not None and ingest is not None
         body, sink = req.body, ingest.sink
-        while not sink.done:
+        while (n := body.next_data(conn.inbuf)) != 0:
             if not sink.ready:
                 conn.pause_reading()  # the admission's answer starts reading again (_ingest_ready)
                 return
-            n = body.next_data(conn.inbuf)
             if n is None:
                 conn.fill()
-            elif n == 0:
-                sink.check_complete()
-            else:
-                got = conn.read_into(sink.buffer()[:n])
-                body.consumed(got)
-                sink.advance(got)
-        while not body.ended:
-            n = body.next_data(conn.inbuf)
-            if n is None:
-                conn.fill()
-            elif n:
+                continue
+            view = sink.buffer()
+            if not view:
                 raise BadRequest("the body continues after the end of the blob", code="trailing_bytes")
+            got = conn.read_into(view[:n])
+            body.consumed(got)
+            sink.advance(got)
+        if not sink.ready:
+            conn.pause_reading()
+            return
         self._serving()
         ingest.finish(lambda result, error: self._ingest_finished(ingest, result, error))
 
@@ -797,8 +860,9 @@ class HttpConnection(ConnectionProtocol):
         if error is not None:
             self._fail(error)
             return
-        assert self.route is not None
-        self._respond(json_response(self.route.status, result))
+        route = self.route
+        assert route is not None
+        self._respond(route.answer(ingest, result) if route.answer else json_response(route.status, result))
 
     # -- downloads -----------------------------------------------------------------------------------
     def _model_opened(self, view: ModelView | None, error: BaseException | None) -> None:
@@ -810,9 +874,23 @@ class HttpConnection(ConnectionProtocol):
         if self.conn.closed:
             view.release()
             return
-        self.service.metrics.bytes_out.labels("http").inc(view.size)
-        self._respond(Response(200, headers={"Content-Type": "application/octet-stream", "X-Lifl-Version": str(view.version)},
-                               sendfile=(view.fd, view.size), after_send=view.release))
+        req = self.request
+        assert req is not None
+        etag = f'"{view.version}"'  # a version's bytes never change: it tells a resumed download the same model
+        try:
+            part = requested_range(req.headers.get("range"), req.headers.get("if-range"), view.size, etag)
+        except LiflError as e:
+            view.release()
+            self._refuse(e)
+            return
+        headers = {"Content-Type": "application/octet-stream", "X-Lifl-Version": str(view.version), "ETag": etag,
+                   "Accept-Ranges": "bytes"}
+        status, offset, count = 200, 0, view.size
+        if part is not None:
+            status, offset, count = 206, part.first, part.length
+            headers["Content-Range"] = part.content_range()
+        self.service.metrics.bytes_out.labels("http").inc(count)
+        self._respond(Response(status, headers=headers, sendfile=(view.fd, offset, count), after_send=view.release))
 
     # -- answers ---------------------------------------------------------------------------------------
     def _fail(self, error: BaseException) -> None:
@@ -884,7 +962,7 @@ class HttpConnection(ConnectionProtocol):
     def _send(self, response: Response, *, close: bool) -> None:
         self._serving()
         self._decided = None
-        head = response_head(response, close=close)
+        head = response_head(response, close=close, common=self.route.headers if self.route is not None else None)
         self._unsent = response.after_send
 
         def sent() -> None:
@@ -896,8 +974,11 @@ class HttpConnection(ConnectionProtocol):
             else:
                 self._await_head()
 
-        if response.sendfile:
+        if self.request is not None and self.request.method == "HEAD":  # the fields a GET would have, no body
+            self.conn.write([head], then=sent)
+        elif response.sendfile:
+            fd, offset, count = response.sendfile
             self.conn.write([head])
-            self.conn.sendfile(*response.sendfile, then=sent)  # straight out of shared memory
+            self.conn.sendfile(fd, count, then=sent, offset=offset)  # straight out of shared memory
         else:
             self.conn.write([head, response.body], then=sent)

@@ -30,7 +30,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -126,6 +126,13 @@ class UpdateMeta:
                    _integer("X-Lifl-Base-Version", base_version, 0, 1 << 62), lease_id(lease or ""))
 
 
+def update_fields(headers: Mapping[str, str]) -> dict[str, Any]:
+    """An update's metadata as an HTTP request sends it (X-Lifl-* headers, lower-case names):
+    UpdateMeta.parse's fields, unchecked. An ordinary upload and a resumable one send the same."""
+    return {"client": headers.get("x-lifl-client"), "samples": headers.get("x-lifl-samples"),
+            "base_version": headers.get("x-lifl-base-version"), "lease": headers.get("x-lifl-lease", "")}
+
+
 def client_id(value: Any) -> str:
     if not isinstance(value, str) or not value or len(value) > MAX_CLIENT_ID or not value.isprintable():
         raise BadRequest(f"X-Lifl-Client must be a printable client id of 1-{MAX_CLIENT_ID} characters", code="bad_client")
@@ -182,6 +189,12 @@ class Ingest:
         self._then: Callable[[], None] = _nothing  # what waits for an abort that waits for the admission's answer
         self.sink = BlobSink(limit=limit, spec=spec, admit=self._admit, mappings=service.mappings, layouts=service.layouts,
                              expected_size=expected_size, partial=bool(partial and partial.partial))
+
+    @property
+    def lost(self) -> bool:
+        """Whether its object went with the agent that admitted it (which restarted since): the
+        blob cannot be handed over any more."""
+        return self.sink.key is not None and self.agent.epoch != self._epoch
 
     def _admit(self, layout: fmt.Layout) -> None:
         size = layout.total_size
@@ -1000,6 +1013,15 @@ class GatewayService:
                 done(ingest, error)
 
         self._with_job(job_name, check, checked)
+
+    def update_limit(self, principal: Principal, job_name: str, done: Callable[[int | None, BaseException | None], None]) -> None:
+        """The most bytes an update of the job may have, for a caller that may push to it."""
+
+        def check(job: Job, fresh: bool) -> int:
+            authorize(principal, Action.PUSH_UPDATE, tenant=job.spec.tenant, job=job_name)
+            return job.spec.max_update_bytes
+
+        self._with_job(job_name, check, done)
 
     def begin_model(self, principal: Principal, job_name: str, protocol: str, expected_size: int | None,
                     done: Callable[[Ingest | None, BaseException | None], None]) -> None:

@@ -138,12 +138,13 @@ class ConnectionProtocol:
 
 
 class _File:
-    """A file to send (a shared-memory object): ``count`` bytes of ``fd`` from ``offset``."""
+    """A file to send (a shared-memory object): the bytes of ``fd`` from ``offset`` (which moves
+    as they are sent) up to ``end``."""
 
-    __slots__ = ("fd", "offset", "count")
+    __slots__ = ("fd", "offset", "end")
 
-    def __init__(self, fd: int, count: int) -> None:
-        self.fd, self.offset, self.count = fd, 0, count
+    def __init__(self, fd: int, offset: int, end: int) -> None:
+        self.fd, self.offset, self.end = fd, offset, end
 
 
 class _Then:
@@ -367,13 +368,13 @@ class Conn:
             self._out.append(_Then(then))
         self.flush()
 
-    def sendfile(self, fd: int, count: int, then: Callable[[], None] | None = None) -> None:
-        """Send ``count`` bytes of ``fd`` from offset 0 (the kernel copies them from shared memory
+    def sendfile(self, fd: int, count: int, then: Callable[[], None] | None = None, *, offset: int = 0) -> None:
+        """Send ``count`` bytes of ``fd`` from ``offset`` (the kernel copies them from shared memory
         into the socket; over TLS they are encrypted from a mapping of ``fd``). ``fd`` stays the
         caller's: it must stay open until ``then`` runs or the connection closes."""
         self._starting_to_write()
         if count:
-            self._out.append(_File(fd, count))
+            self._out.append(_File(fd, offset, offset + count))
             self._out_bytes += count
         if then is not None:
             self._out.append(_Then(then))
@@ -439,23 +440,25 @@ class Conn:
 
     def _sendfile(self, item: _File) -> bool:
         try:
-            sent = os.sendfile(self.sock.fileno(), item.fd, item.offset, item.count - item.offset)
+            sent = os.sendfile(self.sock.fileno(), item.fd, item.offset, item.end - item.offset)
         except BlockingIOError:
             return False
         if sent == 0:
-            raise ConnectionError(f"the object ended after {item.offset} of {item.count} bytes")
+            raise ConnectionError(f"the object ended at byte {item.offset}, before {item.end}")
         self._sent(sent)
         item.offset += sent
-        if item.offset == item.count:
+        if item.offset == item.end:
             self._out.popleft()
         return True
 
     def _map_file(self, item: _File) -> None:
-        """TLS: replace a file by views of its mapping (closed once they are sent)."""
+        """TLS: replace a file by views of its mapping (closed once they are sent); the mapping
+        starts at the page of ``offset``, so a range near the end maps little."""
         self._out.popleft()
-        mapping = mmap.mmap(item.fd, item.count, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
+        start = item.offset - item.offset % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(item.fd, item.end - start, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ, offset=start)
         view = memoryview(mapping)
-        parts: list[memoryview | _Then] = [view[i : i + TLS_WRITE] for i in range(0, item.count, TLS_WRITE)]
+        parts: list[memoryview | _Then] = [view[i : i + TLS_WRITE] for i in range(item.offset - start, item.end - start, TLS_WRITE)]
 
         def unmap() -> None:
             try:

@@ -81,6 +81,31 @@ class Conflict(LiflError):
     default_code = "conflict"
 
 
+class PreconditionFailed(LiflError):
+    """A precondition the protocol puts on a request does not hold (HTTP 412): a resumable
+    upload's request that does not speak the tus version the gateway does."""
+
+    status = 412
+    grpc_status = "FAILED_PRECONDITION"
+    default_code = "precondition_failed"
+
+
+class UnsupportedMediaType(LiflError):
+    """The body's Content-Type is not the one the endpoint takes (HTTP 415)."""
+
+    status = 415
+    default_code = "unsupported_media_type"
+
+
+class RangeNotSatisfiable(LiflError):
+    """A download's Range starts past the end of what it asks for (HTTP 416); ``extra["size"]``
+    is the whole length, which the answer's ``Content-Range: bytes */size`` says too."""
+
+    status = 416
+    grpc_status = "OUT_OF_RANGE"
+    default_code = "range_not_satisfiable"
+
+
 class PayloadTooLarge(LiflError):
     status = 413
     grpc_status = "INVALID_ARGUMENT"

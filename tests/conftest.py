@@ -160,18 +160,35 @@ def auth(token: str = OPERATOR_TOKEN) -> dict[str, str]:
 
 
 @pytest.fixture
-def node(redis_url: str, run_dir: Path, shm_node: str) -> Iterator[RunningNode]:
-    """A real node (agent, gateway and aggregator processes) on the session's redis-server."""
+def node_with(redis_url: str, run_dir: Path, shm_node: str) -> Iterator[Callable[..., RunningNode]]:
+    """Start a real node (agent, gateway and aggregator processes) on the session's redis-server,
+    with these NodeConfig options (e.g. ``gateway_limits``); one at a time (they share the test's
+    node id and run directory: starting one stops the last), stopped after the test."""
     from lifl.node.supervisor import Node, NodeConfig
 
-    config = NodeConfig(
-        node=shm_node, http="127.0.0.1:0", grpc="127.0.0.1:0", redis=redis_url, run_dir=run_dir,
-        data_dir=run_dir.parent / "data", shm_capacity=1 << 30, keep_warm=30,
-    )
-    n = Node(config)
-    addresses = n.start()
-    yield RunningNode(n, addresses.http, addresses.grpc, ClusterState(redis_url))
-    n.stop()
+    nodes: list[Node] = []
+
+    def start(**options: Any) -> RunningNode:
+        for n in nodes:
+            n.stop()
+        config = NodeConfig(
+            node=shm_node, http="127.0.0.1:0", grpc="127.0.0.1:0", redis=redis_url, run_dir=run_dir,
+            data_dir=run_dir.parent / "data", **{"shm_capacity": 1 << 30, "keep_warm": 30, **options},
+        )
+        n = Node(config)
+        nodes.append(n)
+        addresses = n.start()
+        return RunningNode(n, addresses.http, addresses.grpc, ClusterState(redis_url))
+
+    yield start
+    for n in nodes:
+        n.stop()
+
+
+@pytest.fixture
+def node(node_with: Callable[..., RunningNode]) -> RunningNode:
+    """A real node (agent, gateway and aggregator processes) on the session's redis-server."""
+    return node_with()
 
 
 class RunningNode:

@@ -14,7 +14,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,7 +23,6 @@ from conftest import OPERATOR_TOKEN, RunningNode, read_response, wait_for
 from lifl import format as fmt
 from lifl import kernels
 from lifl.ledger import JobSizes, round_extra
-from lifl.node.supervisor import Node, NodeConfig
 from lifl.quotas import Quota
 from lifl.state import ClusterState
 
@@ -53,23 +51,9 @@ CAPACITY = 2 * UPDATE_BYTES + sum(COSTS[:ADMITTED_ALONE])
 
 
 @pytest.fixture
-def start_node(redis_url: str, run_dir: Path, shm_node: str) -> Iterator[Callable[[int], RunningNode]]:
+def start_node(node_with: Callable[..., RunningNode]) -> Callable[[int], RunningNode]:
     """Start a real node (agent, gateway, aggregators) with this much shared memory (one at a time)."""
-    nodes: list[Node] = []
-
-    def start(capacity: int) -> RunningNode:
-        for n in nodes:
-            n.stop()
-        config = NodeConfig(node=shm_node, http="127.0.0.1:0", grpc="127.0.0.1:0", redis=redis_url, run_dir=run_dir,
-                            data_dir=run_dir.parent / "data", shm_capacity=capacity, keep_warm=30)
-        node = Node(config)
-        nodes.append(node)
-        addresses = node.start()
-        return RunningNode(node, addresses.http, addresses.grpc, ClusterState(redis_url))
-
-    yield start
-    for n in nodes:
-        n.stop()
+    return lambda capacity: node_with(shm_capacity=capacity)
 
 
 def create_job(node: RunningNode, job: str, model: dict[str, np.ndarray]) -> None:

@@ -7,7 +7,9 @@ and from the update format, and take part in synchronous FL rounds.
   back as the ``LiflError`` subclasses the gateway raised, with code, message and ``version``.
   Calls survive faults: a broken connection is replaced, and what is safe to retry is retried
   with bounded exponential back-off, never sooner than the gateway's Retry-After
-  (``RetryPolicy``; the rules are in docs/client.md, "Faults").
+  (``RetryPolicy``; the rules are in docs/client.md, "Faults"). ``push_file`` sends a large
+  update from a file through a resumable upload that goes on where a broken connection left
+  it, and ``download_model`` resumes a model's download with an HTTP range.
 - ``to_blob`` / ``from_blob`` convert torch ``state_dict``s and dicts of numpy arrays; tensors
   are read in place (CPU tensors are not copied before serialising) and come back as views
   of the received blob.

@@ -25,7 +25,10 @@ from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from lifl import errors
+from lifl.net import tus
 from lifl.net.grpc import GrpcStatusError, chunk_messages
+from lifl.net.io import ready, sendfile_all
+from lifl.net.ranges import parse_content_range
 from lifl.net.tls import ClientTls, client_settings, connection_closed, https_connection, server_name
 
 if TYPE_CHECKING:
@@ -38,10 +41,16 @@ GRPC_MAX_RECEIVE = 64 << 20  # a model downloaded over grpcio arrives in message
 DEFAULT_RETRY_AFTER_S = 1.0  # when a 503 / RESOURCE_EXHAUSTED / UNAVAILABLE names no (readable) delay
 RETRY_AFTER_SPREAD = 0.2  # clients told the same Retry-After come back spread over this fraction of it
 BACKOFF_JITTER = 0.5  # the share of each back-off delay that is random ("equal jitter")
+SEND_CHUNK = 1 << 20  # bytes of a file sent at a time, between two looks for an early answer (a refusal)
+RECEIVE_CHUNK = 1 << 20  # bytes of a download written to its file at a time
+# A PATCH that met another of the same upload (its own earlier one, cut short, whose end the
+# gateway has not seen yet) or an offset that moved since HEAD: ask HEAD again, after a back-off.
+_PATCH_RETRIES = frozenset({"upload_busy", "offset_mismatch", "no_such_upload"})
 
 _BY_STATUS = {400: errors.BadRequest, 401: errors.Unauthenticated, 403: errors.Forbidden, 404: errors.NotFound,
-              409: errors.Conflict, 413: errors.PayloadTooLarge, 422: errors.Unprocessable, 429: errors.Overloaded,
-              503: errors.Overloaded}
+              409: errors.Conflict, 412: errors.PreconditionFailed, 413: errors.PayloadTooLarge,
+              415: errors.UnsupportedMediaType, 416: errors.RangeNotSatisfiable, 422: errors.Unprocessable,
+              429: errors.Overloaded, 503: errors.Overloaded}
 _BY_GRPC = {"INVALID_ARGUMENT": errors.BadRequest, "NOT_FOUND": errors.NotFound, "ALREADY_EXISTS": errors.Conflict,
             "UNAUTHENTICATED": errors.Unauthenticated, "PERMISSION_DENIED": errors.Forbidden,
             "ABORTED": errors.Conflict, "RESOURCE_EXHAUSTED": errors.Overloaded, "UNAVAILABLE": errors.Unavailable,
@@ -257,10 +266,11 @@ class Gateway:
             self._channel.close()
             self._drop_uploads()
 
-    def _retrying(self, call: Callable[[], T], *, idempotent: bool) -> T:
+    def _retrying(self, call: Callable[[], T], *, idempotent: bool,
+                  also: Callable[[errors.LiflError], bool] = lambda error: False) -> T:
         """``call()`` until it succeeds or the policy gives up, retrying only what is safe: any call
-        the gateway certainly did not act on (unreachable, or refused with back-pressure), and a
-        call whose connection broke mid-way only if it is ``idempotent``."""
+        the gateway certainly did not act on (unreachable, or refused with back-pressure), a call
+        whose connection broke mid-way only if it is ``idempotent``, and the errors ``also`` names."""
         started, tries = time.monotonic(), 0
         while True:
             tries += 1
@@ -271,6 +281,10 @@ class Gateway:
             except ConnectionLost as e:
                 if not idempotent:
                     raise  # it may have been applied: only the caller can know whether to send it again
+                failure, retry_after = e, None
+            except errors.LiflError as e:
+                if not also(e):
+                    raise
                 failure, retry_after = e, None
             wait = self.retry.next_delay(tries, time.monotonic() - started, random.random(), retry_after)
             if wait is None:
@@ -283,12 +297,24 @@ class Gateway:
                  idempotent: bool = False) -> tuple[int, dict[str, str], bytes | bytearray]:
         return self._retrying(lambda: self._exchange(method, path, body, headers or {}), idempotent=idempotent)
 
-    def _exchange(self, method: str, path: str, body: Any, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes | bytearray]:
+    def _exchange(self, method: str, path: str, body: Any, headers: dict[str, str], *,
+                  send: Callable[[socket.socket], None] | None = None,
+                  receive: Callable[[http.client.HTTPResponse], bytes | bytearray] = _read_body,
+                  ) -> tuple[int, dict[str, str], bytes | bytearray]:
+        """One request and its answer. ``send(socket)`` writes the body itself, after the head (its
+        Content-Length among ``headers``); ``receive`` reads a successful answer's body."""
         self._connect_http()
         try:
-            self._http.request(method, path, body=body, headers={**headers, **dict(self._authorization)})
+            if send is None:
+                self._http.request(method, path, body=body, headers={**headers, **dict(self._authorization)})
+            else:
+                self._http.putrequest(method, path, skip_accept_encoding=True)
+                for name, value in {**headers, **dict(self._authorization)}.items():
+                    self._http.putheader(name, value)
+                self._http.endheaders()
+                send(self._http.sock)
             response = self._http.getresponse()
-            data = _read_body(response)
+            data = receive(response) if response.status < 300 else _read_body(response)
         except (OSError, http.client.HTTPException) as e:
             self._http.close()  # never reused: its state is unknown (http.client would refuse it: CannotSendRequest)
             raise _connection_lost(self.address, f"{method} {path}", repr(e)) from e
@@ -487,16 +513,52 @@ class Gateway:
     def _push_once(self, job: str, blob: bytes | memoryview, client: str | None, samples: int, base_version: int,
                    lease: str) -> dict[str, Any]:
         if self.protocol == "http":
-            headers = {"X-Lifl-Samples": str(samples), "X-Lifl-Base-Version": str(base_version)}
-            if client:
-                headers["X-Lifl-Client"] = client
-            if lease:
-                headers["X-Lifl-Lease"] = lease
+            headers = _update_headers(samples, base_version, client, lease)
             return json.loads(self._exchange("POST", f"/v1/jobs/{job}/updates", memoryview(blob), headers)[2])
         meta = self._pb.UpdateMeta(job=job, client=client or "", samples=samples, base_version=base_version, size=len(blob),
                                    lease=lease)
         reply = self._pb.PushUpdateReply.FromString(self._upload_once("PushUpdate", meta.SerializeToString(), blob))
         return {"version": reply.version}
+
+    def push_file(self, job: str, path: str | os.PathLike[str], *, samples: int, base_version: int, lease: str = "",
+                  client: str | None = None) -> dict[str, Any]:
+        """``push`` of the update in a safetensors file, sent from the file (sendfile: never read
+        into memory) through a resumable upload (HTTP only: docs/api.md, "Resumable uploads").
+
+        The blob's header goes first, in a PATCH of its own whose answer says whether the gateway
+        admitted the update (a refusal costs the header's bytes, not the file's); then the rest.
+        A broken connection is resumed where the gateway's bytes end (HEAD), sending only the
+        rest; an upload the gateway no longer has (it expired, or went with a restarted agent)
+        is begun again. Tries are bounded by ``retry``, as a push's, and a lost answer is found
+        again as a push's is. Returns push's answer with ``sent_bytes`` (the file's bytes written
+        to the gateway over all tries) and ``resumes`` (tries that went on from an offset)."""
+        if self.protocol != "http":
+            raise ValueError("push_file needs protocol='http': gRPC has no resumable uploads (use push)")
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise errors.BadRequest(f"{path} has {size} bytes: an update starts with its 8-byte header length",
+                                        code="truncated")
+            header_end = min(size, 8 + int.from_bytes(os.pread(f.fileno(), 8, 0), "little"))
+            upload = _ResumableUpload(self, job, f.fileno(), size, header_end, base_version,
+                                      _update_headers(samples, base_version, client, lease))
+            return self._retrying(upload.once, idempotent=True, also=upload.retryable)
+
+    def download_model(self, job: str, path: str | os.PathLike[str]) -> int:
+        """Write the job's current model into ``path`` as it arrives, never holding it whole in
+        memory; returns its version. Over HTTP a broken connection is resumed with a Range from
+        the bytes written, as long as the model stays the same (If-Range: its version's ETag); if a
+        new version came meanwhile, the file is written again from its start. Over gRPC, which has
+        no ranges, it writes ``model``'s bytes."""
+        with open(path, "wb") as f:
+            if self.protocol != "http":
+                version, blob = self.model(job)
+                f.write(blob)
+                return version
+            download = _Download(f.fileno())
+            self._retrying(lambda: self._exchange("GET", f"/v1/jobs/{job}/model", None, download.headers(),
+                                                  receive=download.receive), idempotent=True)
+            return download.version
 
     def metrics(self) -> str:
         """The gateway's Prometheus exposition (HTTP only)."""
@@ -577,6 +639,124 @@ class Gateway:
         reply = self._rpc("GetRounds", self._pb.Rounds.FromString,
                           self._pb.GetRoundsRequest(job=job, limit=limit).SerializeToString(), idempotent=True)
         return [_round_dict(r) for r in reply.rounds]
+
+
+def _update_headers(samples: int, base_version: int, client: str | None, lease: str) -> dict[str, str]:
+    """An update's metadata as HTTP headers (docs/api.md, "Update"): a POST's, or a resumable upload's."""
+    headers = {"X-Lifl-Samples": str(samples), "X-Lifl-Base-Version": str(base_version)}
+    if client:
+        headers["X-Lifl-Client"] = client
+    if lease:
+        headers["X-Lifl-Lease"] = lease
+    return headers
+
+
+class _ResumableUpload:
+    """An update pushed from a file (``fd``, ``size`` bytes, its header ending at ``header_end``)
+    through a resumable upload: ``once`` is a try, which goes on where the gateway's bytes end."""
+
+    def __init__(self, gateway: Gateway, job: str, fd: int, size: int, header_end: int, base_version: int,
+                 headers: dict[str, str]) -> None:
+        self.gateway, self.job, self.fd, self.size, self.header_end = gateway, job, fd, size, header_end
+        self.base_version, self.headers = base_version, headers
+        self.location: str | None = None  # the upload's, once created
+        self.sent_bytes = 0
+        self.resumes = 0
+        self.sent_all = False  # every byte went out once: a lost answer may have been an acknowledgement
+
+    def once(self) -> dict[str, Any]:
+        offset = self._resume() if self.location is not None else None
+        try:
+            if offset is None:
+                self.location, offset = self._create(), 0
+            if offset < self.header_end:
+                offset = self._patch(offset, self.header_end)[0]  # answered once the gateway admitted the update
+            result = self._patch(offset, self.size)[1]  # no bytes if all are in: what completed it, again
+        except errors.NotFound as e:
+            if e.code == "no_such_upload":
+                self.location = None  # it expired between two requests: the next try begins again
+            raise
+        except errors.Conflict as e:
+            if self.sent_all and e.code == "already_acknowledged":  # a new upload, after the answer to the last was lost
+                return {"version": self.base_version, "acknowledged_earlier": True, "sent_bytes": self.sent_bytes,
+                        "resumes": self.resumes}
+            raise
+        assert result is not None
+        return {**result, "sent_bytes": self.sent_bytes, "resumes": self.resumes}
+
+    @staticmethod
+    def retryable(error: errors.LiflError) -> bool:
+        return error.code in _PATCH_RETRIES
+
+    def _create(self) -> str:
+        headers = {"Tus-Resumable": tus.VERSION, "Upload-Length": str(self.size), **self.headers}
+        return self.gateway._exchange("POST", f"/v1/jobs/{self.job}/uploads", None, headers)[1]["Location"]
+
+    def _resume(self) -> int | None:
+        """Where the upload goes on (HEAD), or None if the gateway no longer has it."""
+        assert self.location is not None
+        try:
+            headers = self.gateway._exchange("HEAD", self.location, None, {"Tus-Resumable": tus.VERSION})[1]
+        except errors.NotFound:
+            self.location = None
+            return None
+        self.resumes += 1
+        return int(headers["Upload-Offset"])
+
+    def _patch(self, offset: int, stop: int) -> tuple[int, dict[str, Any] | None]:
+        """Send bytes ``offset`` to ``stop``: the upload's new offset, and the update's answer if it is complete."""
+        assert self.location is not None
+        headers = {"Tus-Resumable": tus.VERSION, "Upload-Offset": str(offset), "Content-Type": tus.OFFSET_STREAM,
+                   "Content-Length": str(stop - offset)}
+        status, answer, data = self.gateway._exchange("PATCH", self.location, None, headers,
+                                                      send=lambda sock: self._send(sock, offset, stop))
+        return int(answer["Upload-Offset"]), json.loads(data) if status == 202 else None
+
+    def _send(self, sock: socket.socket, offset: int, stop: int) -> None:
+        """The file's bytes ``offset`` to ``stop``, unless the gateway answers first (it refused them:
+        its answer is read next, instead of sending bytes it drops)."""
+        while offset < stop:
+            if ready([sock], 0):
+                return
+            count = min(SEND_CHUNK, stop - offset)
+            sendfile_all(sock, self.fd, count, self.gateway.timeout, start=offset)
+            offset += count
+            self.sent_bytes += count
+        self.sent_all = self.sent_all or stop == self.size
+
+
+class _Download:
+    """A model written into a file (``fd``) as it arrives; ``headers`` ask for what is still missing."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.have = 0  # bytes written
+        self.etag = ""
+        self.version = -1
+
+    def headers(self) -> dict[str, str]:
+        return {"Range": f"bytes={self.have}-", "If-Range": self.etag} if self.have else {}
+
+    def receive(self, response: http.client.HTTPResponse) -> bytes:
+        if response.status == 206:
+            part = parse_content_range(response.getheader("Content-Range"))
+            if part.first != self.have:
+                raise errors.BadRequest(f"asked for the model from byte {self.have}, got {part.content_range()}",
+                                        code="bad_content_range")
+            end = part.size
+        else:  # the whole model: the first try, or a new version came since the last
+            self.have = 0
+            os.ftruncate(self.fd, 0)
+            self.etag, self.version = response.getheader("ETag", ""), int(response.getheader("X-Lifl-Version", "-1"))
+            end = int(response.getheader("Content-Length", "0"))
+        view = memoryview(bytearray(min(RECEIVE_CHUNK, end - self.have)))
+        while self.have < end:
+            n = response.readinto(view[: end - self.have])
+            if not n:
+                raise http.client.IncompleteRead(b"", end - self.have)
+            os.pwrite(self.fd, view[:n], self.have)
+            self.have += n
+        return b""
 
 
 def _dict(message: Any) -> dict[str, Any]:

@@ -21,6 +21,9 @@ LIMIT_FLAGS: dict[str, tuple[str, type, str]] = {
     "--max-connections": ("max_connections", int, "connections served at once"),
     "--max-connections-per-peer": ("max_per_peer", int, "connections from one address"),
     "--reserved-connections": ("reserved", int, "connections beyond the limits that answer only health checks"),
+    "--upload-idle": ("upload_idle", float, "seconds an incomplete resumable upload is kept without a PATCH"),
+    "--max-uploads": ("max_uploads", int, "incomplete resumable uploads the gateway holds"),
+    "--max-uploads-per-principal": ("max_uploads_per_principal", int, "incomplete resumable uploads of one caller"),
 }
 
 

@@ -83,34 +83,36 @@ def take_views(views: deque[memoryview], size: int) -> list[memoryview]:
     return taken
 
 
-def sendfile_all(sock: socket.socket, fd: int, count: int, timeout: float) -> None:
-    """Send ``count`` bytes of ``fd`` from offset 0 with sendfile (the kernel copies them from
-    shared memory into the socket); TimeoutError if the peer reads nothing for ``timeout`` s.
-    Over TLS, which sendfile would bypass, the bytes are encrypted from a mapping of ``fd``."""
+def sendfile_all(sock: socket.socket, fd: int, count: int, timeout: float, *, start: int = 0) -> None:
+    """Send ``count`` bytes of ``fd`` from offset ``start`` with sendfile (the kernel copies them
+    from shared memory, or a file's pages, into the socket); TimeoutError if the peer reads nothing
+    for ``timeout`` s. Over TLS, which sendfile would bypass, the bytes are encrypted from a
+    mapping of ``fd``."""
     if isinstance(sock, ssl.SSLSocket):
-        _send_mapped(sock, fd, count, timeout)
+        _send_mapped(sock, fd, start, count, timeout)
         return
-    offset = 0
-    while offset < count:
+    offset, end = start, start + count
+    while offset < end:
         try:
-            sent = os.sendfile(sock.fileno(), fd, offset, count - offset)
+            sent = os.sendfile(sock.fileno(), fd, offset, end - offset)
         except BlockingIOError:  # a socket with a timeout is non-blocking underneath
             if not ready([sock], timeout, write=True):
-                raise TimeoutError(f"the peer stopped reading after {offset} of {count} bytes") from None
+                raise TimeoutError(f"the peer stopped reading after {offset - start} of {count} bytes") from None
             continue
         if sent == 0:
-            raise ConnectionError(f"the object ended after {offset} of {count} bytes")
+            raise ConnectionError(f"the file ended at byte {offset}, before {end}")
         offset += sent
 
 
-def _send_mapped(sock: ssl.SSLSocket, fd: int, count: int, timeout: float) -> None:
+def _send_mapped(sock: ssl.SSLSocket, fd: int, start: int, count: int, timeout: float) -> None:
     if count == 0:
         return
-    mapping = mmap.mmap(fd, count, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
+    base = start - start % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page
+    mapping = mmap.mmap(fd, start + count - base, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ, offset=base)
     try:
         sock.settimeout(timeout)  # bounds each wait for the peer to read
         with memoryview(mapping) as view:
-            for offset in range(0, count, TLS_SEND_CHUNK):
+            for offset in range(start - base, start + count - base, TLS_SEND_CHUNK):
                 sock.sendall(view[offset : offset + TLS_SEND_CHUNK])
     finally:
         mapping.close()
