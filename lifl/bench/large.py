@@ -2,7 +2,8 @@
 
 A model of ``--parameters`` bf16 parameters (default 1e9: 2 GB per update), cut into a few
 LLM-like tensors, and ``--clients`` updates generated into files (random normal values, seeded)
-that each client streams from disk (the file is mapped, not read into memory). One run
+that each client streams from disk through a resumable upload (``Gateway.push_file``: sendfile,
+never read into memory). One run
 measures, on fresh nodes:
 
 - ``unsharded``: lifl on one node, every aggregator folding whole updates;
@@ -166,6 +167,7 @@ def max_abs_error(model: bytes, files: list[Path], samples: list[int]) -> float:
 def run_system(name: str, files: list[Path], model_file: Path, samples: list[int], fields: dict[str, Any],
                workdir: Path, shm_capacity: int) -> dict[str, Any]:
     from lifl.client import Gateway
+    from lifl.net.limits import ConnectionLimits
     from lifl.node.supervisor import Node, NodeConfig
     from lifl.protocol import GetRecent, Hello
     from lifl.rpc import Client
@@ -175,7 +177,8 @@ def run_system(name: str, files: list[Path], model_file: Path, samples: list[int
     root.mkdir()
     with open(root / "node.log", "w") as log:
         node = Node(NodeConfig(node=f"lg{os.getpid() % 10000}{name[:4]}", http="127.0.0.1:0", grpc="127.0.0.1:0",
-                               run_dir=root / "run", data_dir=root / "data", shm_capacity=shm_capacity), log=log)
+                               run_dir=root / "run", data_dir=root / "data", shm_capacity=shm_capacity,
+                               gateway_limits=ConnectionLimits(max_uploads_per_principal=len(files))), log=log)
         http = node.start().http
         gw = Gateway(http, token=node.operator_token)
         try:
@@ -192,8 +195,7 @@ def run_system(name: str, files: list[Path], model_file: Path, samples: list[int
             def push(i: int) -> None:
                 client = Gateway(http, token=node.operator_token)
                 try:
-                    with _mapped(files[i]) as (_, view):
-                        client.push("large", view, client=f"c{i}", samples=samples[i], base_version=0)
+                    client.push_file("large", files[i], client=f"c{i}", samples=samples[i], base_version=0)
                 except BaseException as e:
                     errors.append(e)
                 finally:
