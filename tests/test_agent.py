@@ -127,6 +127,8 @@ def test_rounds_aggregate_into_new_versions(agent: Agent, state: ClusterState, g
             assert np.all(np.abs(model[name] - ref) <= 1e-5 * (np.abs(ref) + 1e-3))
     summary = state.job("j").last_round
     assert summary["updates"] == goal and summary["outcome"] == "complete" and summary["nodes"] == {agent.node: goal}
+    # every folded update counts as aggregated once (a lone update is installed, not folded)
+    assert client.call(GetStatus())[0].status.counters["j"].aggregated == (2 * goal if goal > 1 else 0)
     # every update and partial was recycled or freed: only the current model is held
     wait_for(lambda: shm_objects(client) == 1, what="objects released")
     assert client.call(GetStatus())[0].status.shm.recycled > 0  # buffers were reused, not created anew

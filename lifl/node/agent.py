@@ -1795,10 +1795,13 @@ class Agent:
         self.store.seal(state)
         inputs, previous = self.board.folded(task.id, keys, state, now_ns())
         updates = 0
+        mine = _input_holder(task.id)
         for msg in inputs:
-            self.store.release(msg.key, _input_holder(task.id))
-            if not self.store.held_by_any(msg.key, _is_input_holder):  # a leaf of each tensor shard folds it: done with the last
+            # a leaf of each tensor shard folds an update: it is done with the last (before the
+            # release, whose freeing would tell the uploads first and leave this fold uncounted)
+            if not self.store.held_by_any(msg.key, lambda h: h != mine and _is_input_holder(h)):
                 updates += self.uploads.update_done(msg.key) is not None
+            self.store.release(msg.key, mine)
         if previous is not None:
             self.store.release(previous.key, _state_holder(task.id))
         self.metrics.aggregated(task.job, updates, seconds)
