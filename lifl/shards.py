@@ -41,13 +41,12 @@ CUT_ALIGN_MIN_SLICE = 16 * CUT_ALIGN_BYTES  # ...in slices large enough that a l
 
 @dataclass(frozen=True)
 class Piece:
-    """Elements [begin, end) of one tensor, at byte ``offset`` of the canonical data section."""
+    """Elements [begin, end) of one tensor."""
 
     tensor: str
     dtype: DType
     begin: int
     end: int
-    offset: int
 
     @property
     def numel(self) -> int:
@@ -91,10 +90,6 @@ class ShardPlan:
 
     def __getitem__(self, index: int) -> TensorShard:
         return self.shards[index]
-
-    @property
-    def largest_bytes(self) -> int:
-        return max(s.nbytes for s in self.shards)
 
 
 def check_request(value: object, alignment: object) -> tuple[int, str]:
@@ -171,4 +166,4 @@ def _piece(t: TensorSpec, offset: int, begin: int, end: int) -> Piece:
     size = t.dtype.itemsize
     first = max(begin, offset)
     last = min(end, offset + t.nbytes)
-    return Piece(t.name, t.dtype, (first - offset) // size, (last - offset) // size, first)
+    return Piece(t.name, t.dtype, (first - offset) // size, (last - offset) // size)
