@@ -19,8 +19,8 @@ def test_compare_json_has_the_documented_fields(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "lifl", "bench", "compare", "--json", "--sizes-mb", "2", "--reps", "1",
          "--systems", "lifl,sf,sf-micro,sl", "--target", "0.5", "--max-minutes", "3", "--results", str(results),
-         "--sections", "transfer,queuing,tta,load", "--load-rounds", "1",
-         "--load-max-minutes", "6"],  # its ten clients train a ResNet-18: a round took over 3 minutes on 2 busy cores
+         "--sections", "transfer,queuing,tta,load", "--load-rounds", "1", "--load-goal", "2",
+         "--load-max-minutes", "6"],  # its clients train a ResNet-18: a round of ten took over 3 minutes on 2 busy cores
         capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
@@ -39,7 +39,7 @@ def test_compare_json_has_the_documented_fields(tmp_path: Path) -> None:
         assert r["time_to_accuracy_s"] > 0 and r["aggregation_cpu_s"] > 0 and r["rounds"] >= 1, r
     assert {r["system"] for r in result["load"]} == systems
     for r in result["load"]:
-        assert r["model"] == "resnet18" and r["rounds"] == 1 and r["time_s"] > 0 and r["aggregation_cpu_s"] > 0, r
+        assert r["model"] == "resnet18" and r["rounds"] == 1 and result["load_setup"]["goal"] == 2 and r["time_s"] > 0 and r["aggregation_cpu_s"] > 0, r
         assert r["aggregation_tail_ms_p50"] > 0 and set(r["cpu_s_by_role"]) >= {"aggregators"}
     assert set(result["ratios"]) == {f"{s}.{f}.{b}" for s, f, b, _ in TARGETS}
     saved = json.loads((results / "compare.json").read_text())
@@ -56,7 +56,8 @@ def test_compare_json_has_the_documented_fields(tmp_path: Path) -> None:
     (["--models", "resnet999"], "unknown model resnet999"),
     (["--sizes-mb", "two"], "--sizes-mb takes sizes"),
     (["--sizes-mb", "5000"], "between 1 and 1000 MB"),
-    (["--reps", "0"], "--reps and --load-rounds must be at least 1"),
+    (["--reps", "0"], "--reps, --load-rounds and --load-goal must be at least 1"),
+    (["--load-goal", "0"], "--reps, --load-rounds and --load-goal must be at least 1"),
 ])
 def test_compare_refuses_bad_arguments(argv: list[str], message: str, tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "lifl", "bench", "compare", "--results", str(tmp_path), *argv],

@@ -610,6 +610,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the FL job's model: the small CNN (default), or a ResNet for system load (flower: the CNN only)")
     p.add_argument("--load-model", choices=MODELS_FL[1:], default="resnet18", help="the load section's model (default resnet18)")
     p.add_argument("--load-rounds", type=int, default=10, help="rounds of the load section (default 10)")
+    p.add_argument("--load-goal", type=int, default=JobSetup.goal,
+                   help=f"updates per round of the load section (default {JobSetup.goal}), of twice as many active clients")
     p.add_argument("--load-max-minutes", type=float, default=None,
                    help="the load section's time budget per system (default: --max-minutes); its clients train a ResNet")
     p.add_argument("--max-minutes", type=float, default=5.0, help="per system, for the FL job (default 5)")
@@ -636,8 +638,8 @@ def run(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
             raise SystemExit(f"lifl bench compare: --sizes-mb takes sizes in MB separated by commas, not {args.sizes_mb!r}") from None
         if not all(1 <= size / 1e6 <= 1000 for size in sizes.values()):
             raise SystemExit("lifl bench compare: each of --sizes-mb is between 1 and 1000 MB")
-    if args.reps < 1 or args.load_rounds < 1:
-        raise SystemExit("lifl bench compare: --reps and --load-rounds must be at least 1")
+    if min(args.reps, args.load_rounds, args.load_goal) < 1:
+        raise SystemExit("lifl bench compare: --reps, --load-rounds and --load-goal must be at least 1")
     args.results.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="lifl-compare-", dir="/tmp"))
     os.chmod(tmp, 0o755)
@@ -657,7 +659,7 @@ def run(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
                 result["tta"], series = tta(systems, setup, tmp, log, say)
                 result["tta_setup"] = asdict(setup)
             if "load" in sections:
-                setup = JobSetup(model=args.load_model, rounds=args.load_rounds,
+                setup = JobSetup(model=args.load_model, rounds=args.load_rounds, goal=args.load_goal, active=2 * args.load_goal,
                                  max_minutes=args.load_max_minutes or args.max_minutes)
                 result["load"] = load(byte_systems, setup, tmp, log, say)
                 result["load_setup"] = asdict(setup)

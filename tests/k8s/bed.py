@@ -144,24 +144,46 @@ def install_manifests() -> None:
         kubectl("taint", "node", REAL_NODE, f"{taint}-")
 
 
+def answers() -> bool:
+    """Whether a bed's API server answers: a state directory whose bed does not (its namespace
+    gone with a machine that was reset, its daemons killed with a run) is a leftover."""
+    return inside("kubectl", "get", "--raw", "/readyz", timeout=30).returncode == 0
+
+
+def bring_up() -> None:
+    """`up --real-node`; one that fails is taken down (a half-up bed would stop every later suite)
+    and named with the script's own words."""
+    run = subprocess.run([TESTENV, "up", "--real-node"], capture_output=True, text=True, timeout=3600)
+    if run.returncode != 0:
+        subprocess.run([TESTENV, "down"], capture_output=True, timeout=300)
+        pytest.fail(f"`{TESTENV} up --real-node` failed (exit {run.returncode}); the bed is down again:\n{run.stderr[-6000:]}")
+
+
 @pytest.fixture(scope="module")
 def testbed() -> Iterator[None]:
     """The test bed with its real node, up (started here unless it already was; then left as
     found), lifl's manifests installed, and KIngresses marked ready by the stand-in. A bed started
     here is checked, once down, for anything it left on the host."""
+    if KUBECONFIG.exists() and not answers():
+        subprocess.run([TESTENV, "down"], check=True, capture_output=True, timeout=300)
     started = not KUBECONFIG.exists()
     if started:
         host_sysctls = sysctls()
         absent_host_dirs = [directory for directory in LIFL_HOST_DIRS.values() if not directory.exists()]
-        subprocess.run([TESTENV, "up", "--real-node"], check=True, timeout=3600, stdout=subprocess.DEVNULL)
+        bring_up()
     elif maybe("node", REAL_NODE) is None:
         pytest.fail(f"the test bed is up without its real node {REAL_NODE}: `{TESTENV} down`, and the tests start it")
-    standin = Background("kingress", [sys.executable, str(ROOT / "tests" / "k8s" / "kingress_standin.py")])
-    install_manifests()
-    yield
-    standin.stop()
+    standin = None
+    try:
+        standin = Background("kingress", [sys.executable, str(ROOT / "tests" / "k8s" / "kingress_standin.py")])
+        install_manifests()
+        yield
+    finally:
+        if standin is not None:
+            standin.stop()
+        if started:
+            subprocess.run([TESTENV, "down"], check=True, timeout=300)
     if started:
-        subprocess.run([TESTENV, "down"], check=True, timeout=300)
         assert not leftovers(), leftovers()
         assert sysctls() == host_sysctls
         assert not [d for d in absent_host_dirs if d.exists()], "the bed made this machine's own lifl directories"
