@@ -146,8 +146,12 @@ def install_manifests() -> None:
 
 def answers() -> bool:
     """Whether a bed's API server answers: a state directory whose bed does not (its namespace
-    gone with a machine that was reset, its daemons killed with a run) is a leftover."""
-    return inside("kubectl", "get", "--raw", "/readyz", timeout=30).returncode == 0
+    gone with a machine that was reset, its daemons killed with a run) is a leftover. One that is
+    only slow to answer is not."""
+    try:
+        return inside("kubectl", "get", "--raw", "/readyz", timeout=60).returncode == 0
+    except subprocess.TimeoutExpired:
+        return True
 
 
 def bring_up() -> None:
