@@ -2,7 +2,7 @@
 lifl's manifests installed and KIngresses marked ready, and helpers to run things inside it.
 
 A suite imports the fixture (``from k8s.bed import testbed``); with module scope, each suite gets
-the bed once (started here unless it already was, then left as found). The bed has the real node
+the bed once (started here unless a usable one already was, then left as found). The bed has the real node
 ``real1`` beside the kwok nodes."""
 
 from __future__ import annotations
@@ -144,12 +144,13 @@ def install_manifests() -> None:
         kubectl("taint", "node", REAL_NODE, f"{taint}-")
 
 
-def answers() -> bool:
-    """Whether a bed's API server answers: a state directory whose bed does not (its namespace
-    gone with a machine that was reset, its daemons killed with a run) is a leftover. One that is
-    only slow to answer is not."""
+def usable() -> bool:
+    """Whether a bed that is up can serve the suites: its API server answers and its real node is
+    registered. One that cannot is a leftover (its namespace gone with a machine that was reset,
+    its daemons killed with a run, or an `up` without `--real-node`). One that is only slow to
+    answer is not."""
     try:
-        return inside("kubectl", "get", "--raw", "/readyz", timeout=60).returncode == 0
+        return inside("kubectl", "get", "--raw", "/readyz", timeout=60).returncode == 0 and maybe("node", REAL_NODE) is not None
     except subprocess.TimeoutExpired:
         return True
 
@@ -165,18 +166,17 @@ def bring_up() -> None:
 
 @pytest.fixture(scope="module")
 def testbed() -> Iterator[None]:
-    """The test bed with its real node, up (started here unless it already was; then left as
-    found), lifl's manifests installed, and KIngresses marked ready by the stand-in. A bed started
-    here is checked, once down, for anything it left on the host."""
-    if KUBECONFIG.exists() and not answers():
+    """The test bed with its real node, up (started here unless a usable one already was; then
+    left as found), lifl's manifests installed, and KIngresses marked ready by the stand-in. A
+    bed started here is checked, once down, for anything it left on the host."""
+    if KUBECONFIG.exists() and not usable():
+        print(f"the test bed at {STATE} is unusable (no API server, or no real node {REAL_NODE}): taking it down", file=sys.stderr)
         subprocess.run([TESTENV, "down"], check=True, capture_output=True, timeout=300)
     started = not KUBECONFIG.exists()
     if started:
         host_sysctls = sysctls()
         absent_host_dirs = [directory for directory in LIFL_HOST_DIRS.values() if not directory.exists()]
         bring_up()
-    elif maybe("node", REAL_NODE) is None:
-        pytest.fail(f"the test bed is up without its real node {REAL_NODE}: `{TESTENV} down`, and the tests start it")
     standin = None
     try:
         standin = Background("kingress", [sys.executable, str(ROOT / "tests" / "k8s" / "kingress_standin.py")])
