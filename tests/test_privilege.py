@@ -353,3 +353,26 @@ def test_every_node_of_a_cluster_gets_the_clusters_operator_token_and_service_us
     options = dict(zip(argv[4::2], argv[5::2]))
     assert options["--operator-token-file"] == str(tmp_path / "data" / FILE_NAME)
     assert options["--service-user"] == "nobody"
+
+
+def test_an_embedded_redis_that_exits_while_starting_is_named_at_once_with_its_log(run_dir: Path, shm_node: str) -> None:
+    """A dead redis-server is not waited for (the wait bounds only one that is alive): its exit
+    status and its log are named, and nothing after it starts."""
+    data_dir = run_dir.parent / "lib"
+    aof = data_dir / "redis" / "appendonlydir"
+    aof.mkdir(parents=True)
+    (aof / "appendonly.aof.manifest").write_text("not a manifest\n")  # redis-server refuses to load it, and exits
+    service = service_identity()
+    for path in (data_dir, data_dir / "redis", aof, aof / "appendonly.aof.manifest"):
+        os.chown(path, service.uid, service.gid)
+    node = Node(NodeConfig(node=shm_node, http="127.0.0.1:0", grpc="127.0.0.1:0", run_dir=run_dir, data_dir=data_dir,
+                           shm_capacity=1 << 30))
+    try:
+        with pytest.raises(SystemExit) as refused:
+            node.start()
+    finally:
+        node.stop()
+    log = data_dir / "redis" / "redis.log"
+    assert str(refused.value).startswith("lifl: the embedded redis-server exited (") and str(refused.value).endswith(f"its log: {log}")
+    assert "manifest" in log.read_text().lower(), log.read_text()
+    assert set(node.children) == {"redis"}

@@ -57,6 +57,13 @@ from lifl.keys.ebpf import remove_node_channel
 from lifl.store import SHM_DIR, remove_node_objects
 
 RESTART_BACKOFF = (0.2, 0.5, 1.0, 2.0, 5.0)
+# How long a Redis may take to answer: it only bounds one that is alive but never answers (one
+# that exits fails at once). Generous: an embedded one opens its append-only file first, which a
+# loaded machine's busy disk has held up past 15 s.
+REDIS_START_TIMEOUT_S = 120.0
+# A restarted Redis is waited for no longer than this: the supervisor's loop also restarts the
+# other children; one that answers later is simply used.
+REDIS_RESTART_WAIT_S = 15.0
 REDIS_DIR = "redis"  # an embedded redis's directory: DATA_DIR/redis holds its data, RUN_DIR/redis its socket
 
 
@@ -131,7 +138,11 @@ def embedded_redis_argv(data_dir: Path, listen: list[str], owner: Identity) -> l
     require_reachable(owner, {directory: "redis-server's directory"})
     make_private_tree(directory, owner)
     return [exe, *listen, "--dir", str(directory), "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-            "--logfile", str(directory / "redis.log")]
+            "--logfile", str(embedded_redis_log(data_dir))]
+
+
+def embedded_redis_log(data_dir: Path) -> Path:
+    return data_dir / REDIS_DIR / "redis.log"
 
 
 @dataclass
@@ -226,7 +237,7 @@ class Node:
         if stale:
             print(f"lifl: removed {stale} shared-memory objects left by a previous run of node {c.node}", file=sys.stderr)
         redis_url = c.redis or self._start_redis()
-        self._wait_redis(redis_url)
+        self._wait_redis(redis_url, self.children.get("redis"))
         if urlsplit(redis_url).scheme == "unix":
             self._check_gateway_reaches(Path(urlsplit(redis_url).path), "Redis's socket")
         operator_token.register(redis_url, token)
@@ -289,16 +300,20 @@ class Node:
         child.start()
         return f"unix://{sock}"
 
-    @staticmethod
-    def _wait_redis(url: str, timeout: float = 15.0) -> None:
+    def _wait_redis(self, url: str, child: Child | None, timeout: float = REDIS_START_TIMEOUT_S) -> None:
+        """Until the Redis at ``url`` answers; ``child``, the embedded one, must stay alive meanwhile."""
         deadline = time.monotonic() + timeout
         while True:
             try:
                 redis.Redis.from_url(url).ping()
                 return
             except redis.RedisError:
+                if child is not None and child.proc is not None and child.proc.poll() is not None:
+                    assert self.config.data_dir is not None  # an embedded one lives there
+                    raise SystemExit(f"lifl: the embedded redis-server exited ({child.proc.returncode}) before it answered; "
+                                     f"its log: {embedded_redis_log(self.config.data_dir)}") from None
                 if time.monotonic() > deadline:
-                    raise SystemExit(f"lifl: redis at {url} does not answer") from None
+                    raise SystemExit(f"lifl: redis at {url} does not answer after {timeout:g} s") from None
                 time.sleep(0.05)
 
     def supervise(self) -> None:
@@ -328,7 +343,7 @@ class Node:
             return
         if name == "redis":
             try:
-                self._wait_redis(self.addresses.redis if self.addresses else "")
+                self._wait_redis(self.addresses.redis if self.addresses else "", child, REDIS_RESTART_WAIT_S)
             except SystemExit as e:  # it died again while starting: the next turn restarts it
                 print(e, file=sys.stderr)
 
