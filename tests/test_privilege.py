@@ -227,17 +227,23 @@ def refusal(data_dir: Path, blocked: Path) -> str:
             f"make that directory searchable by the service user (e.g. chmod o+x {blocked}), or choose another with --service-user")
 
 
-def test_a_data_dir_the_service_user_cannot_get_to_is_refused_before_redis_starts(run_dir: Path, shm_node: str) -> None:
-    blocked = closed_to_others(run_dir.parent / "lib")
-    data_dir = blocked / shm_node
-    node = Node(NodeConfig(node=shm_node, http="127.0.0.1:0", grpc="127.0.0.1:0", run_dir=run_dir, data_dir=data_dir,
+def refused_start(node_id: str, run_dir: Path, data_dir: Path) -> tuple[Node, SystemExit]:
+    """A node that refuses to start, stopped again; and what it said."""
+    node = Node(NodeConfig(node=node_id, http="127.0.0.1:0", grpc="127.0.0.1:0", run_dir=run_dir, data_dir=data_dir,
                            shm_capacity=1 << 30))
     try:
         with pytest.raises(SystemExit) as refused:
             node.start()
     finally:
         node.stop()
-    assert str(refused.value) == refusal(data_dir, blocked)
+    return node, refused.value
+
+
+def test_a_data_dir_the_service_user_cannot_get_to_is_refused_before_redis_starts(run_dir: Path, shm_node: str) -> None:
+    blocked = closed_to_others(run_dir.parent / "lib")
+    data_dir = blocked / shm_node
+    node, refused = refused_start(shm_node, run_dir, data_dir)
+    assert str(refused) == refusal(data_dir, blocked)
     assert node.children == {}  # neither redis-server nor anything after it was started
     assert not (data_dir / "redis").exists()
 
@@ -365,14 +371,8 @@ def test_an_embedded_redis_that_exits_while_starting_is_named_at_once_with_its_l
     service = service_identity()
     for path in (data_dir, data_dir / "redis", aof, aof / "appendonly.aof.manifest"):
         os.chown(path, service.uid, service.gid)
-    node = Node(NodeConfig(node=shm_node, http="127.0.0.1:0", grpc="127.0.0.1:0", run_dir=run_dir, data_dir=data_dir,
-                           shm_capacity=1 << 30))
-    try:
-        with pytest.raises(SystemExit) as refused:
-            node.start()
-    finally:
-        node.stop()
+    node, refused = refused_start(shm_node, run_dir, data_dir)
     log = data_dir / "redis" / "redis.log"
-    assert str(refused.value).startswith("lifl: the embedded redis-server exited (") and str(refused.value).endswith(f"its log: {log}")
+    assert str(refused).startswith("lifl: the embedded redis-server exited (") and str(refused).endswith(f"its log: {log}")
     assert "manifest" in log.read_text().lower(), log.read_text()
     assert set(node.children) == {"redis"}
