@@ -89,9 +89,10 @@ def late(reply: Any) -> bool:
     return isinstance(reply, list) and reply == [STATE_LATE]
 
 
-def not_after_ms() -> int:
-    """The last moment (ms, this machine's clock) a call sent now may act: its caller stops waiting then."""
-    return int((time.time() + STATE_TIMEOUT_S) * 1000)
+def not_after_ms(timeout: float) -> int:
+    """The last moment (ms, this machine's clock) a call sent now may act: its caller, waiting
+    ``timeout`` seconds for the answer, stops waiting then."""
+    return int((time.time() + timeout) * 1000)
 
 
 # Leases are bound to the client that took them: the hash ``owners`` maps 'lease.<id>' to its
@@ -807,11 +808,13 @@ def retained_index(name: str, kept: list[tuple[int, dict[str, Any]]]) -> list[tu
 
 @dependency_errors
 class ClusterState:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, timeout: float = STATE_TIMEOUT_S) -> None:
+        """``timeout``: seconds each call waits for Redis's answer (STATE_TIMEOUT_S: $LIFL_STATE_TIMEOUT_S)."""
         self.url = url
+        self.timeout = timeout
         self.redis = redis.Redis.from_url(
             url, decode_responses=True, retry=Retry(REDIS_BACKOFF, REDIS_RETRIES, supported_errors=(redis.ConnectionError,)),
-            socket_connect_timeout=REDIS_CONNECT_TIMEOUT, socket_timeout=STATE_TIMEOUT_S)
+            socket_connect_timeout=REDIS_CONNECT_TIMEOUT, socket_timeout=timeout)
         self.outage = Outage()
         r = self.redis
         self._reserve = r.register_script(_RESERVE)
@@ -1017,7 +1020,7 @@ class ClusterState:
     def reserve_call(self, name: str, node: str, items: list[tuple[str, int, str, str]]) -> ScriptCall:
         return ScriptCall(self._reserve, [job_key(name), leases_key(name), shard_key(name), lease_owners_key(name),
                                           excluded_key(name), updates_key(name)],
-                          [node, *[x for item in items for x in item], not_after_ms()])
+                          [node, *[x for item in items for x in item], not_after_ms(self.timeout)])
 
     def unreserve(self, name: str, round_id: int, node: str, token: str = "") -> bool:
         """Give back the slot of an upload that will not be accepted."""
@@ -1100,7 +1103,7 @@ class ClusterState:
 
     def accept_call(self, name: str, node: str, items: list[tuple[str, int, str]]) -> ScriptCall:
         return ScriptCall(self._accept, [job_key(name), shard_key(name), updates_key(name)],
-                          [node, name, *[x for item in items for x in item], not_after_ms()])
+                          [node, name, *[x for item in items for x in item], not_after_ms(self.timeout)])
 
     def close_round(self, name: str, round_id: int, min_updates: int) -> int:
         """Close round ``round_id`` at its deadline: CLOSE_FINAL (finishes with what arrived),

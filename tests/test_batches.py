@@ -27,13 +27,18 @@ from test_agent import gateway, metric, push, put_model, random_model, read_mode
 
 pytestmark = pytest.mark.slow
 
+# The agent's Redis calls wait this long, not the default 1.5 s: a call is held on purpose while
+# hundreds of admissions queue behind it, and the proxy's threads share the test's process (and a
+# loaded machine) with the agent; a timeout here is not what these tests are about.
+PATIENT_TIMEOUT_S = 30.0
+
 
 @pytest.fixture
 def proxied(redis_url: str, run_dir: Path, shm_node: str) -> Iterator[tuple[Agent, RedisProxy, ClusterState]]:
     """An agent whose Redis is reached through a proxy that can lose or hold its answers."""
     proxy = RedisProxy(redis_url)
     agent = Agent(AgentConfig(shm_node, run_dir, proxy.url, 256 << 20, 64 << 20, max_instances=6, keep_warm=30,
-                              data_dir=run_dir.parent / "data"), ClusterState(proxy.url))
+                              data_dir=run_dir.parent / "data"), ClusterState(proxy.url, timeout=PATIENT_TIMEOUT_S))
     agent.start()
     yield agent, proxy, ClusterState(redis_url)
     agent.stop()

@@ -88,7 +88,6 @@ from lifl.protocol import (
 )
 from lifl.rpc import MessageStream, error_reply, reply_frame
 from lifl.net.resp import Resp
-from lifl.redisconn import STATE_TIMEOUT_S
 from lifl.state import (
     ACCEPT_CLOSED_ROUND, REDIS_RETRY_AFTER, RESERVE_OK, late, ClusterState, ScriptCall, accept_refusal, accepted, refusal, reserved,
     retained_index,
@@ -112,7 +111,9 @@ QUERY_TIMEOUT_S = 300.0  # a query not answered by then is called off (its insta
 MAX_QUERY_ROUNDS = 100  # rounds one reputation query reads at most
 HANDOFF_WAIT_S = 5.0  # how long a parent's report of folding a key sent ahead waits for that key's hand-off
 MAX_BATCH = 256  # uploads admitted (or accepted) by one Redis call at most; the rest wait for the next
-REDIS_ANSWER_BUDGET_S = 2.0  # how long a batch may be sent again while Redis cannot be reached, before its uploads hear 503
+# How long after its first attempt a batch may be sent again while Redis cannot be reached; its
+# uploads hear 503 within this plus one call's timeout (the default's: 2 s).
+REDIS_RETRY_WINDOW_S = 0.5
 REDIS_RETRY_S = (0.02, 0.05, 0.1, 0.2, 0.5)  # between those attempts; the last repeats
 LISTEN_BACKLOG = 64
 
@@ -429,7 +430,7 @@ class Batches:
 
     The calls are idempotent (each upload has a token), so a call whose answer was lost (the
     connection to Redis broke: the script may or may not have run) is sent again, with back-offs,
-    for up to ``REDIS_ANSWER_BUDGET_S``; only then does ``done`` hear of the error."""
+    for up to ``REDIS_RETRY_WINDOW_S``; only then does ``done`` hear of the error."""
 
     def __init__(self, loop: Loop, call: Callable[[str, list[Any], Callable[[Any, BaseException | None], None]], None],
                  done: Callable[[str, list[Any], Any, BaseException | None], None], sizes: Any) -> None:
@@ -455,11 +456,11 @@ class Batches:
         if rest:
             self._waiting[job] = rest
         self._sizes.observe(len(items))
-        self._send(job, items, time.monotonic() + REDIS_ANSWER_BUDGET_S, 0)
+        self._send(job, items, time.monotonic() + REDIS_RETRY_WINDOW_S, 0)
 
     def _send(self, job: str, items: list[Any], deadline: float, attempt: int) -> None:
         def finished(result: Any, error: BaseException | None) -> None:
-            if isinstance(error, ConnectionError) and time.monotonic() + STATE_TIMEOUT_S < deadline:  # it may hang that long
+            if isinstance(error, ConnectionError) and time.monotonic() < deadline:
                 delay = REDIS_RETRY_S[min(attempt, len(REDIS_RETRY_S) - 1)]
                 self.loop.later(delay, lambda: self._send(job, items, deadline, attempt + 1))
                 return
@@ -488,7 +489,7 @@ class Agent:
         self.node = config.node
         self.state = state
         self.loop = Loop(f"lifl agent {config.node}")
-        self.resp = Resp(self.loop, config.redis_url, STATE_TIMEOUT_S)  # the hot path's Redis calls, from the loop
+        self.resp = Resp(self.loop, config.redis_url, state.timeout)  # the hot path's Redis calls, from the loop
         self.store = ObjectStore(config.node, config.shm_capacity, config.pool_limit)
         self.metrics = Metrics()
         data_dir = config.data_dir or config.run_dir
