@@ -32,8 +32,11 @@ Design:
   payload, no copy) and copied once into the update blob (``to_blob``); the new global model is
   fetched with ``Gateway.model`` and its views (``from_blob``) become Flower Arrays with the
   initial model's keys, order and dtypes (lifl keeps dtypes: an int64 buffer stays int64 where
-  Flower's FedAvg returns float64). lifl takes float16/32/64 and int32/64 arrays; others are
-  refused before anything is sent.
+  Flower's FedAvg returns float64). lifl takes bfloat16, float16/32/64 and int32/64 arrays; others
+  are refused before anything is sent. numpy has no bfloat16: a Flower Array of ml_dtypes'
+  bfloat16 (what LLM clients send) says "bfloat16" in its dtype field and holds 2-byte voids in
+  its .npy payload; the bridge reads those as the bits they are (BF16 in lifl) and sends bfloat16
+  Arrays back the same way, so the ServerApp needs no ml_dtypes.
 - Weights. ``weighted_by_key`` ("num-examples") of each reply's MetricRecord is the update's
   sample count, FedAvg's weight: a positive integer (an integral float is taken).
 """
@@ -62,6 +65,7 @@ from lifl.client import Gateway, RetryPolicy, from_blob, to_blob
 log = logging.getLogger("lifl.flower")
 
 LIFL_DTYPES = frozenset(d.storage for d in fmt.WIRE_DTYPES.values() if d is not fmt.BF16)  # numpy has no bfloat16
+BFLOAT16 = "bfloat16"  # a Flower Array's dtype field for ml_dtypes' bfloat16 (its .npy payload: 2-byte voids)
 MAX_SAMPLES = 1 << 53
 DEFAULT_ROUND_DEADLINE_S = 3600.0  # Flower's Strategy.start timeout
 PROBE_RETRY = RetryPolicy(max_attempts=3, max_elapsed_s=5.0)  # a wrong address fails within seconds, not a minute
@@ -83,23 +87,43 @@ def npy_view(data: bytes) -> np.ndarray:
 
 
 def record_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
-    """The numpy arrays of a Flower ArrayRecord, in its order, as lifl can aggregate them."""
+    """The numpy arrays of a Flower ArrayRecord, in its order, as lifl can aggregate them
+    (bfloat16 ones as the uint16 of their bits: ``bfloat16_keys`` names them)."""
     out = {}
     for key, array in record.items():
         if array.stype != "numpy.ndarray":
             raise errors.BadRequest(f"array {key!r} is serialized as {array.stype!r}; the lifl bridge takes numpy arrays",
                                     code="unsupported_stype")
         view = npy_view(array.data)
-        if view.dtype.newbyteorder("<") not in LIFL_DTYPES:
-            raise errors.BadRequest(f"array {key!r} has dtype {view.dtype}; lifl aggregates float16, float32, float64, "
-                                    "int32 and int64 arrays", code="unsupported_dtype")
+        if array.dtype == BFLOAT16 and view.dtype.kind == "V" and view.dtype.itemsize == 2:
+            view = view.view(np.uint16)
+        elif view.dtype.newbyteorder("<") not in LIFL_DTYPES:
+            raise errors.BadRequest(f"array {key!r} has dtype {array.dtype} (.npy {view.dtype.str}); lifl aggregates "
+                                    "bfloat16, float16, float32, float64, int32 and int64 arrays", code="unsupported_dtype")
         out[key] = view
     return out
 
 
-def global_record(arrays: Mapping[str, np.ndarray], keys: list[str]) -> ArrayRecord:
-    """lifl's global model as a Flower ArrayRecord with the initial model's keys and order."""
-    return ArrayRecord({k: Array(arrays[k]) for k in keys})
+def bfloat16_keys(record: ArrayRecord) -> frozenset[str]:
+    """The arrays of ``record`` that are bfloat16."""
+    return frozenset(key for key, array in record.items() if array.dtype == BFLOAT16)
+
+
+def record_blob(record: ArrayRecord) -> bytearray:
+    """A Flower ArrayRecord as a lifl update blob (one copy of its arrays)."""
+    return to_blob(record_arrays(record), dtypes={key: fmt.BF16.name for key in bfloat16_keys(record)})
+
+
+def global_record(arrays: Mapping[str, np.ndarray], keys: list[str], bfloat16: frozenset[str] = frozenset()) -> ArrayRecord:
+    """lifl's global model as a Flower ArrayRecord with the initial model's keys and order; the
+    ``bfloat16`` ones (uint16 bits in ``arrays``) as Arrays of ml_dtypes' bfloat16 would be."""
+    return ArrayRecord({k: _bfloat16_array(arrays[k]) if k in bfloat16 else Array(arrays[k]) for k in keys})
+
+
+def _bfloat16_array(bits: np.ndarray) -> Array:
+    npy = io.BytesIO()
+    np.save(npy, bits.view(np.dtype("V2")), allow_pickle=False)
+    return Array(dtype=BFLOAT16, shape=tuple(bits.shape), stype="numpy.ndarray", data=npy.getvalue())
 
 
 def sample_count(value: Any, key: str) -> int:
@@ -118,6 +142,7 @@ class _Job:
     name: str
     goal: int
     keys: list[str]  # the model's arrays, in Flower's order
+    bfloat16: frozenset[str]  # those that are bfloat16
     version: int = 0  # the version Flower's global arrays are
 
 
@@ -207,13 +232,13 @@ class LiflFedAvg(FedAvg):
         self._round = _Round(self._job.version, status["round"]["id"])
 
     def _create_job(self, arrays: ArrayRecord, goal: int) -> _Job:
-        model = record_arrays(arrays)
+        model = record_blob(arrays)
         self._jobs += 1
         name = self.job_name if self._jobs == 1 else f"{self.job_name}-{self._jobs}"
         self.lifl.create_job(name, goal, **self.job_fields)
-        self.lifl.set_model(name, to_blob(model))
+        self.lifl.set_model(name, model)
         log.info("lifl: job %s created, %d updates a round", name, goal)
-        return _Job(name, goal, list(model))
+        return _Job(name, goal, list(arrays), bfloat16_keys(arrays))
 
     def take_reply(self, reply: Message) -> Message:
         """Push a training reply's arrays to lifl and drop them from the reply (errors pass as they are)."""
@@ -227,7 +252,7 @@ class LiflFedAvg(FedAvg):
         samples = sample_count(metrics[self.weighted_by_key], self.weighted_by_key)
         (key, record), = reply.content.array_records.items()
         client = f"flower-{reply.metadata.reply_to_message_id or reply.metadata.message_id}"[:256]
-        blob = to_blob(record_arrays(record))
+        blob = record_blob(record)
         del reply.content[key]  # the ServerApp keeps the reply's metrics, not its arrays
         del record
         try:
@@ -257,7 +282,7 @@ class LiflFedAvg(FedAvg):
             delay = min(delay * 1.5, 0.5)
         version, blob = self.lifl.model(job.name)
         job.version = version
-        return global_record(from_blob(blob), job.keys)
+        return global_record(from_blob(blob), job.keys, job.bfloat16)
 
 
 class _StreamingGrid(Grid):

@@ -68,6 +68,8 @@ def conversions() -> dict[str, Any]:
             "keys": list(back), "dtypes": [back[k].dtype for k in back],
             "roundtrip": all(np.array_equal(back[k].numpy(), record[k].numpy()) for k in record),
             "uint8": failure(lambda: record_arrays(ArrayRecord({{"img": Array(np.zeros(3, np.uint8))}}))),
+            "voids": failure(lambda: record_arrays(ArrayRecord({{"v": Array(dtype="float8", shape=(3,), stype="numpy.ndarray",
+                                                                              data=Array(np.zeros(3, "V2")).data)}}))),
         }}))
     """)
 
@@ -82,6 +84,7 @@ def test_arrays_are_read_in_place_and_come_back_with_keys_order_and_dtypes(conve
     assert conversions["keys"] == ["w", "n", "f"] and conversions["dtypes"] == ["float32", "int64", "float64"]
     assert conversions["roundtrip"]
     assert conversions["uint8"]["code"] == "unsupported_dtype" and "'img'" in conversions["uint8"]["message"]
+    assert conversions["voids"]["code"] == "unsupported_dtype" and "float8" in conversions["voids"]["message"]  # not bfloat16
 
 
 # -- rounds against a real node -----------------------------------------------------------------------------
@@ -157,6 +160,65 @@ def test_a_model_lifl_cannot_aggregate_is_refused_before_anything_is_sent(node: 
                           "pushed": len(grid.sent), "jobs": bridge.lifl.jobs()}))
     """, GATEWAY=node.http)
     assert out["error"]["code"] == "unsupported_dtype" and out["pushed"] == 0 and "fl-c" not in out["jobs"]
+
+
+# -- FlowerTune-style LoRA ---------------------------------------------------------------------------------------
+
+LORA_CLIENTS, LORA_ROUNDS = 3, 3
+
+
+def test_a_lora_job_in_bfloat16_trains_through_the_bridge_like_flower_fedavg(node: RunningNode) -> None:
+    """tests/lora_clients.py: 3 clients train a LoRA adapter for 3 rounds and reply with it in
+    bfloat16. Each round's replies go through the bridge, and the same replies, widened to float32
+    (Flower's FedAvg multiplies arrays, and numpy has no bfloat16), through Flower's FedAvg."""
+    out = in_flower(f"""
+        import os, sys
+        import ml_dtypes
+        from flwr.app import Message, RecordDict
+        from flwr.serverapp.strategy import FedAvg
+        sys.path.insert(0, os.environ["TESTS"])
+        import lora_clients as lc
+
+        def ordered(bits):  # bfloat16 bits as integers whose differences count ulps
+            bits = bits.astype(np.int32)
+            return np.where(bits & 0x8000, 0x8000 - bits, bits)
+
+        clients, model = {LORA_CLIENTS}, lc.lora_model()
+        kept = []  # the round's replies widened to float32, for Flower's FedAvg
+        def answer(position, message):
+            reply = lc.train(model, message.content["arrays"], position % clients)
+            kept.append(Message(RecordDict({{"arrays": lc.widened(reply["arrays"]), "metrics": reply["metrics"]}}),
+                                reply_to=message))
+            return reply
+        grid = synthetic_grid({{}}, clients, answer=answer)
+        kwargs = {{"min_train_nodes": clients, "min_available_nodes": clients, "fraction_evaluate": 0.0}}
+        bridge, flower = LiflFedAvg(os.environ["GATEWAY"], job="lora", **kwargs), FedAvg(**kwargs)
+        data = torch.cat([lc.sequences(c, lc.SEQUENCES_PER_CLIENT) for c in range(clients)])
+        arrays = lc.adapter_record(model)
+        keys, losses, worst, equal, elements = list(arrays), [], 0, 0, 0
+        for server_round in range(1, {LORA_ROUNDS} + 1):
+            lc.load_adapter(model, arrays)
+            losses.append(lc.loss(model, data))
+            kept.clear()
+            replies = bridge.streaming(grid).send_and_receive(bridge.configure_train(server_round, arrays, ConfigRecord(), grid))
+            ours, _ = bridge.aggregate_train(server_round, replies)
+            theirs, _ = flower.aggregate_train(server_round, kept)
+            for k in keys:
+                a = ordered(ours[k].numpy().view(np.uint16))
+                b = ordered(theirs[k].numpy().astype(ml_dtypes.bfloat16).view(np.uint16))
+                worst, equal, elements = max(worst, int(np.abs(a - b).max())), equal + int((a == b).sum()), elements + a.size
+            arrays = ours
+        lc.load_adapter(model, arrays)
+        losses.append(lc.loss(model, data))
+        print(json.dumps({{"keys": list(arrays) == keys and len(keys) == 8, "dtypes": sorted({{arrays[k].dtype for k in keys}}),
+                          "job": bridge.lifl.job("lora"), "losses": losses, "worst_ulps": worst, "equal": equal,
+                          "elements": elements}}))
+    """, "import torch\n" + ROUND, GATEWAY=node.http, TESTS=str(Path(__file__).parent))
+    assert out["keys"] and out["dtypes"] == ["bfloat16"]  # the adapter's 8 arrays, back in bfloat16
+    assert out["job"]["version"] == LORA_ROUNDS and out["job"]["last_round"]["updates"] == LORA_CLIENTS
+    assert out["worst_ulps"] <= 1, out  # Flower sums in float32: at most one rounding apart
+    assert out["equal"] >= 0.99 * out["elements"], out
+    assert out["losses"][-1] < out["losses"][0], out["losses"]  # the federated adapter learned
 
 
 # -- a real Flower deployment -----------------------------------------------------------------------------------

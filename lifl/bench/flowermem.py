@@ -103,11 +103,13 @@ def reset_peak() -> float:
 # -- the measured process (Flower's environment) ----------------------------------------------------------
 
 
-def synthetic_grid(shapes: dict[str, tuple[int, ...]], nodes: int, fail: Iterable[int] = ()) -> Any:
+def synthetic_grid(shapes: dict[str, tuple[int, ...]], nodes: int, fail: Iterable[int] = (),
+                   answer: Callable[[int, Any], Any] | None = None) -> Any:
     """An in-process Flower Grid of ``nodes`` nodes: each answers a training message with arrays of
     ``shapes`` seeded by the message's position (so both strategies see the same replies) and
     ``num-examples`` 10 + position, made when the reply is pulled; the messages at positions in
-    ``fail`` get an error reply instead."""
+    ``fail`` get an error reply instead. ``answer(position, message)``, when given, makes the
+    reply's RecordDict instead (a client that trains)."""
     from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord, RecordDict
     from flwr.serverapp import Grid
     from flwr.supercore.task_identity import TaskIdentity
@@ -150,6 +152,9 @@ def synthetic_grid(shapes: dict[str, tuple[int, ...]], nodes: int, fail: Iterabl
                 position, message = self.sent.pop(message_id)
                 if position in failing:
                     replies.append(Message(Error(code=0, reason="a synthetic failure"), reply_to=message))
+                    continue
+                if answer is not None:
+                    replies.append(Message(answer(position, message), reply_to=message))
                     continue
                 arrays = ArrayRecord({k: Array(v) for k, v in synthetic_arrays(shapes, position).items()})
                 replies.append(Message(RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 10 + position})}),

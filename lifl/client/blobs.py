@@ -11,10 +11,12 @@ import numpy as np
 from lifl import format as fmt
 
 
-def to_blob(state: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> bytearray:
-    """A torch ``state_dict`` (any device, bf16 included) or a dict of numpy arrays, as an update blob."""
+def to_blob(state: Mapping[str, Any], metadata: Mapping[str, str] | None = None,
+            dtypes: Mapping[str, str] | None = None) -> bytearray:
+    """A torch ``state_dict`` (any device, bf16 included) or a dict of numpy arrays, as an update
+    blob; ``dtypes`` marks uint16 numpy arrays that hold bfloat16 bits ({name: "BF16"})."""
     arrays: dict[str, np.ndarray] = {}
-    dtypes: dict[str, str] = {}
+    dtypes = dict(dtypes or {})
     for name, value in state.items():
         if hasattr(value, "detach"):  # a torch tensor: read it in place when it is on the CPU
             import torch
