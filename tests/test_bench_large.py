@@ -32,3 +32,8 @@ def test_a_small_large_run() -> None:
     assert result["sharded"]["tasks"]["leaf"] == 3 * result["unsharded"]["tasks"]["leaf"]
     assert result["sharded"]["tasks"]["top"] == 3
     assert {"sharded_round_ratio", "sharded_aggregator_rss_ratio"} <= set(result)
+    # what was in flight at the cut (socket buffers: all of this small file's second half) goes
+    # again, never what the gateway had (the first half but for the requests' heads)
+    resume, update_bytes = result["resume"], result["update_bytes"]
+    assert resume["cuts"] == 1 and resume["resumes"] == 1
+    assert 0 <= resume["resume_overhead_bytes"] < update_bytes - update_bytes // 2 + 4096

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import RunningNode
-from cutting_proxy import DOWN, CuttingProxy
 from lifl import format as fmt
+from lifl.bench.cutting import DOWN, CuttingProxy
 from lifl.client import Gateway
 from lifl.errors import BadRequest, RangeNotSatisfiable
 from lifl.net.ranges import ByteRange, parse_content_range, requested_range

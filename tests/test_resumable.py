@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from conftest import OPERATOR_TOKEN, RunningNode, read_response, wait_for
-from cutting_proxy import DOWN, UP, CuttingProxy
 from lifl import format as fmt
+from lifl.bench.cutting import DOWN, UP, CuttingProxy
 from lifl.client import Gateway, RetryPolicy, from_blob
 from lifl.errors import BadRequest, Conflict, NotFound, Overloaded, PayloadTooLarge, PreconditionFailed, QuotaBusy
 from lifl.errors import UnsupportedMediaType, Unprocessable

@@ -17,7 +17,9 @@ bytes folded per CPU second of the leaves' folds: one core's fold bandwidth, aga
 every 50 ms (``peak_shm_bytes_per_node``: the store's objects; ``peak_rss_bytes_per_node``: the
 proportional set size of its gateway, agent and aggregators, shared memory counted once;
 ``peak_aggregator_rss_bytes``: the largest of one aggregator), and ``max_abs_error`` of the
-model against float64 FedAvg computed slice by slice from the files.
+model against float64 FedAvg computed slice by slice from the files. ``resume`` pushes one
+update through a TCP proxy that cuts the connection once half the file crossed it: the SDK
+resumes by itself, and ``resume_overhead_bytes`` is what it sent beyond the file's size.
 """
 
 from __future__ import annotations
@@ -164,22 +166,56 @@ def max_abs_error(model: bytes, files: list[Path], samples: list[int]) -> float:
         return worst
 
 
+@contextlib.contextmanager
+def _node(root: Path, shm_capacity: int, uploads: int) -> Iterator[tuple[Any, str]]:
+    """A fresh node in ``root`` taking ``uploads`` uploads at once from one principal: (node, its HTTP address)."""
+    from lifl.net.limits import ConnectionLimits
+    from lifl.node.supervisor import Node, NodeConfig
+
+    root.mkdir()
+    with open(root / "node.log", "w") as log:
+        node = Node(NodeConfig(node=f"lg{os.getpid() % 10000}{root.name[:4]}", http="127.0.0.1:0", grpc="127.0.0.1:0",
+                               run_dir=root / "run", data_dir=root / "data", shm_capacity=shm_capacity,
+                               gateway_limits=ConnectionLimits(max_uploads_per_principal=uploads)), log=log)
+        try:
+            yield node, node.start().http
+        finally:
+            node.stop()
+
+
+def resume_overhead(update: Path, model_file: Path, workdir: Path, shm_capacity: int) -> dict[str, Any]:
+    """One update pushed through a connection cut once its first half crossed: the file's bytes
+    the SDK sent beyond the file (what went again after the cut), and the resumes it made."""
+    from lifl.bench.cutting import UP, CuttingProxy
+    from lifl.client import Gateway
+
+    size = update.stat().st_size
+    with _node(workdir / "resume", shm_capacity, 1) as (node, http):
+        gw = Gateway(http, token=node.operator_token)
+        proxy = CuttingProxy(http, cut_after=size // 2, direction=UP)
+        client = Gateway(proxy.address, token=node.operator_token)
+        try:
+            gw.create_job("resume", 1)
+            with _mapped(model_file) as (_, view):
+                gw.set_model("resume", view)
+            answer = client.push_file("resume", update, client="c0", samples=1, base_version=0)
+        finally:
+            client.close()
+            proxy.close()
+            gw.close()
+    return {"resume_overhead_bytes": answer["sent_bytes"] - size, "resume_overhead_ratio": round(answer["sent_bytes"] / size - 1, 6),
+            "resumes": answer["resumes"], "cuts": proxy.cut}
+
+
 def run_system(name: str, files: list[Path], model_file: Path, samples: list[int], fields: dict[str, Any],
                workdir: Path, shm_capacity: int) -> dict[str, Any]:
     from lifl.client import Gateway
-    from lifl.net.limits import ConnectionLimits
-    from lifl.node.supervisor import Node, NodeConfig
     from lifl.protocol import GetRecent, Hello
     from lifl.rpc import Client
 
     update_bytes = files[0].stat().st_size
     root = workdir / name
-    root.mkdir()
-    with open(root / "node.log", "w") as log:
-        node = Node(NodeConfig(node=f"lg{os.getpid() % 10000}{name[:4]}", http="127.0.0.1:0", grpc="127.0.0.1:0",
-                               run_dir=root / "run", data_dir=root / "data", shm_capacity=shm_capacity,
-                               gateway_limits=ConnectionLimits(max_uploads_per_principal=len(files))), log=log)
-        http = node.start().http
+    with _node(root, shm_capacity, len(files)) as (node, http):
         gw = Gateway(http, token=node.operator_token)
         try:
             gw.create_job("large", len(files), **fields)
@@ -235,7 +271,6 @@ def run_system(name: str, files: list[Path], model_file: Path, samples: list[int
             }
         finally:
             gw.close()
-            node.stop()
 
 
 def run(parameters: int, clients: int, shards: int, say: Callable[[str], None] = lambda _: None,
@@ -259,6 +294,8 @@ def run(parameters: int, clients: int, shards: int, say: Callable[[str], None] =
                              ("sharded_f32", {"shards": shards, "accumulator": "float32"})]:
             out[name] = run_system(name, files, model_file, samples, fields, root, capacity)
             say(f"{name}: {out[name]}")
+        out["resume"] = resume_overhead(files[0], model_file, root, capacity)
+        say(f"resume: {out['resume']}")
         unsharded, sharded = out["unsharded"], out["sharded"]
         if "refused" not in unsharded and "refused" not in sharded:
             out["sharded_round_ratio"] = round(sharded["round_s"] / unsharded["round_s"], 3)

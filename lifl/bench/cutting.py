@@ -1,6 +1,6 @@
 """A TCP proxy that breaks a connection after so many bytes, as a failing network would, and
-counts what crosses it both ways: the tests of resumable transfers measure with it what a
-client sends again after the break."""
+counts what crosses it both ways: `lifl bench large` and the tests of resumable transfers
+measure with it what a client sends again after the break."""
 
 from __future__ import annotations
 
