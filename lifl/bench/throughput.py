@@ -27,7 +27,7 @@ Figures per system, size and protocol (the JSON's ``results``):
   being its leaf; top and leaves as aggregators; SL's dispatcher and sidecars as other);
 - ``ack_ms_p50``, ``ack_ms_p99``: from a request's first byte sent until its answer is in;
 - ``close_ms``: from a round's last acknowledgement until the next version is visible (median
-  over rounds; ``close_ms_max`` the longest);
+  over the rounds whose next version was seen appear; ``close_ms_max`` the longest);
 - ``exact``: the last round's model equals the FedAvg of the updates its clients were told were
   acknowledged (each client process knows which of its blobs and sample counts were taken).
 
@@ -241,23 +241,27 @@ def measure(system: System, case: Case, clients_n: int, connections: int, seed: 
         reports = clients.stop()
     finally:
         clients.kill()
-    measured = range(first, first + case.rounds)
+    # Clients that hear of a newer version from the server move to it by themselves, so on a
+    # loaded machine a round can fill and close between two looks at the version: the rounds
+    # measured are every one from ``first`` to the last version seen, and a round's close time
+    # is known only when the version after it was seen appear.
+    measured = range(first, version)
     acks = [r["rounds"].get(str(v), {}) for r in reports for v in measured]
     updates = sum(a.get("count", 0) for a in acks)
     closes = [(watched.appeared[v + 1] - max(r["rounds"][str(v)]["last_ack"] for r in reports if str(v) in r["rounds"])) * 1e3
-              for v in measured]
+              for v in measured if v + 1 in watched.appeared and any(str(v) in r["rounds"] for r in reports)]
     latencies = [ms for r in reports for ms in r["latencies_ms"]]
     cpu = {role: (after[role] - before[role]) * 1e3 / max(updates, 1) for role in ROLES}
     return {
-        "system": system.name, "size": case.size, "goal": case.goal, "protocol": case.protocol, "rounds": case.rounds,
-        "updates": updates, "expected_updates": case.rounds * case.goal,
+        "system": system.name, "size": case.size, "goal": case.goal, "protocol": case.protocol, "rounds": len(measured),
+        "updates": updates, "expected_updates": len(measured) * case.goal,
         "updates_per_s": round(updates / (ended - started), 1),
         "cpu_ms_per_update": round(sum(cpu.values()), 4),
         "cpu_ms_per_update_by_role": {role: round(v, 4) for role, v in cpu.items()},
         "ack_ms_p50": _percentile(latencies, 50), "ack_ms_p99": _percentile(latencies, 99),
-        "close_ms": _percentile(closes, 50), "close_ms_max": round(max(closes), 3),
+        "close_ms": _percentile(closes, 50), "close_ms_max": round(max(closes), 3) if closes else None,
         "refused": _merged([r["refused"] for r in reports]),
-        "exact": _exact(sut, job, case, reports, first + case.rounds - 1),
+        "exact": _exact(sut, job, case, reports, version - 1),
     }
 
 

@@ -719,10 +719,12 @@ class _ResumableUpload:
             if ready([sock], 0):
                 return
             count = min(SEND_CHUNK, stop - offset)
-            sendfile_all(sock, self.fd, count, self.gateway.timeout, start=offset)
+            sendfile_all(sock, self.fd, count, self.gateway.timeout, start=offset, on_sent=self._count)
             offset += count
-            self.sent_bytes += count
         self.sent_all = self.sent_all or stop == self.size
+
+    def _count(self, sent: int) -> None:
+        self.sent_bytes += sent  # as the socket takes them: a try cut off halfway counts what it sent
 
 
 class _Download:

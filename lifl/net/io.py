@@ -10,7 +10,7 @@ import select
 import socket
 import ssl
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 MAX_FRAMES_PER_WRITE = 64  # frames gathered into one sendmsg: a header and a few views each, well within IOV_MAX (1024)
@@ -83,13 +83,15 @@ def take_views(views: deque[memoryview], size: int) -> list[memoryview]:
     return taken
 
 
-def sendfile_all(sock: socket.socket, fd: int, count: int, timeout: float, *, start: int = 0) -> None:
+def sendfile_all(sock: socket.socket, fd: int, count: int, timeout: float, *, start: int = 0,
+                 on_sent: Callable[[int], None] = lambda _: None) -> None:
     """Send ``count`` bytes of ``fd`` from offset ``start`` with sendfile (the kernel copies them
     from shared memory, or a file's pages, into the socket); TimeoutError if the peer reads nothing
     for ``timeout`` s. Over TLS, which sendfile would bypass, the bytes are encrypted from a
-    mapping of ``fd``."""
+    mapping of ``fd``. ``on_sent(n)`` hears of every n bytes the socket took, also of those
+    before a failure."""
     if isinstance(sock, ssl.SSLSocket):
-        _send_mapped(sock, fd, start, count, timeout)
+        _send_mapped(sock, fd, start, count, timeout, on_sent)
         return
     offset, end = start, start + count
     while offset < end:
@@ -102,9 +104,11 @@ def sendfile_all(sock: socket.socket, fd: int, count: int, timeout: float, *, st
         if sent == 0:
             raise ConnectionError(f"the file ended at byte {offset}, before {end}")
         offset += sent
+        on_sent(sent)
 
 
-def _send_mapped(sock: ssl.SSLSocket, fd: int, start: int, count: int, timeout: float) -> None:
+def _send_mapped(sock: ssl.SSLSocket, fd: int, start: int, count: int, timeout: float,
+                 on_sent: Callable[[int], None]) -> None:
     if count == 0:
         return
     base = start - start % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page
@@ -113,6 +117,8 @@ def _send_mapped(sock: ssl.SSLSocket, fd: int, start: int, count: int, timeout: 
         sock.settimeout(timeout)  # bounds each wait for the peer to read
         with memoryview(mapping) as view:
             for offset in range(start - base, start + count - base, TLS_SEND_CHUNK):
-                sock.sendall(view[offset : offset + TLS_SEND_CHUNK])
+                chunk = view[offset : offset + TLS_SEND_CHUNK]
+                sock.sendall(chunk)
+                on_sent(len(chunk))
     finally:
         mapping.close()
