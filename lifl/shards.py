@@ -23,8 +23,11 @@ alignment: every node and every aggregator derives the same one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
+
+import numpy as np
 
 from lifl.errors import BadRequest
 from lifl.format import DType, ModelSpec, TensorSpec
@@ -73,6 +76,23 @@ class TensorShard:
         """The shard as a model of its own: one flat tensor per piece, named after its tensor
         (a shard holds at most one piece of each), which is how its partial sums are laid out."""
         return ModelSpec(tuple(TensorSpec(p.tensor, p.dtype, (p.numel,)) for p in self.pieces))
+
+    @cached_property
+    def offsets(self) -> dict[str, int]:
+        """Where each piece starts in its tensor (elements): how a shard's step places its blocks."""
+        return {p.tensor: p.begin for p in self.pieces}
+
+    def slices(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The shard's pieces of a whole model's ``tensors`` (or of a strategy state's, named
+        "<prefix>/<tensor>") as flat views, named as ``tensors`` names them; tensors with no
+        piece here are left out."""
+        pieces = {p.tensor: p for p in self.pieces}
+        out = {}
+        for name, array in tensors.items():
+            piece = pieces.get(name) or pieces.get(name.split("/", 1)[-1])
+            if piece is not None:
+                out[name] = array.reshape(-1)[piece.begin : piece.end]
+        return out
 
     @property
     def ranges(self) -> list[tuple[str, int, int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import tracemalloc
+from dataclasses import replace
 from typing import Any
 
 import dp_accounting
@@ -15,7 +16,8 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from lifl import format as fmt
 from lifl.errors import BadRequest
 from lifl.fedavg import StreamingFedAvg
-from lifl.strategy import NAMES, StepInputs, StrategySpec, Update, privacy, state_spec, step
+from lifl.shards import ELEMENT, TENSOR, plan
+from lifl.strategy import NAMES, StepInputs, StrategySpec, Update, partials, privacy, state_spec, step
 from lifl.strategy.step import BLOCK
 from test_fedavg import Memory
 
@@ -403,6 +405,79 @@ def test_a_stale_update_needs_its_base_and_a_stateful_step_its_state_out() -> No
         step(spec("fedbuff", goal=3), StepInputs(current, 2, None, [Update(updates[0].tensors, 1, 1)]), out, None)
     with pytest.raises(ValueError, match="state_out is needed"):
         step(spec("fedadam"), StepInputs(current, 0, weighted_average(updates, current)), out, None)
+
+
+# -- sharded steps ---------------------------------------------------------------------------------
+
+SHARD_PARAMS: dict[str, dict[str, Any]] = {"dp_fedavg": {"clipping_norm": 60.0, "noise_multiplier": 0.7},  # clips some
+                                           "multi_krum": {"num_malicious": 1}, "krum": {"num_malicious": 1}}
+
+
+def sharded_step(s: StrategySpec, inputs: StepInputs, out: Tensors, state_out: Tensors | None,
+                 count: int, alignment: str) -> list[dict[str, Any]]:
+    """What the tops of a round cut into ``count`` shards do: each slices every input and steps
+    its pieces, with the sum of every shard's partials; their reports."""
+    cut = plan(fmt.parse_layout(fmt.encode(inputs.current)).spec(), count, alignment)
+    lanes = []
+    for shard in cut.shards:
+        piece = shard.slices
+        lanes.append((shard, StepInputs(
+            piece(inputs.current), inputs.version, piece(inputs.average) if inputs.average is not None else None,
+            [Update(piece(u.tensors), u.samples, u.staleness, piece(u.base) if u.base is not None else None, u.client)
+             for u in inputs.updates],
+            piece(inputs.state) if inputs.state is not None else None, inputs.seed, shard.offsets)))
+    shares = [partials(s, lane) for _, lane in lanes]
+    total = None if shares[0] is None else np.sum(shares, axis=0)
+    return [step(s, replace(lane, partials=total), shard.slices(out),
+                 shard.slices(state_out) if state_out is not None else None) for shard, lane in lanes]
+
+
+@pytest.mark.parametrize("count, alignment", [(2, ELEMENT), (5, ELEMENT), (3, TENSOR), (64, ELEMENT)])
+@pytest.mark.parametrize("name", NAMES)
+def test_a_sharded_step_is_the_unsharded_step(name: str, count: int, alignment: str) -> None:
+    """Every strategy cut into shards: each shard's blocks, noise and (summed) norms and
+    distances are the whole model's, so the model is the same to the last bit (dp_fedavg's
+    clipping scales, from norms summed in another order, to 1e-12)."""
+    current, updates = make_round(seed=3)
+    s = spec(name, goal=len(updates), **SHARD_PARAMS.get(name, {}))
+    if name == "fedbuff":  # one stale update, with the model it trained from
+        base = read_only({k: (v + 0.5).astype(v.dtype) for k, v in current.items()})
+        updates[2] = Update(updates[2].tensors, updates[2].samples, 1, base, updates[2].client)
+    layout = state_spec(s, [(k, v.dtype, v.shape) for k, v in current.items()])
+    rng = np.random.default_rng(4)
+    state = read_only({k: np.abs(rng.standard_normal(shape)) for k, _, shape in layout}) if layout else None
+    inputs = StepInputs(current, 6, weighted_average(updates, current) if s.eager else None,
+                        updates if s.needs_updates else (), state, seed=11)
+    whole = {k: np.empty_like(v) for k, v in current.items()}
+    whole_state = {k: np.empty(shape, dtype) for k, dtype, shape in layout} or None
+    report = step(s, inputs, whole, whole_state)
+    out = {k: np.full_like(v, 7) for k, v in current.items()}
+    state_out = {k: np.full(shape, 7, dtype) for k, dtype, shape in layout} or None
+    reports = sharded_step(s, inputs, out, state_out, count, alignment)
+    assert all(r == report for r in reports)
+    for k in current:
+        if name == "dp_fedavg":
+            np.testing.assert_allclose(out[k], whole[k], rtol=1e-12, atol=1e-12, err_msg=k)
+        else:
+            np.testing.assert_array_equal(out[k], whole[k], err_msg=k)
+    for k in whole_state or {}:
+        np.testing.assert_array_equal(state_out[k], whole_state[k], err_msg=k)
+    if name == "dp_fedavg":
+        assert 0 < report["clipped"] < len(updates)
+
+
+@pytest.mark.parametrize("name, partial_shape, message", [
+    ("krum", (7,), r"partials of 7 updates have shape \(7, 7\), not \(7,\)"),
+    ("dp_fedavg", (7, 7), r"shape \(7,\), not \(7, 7\)"),
+    ("median", (7,), "takes no partials"),
+])
+def test_partials_of_the_wrong_kind_are_refused(name: str, partial_shape: tuple[int, ...], message: str) -> None:
+    current, updates = make_round()
+    out = {k: np.empty_like(v) for k, v in current.items()}
+    with pytest.raises(ValueError, match=message):
+        step(spec(name, goal=7), StepInputs(current, 0, None, updates, partials=np.zeros(partial_shape)), out, None)
+    with pytest.raises(ValueError, match="offsets are element counts"):
+        step(spec(name, goal=7), StepInputs(current, 0, None, updates, offsets={"bias": -1}), out, None)
 
 
 # -- memory ----------------------------------------------------------------------------------------

@@ -28,17 +28,7 @@ def _views(ctx: Context, mm: Any) -> dict[str, np.ndarray]:
 
 
 def _sliced(views: dict[str, np.ndarray], shard: TensorShard | None) -> dict[str, np.ndarray]:
-    """The shard's pieces of an object of the whole model, or of the strategy's state (whose
-    tensors are "<prefix>/<tensor>"), as flat views named as the object names them."""
-    if shard is None:
-        return views
-    pieces = {p.tensor: p for p in shard.pieces}
-    out = {}
-    for name, array in views.items():
-        piece = pieces.get(name) or pieces.get(name.split("/", 1)[-1])
-        if piece is not None:
-            out[name] = array.reshape(-1)[piece.begin : piece.end]
-    return out
+    return views if shard is None else shard.slices(views)
 
 
 def run_step(inv: Invocation, ctx: Context, result: Contribution, model_header: bytes,
@@ -77,5 +67,6 @@ def run_step(inv: Invocation, ctx: Context, result: Contribution, model_header: 
     report = step(strategy, StepInputs(
         current=opened(inputs.current), version=inv.version, average=average, updates=updates,
         state=opened(inputs.state) if inputs.state else None, seed=inputs.seed,
+        offsets=shard.offsets if shard is not None else {},
     ), out, state_out)
     return key, state_key, report

@@ -15,6 +15,16 @@ Pure numpy, no I/O. The formulas are Flower 1.41's (flwr.server.strategy), so re
   ``num_selected`` lowest (ties: the earlier update), scores over squared distances of the deltas;
 - dp_fedavg and fedbuff combine the clients' changes w_k − base_k (see their functions).
 
+Sharded rounds (``lifl.shards``): each shard's top steps its pieces of every tensor, named as
+the tensors and placed by ``StepInputs.offsets``. Coordinate-wise rules need nothing else. Krum
+and dp_fedavg read norms or distances of whole updates: each shard's top computes its
+``partials`` (Krum: the Gram matrix of the deltas over its slice; dp_fedavg: the squared norms
+of the changes), the shards' partials are summed, and every top steps with the sum as
+``StepInputs.partials``, which is what the unsharded step computes over the whole model. Blocks
+lie at fixed positions of each tensor (multiples of ``BLOCK`` elements) and dp's noise is drawn
+block by block from (seed, version, tensor, block), so every coordinate gets the same noise
+however the model is cut.
+
 Memory: updates are read-only views into shared memory, 45 MB each for a ResNet-18, so nothing
 copies one, nor stacks them. Every rule walks each float tensor in blocks of ``BLOCK`` elements
 and holds at most (updates × BLOCK) float64 scratch; Krum's distances come from the block-wise
@@ -27,8 +37,9 @@ strategies), otherwise from the first update.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -60,6 +71,10 @@ class StepInputs:
     updates: Sequence[Update] = ()  # strategies that need every update
     state: Tensors | None = None  # what the previous step wrote into its state_out (None: the first step)
     seed: int = 0  # dp noise is drawn from (seed, version): a step run again releases the same model
+    # a shard's step: where each named tensor's piece starts in the whole tensor (elements; absent: 0)...
+    offsets: Mapping[str, int] = field(default_factory=dict)
+    # ...and the sums over every shard of what ``partials`` computes (None: the step computes them itself)
+    partials: np.ndarray | None = None
 
 
 _STATE_PREFIXES = {"fedavgm": ("m",), "fedadam": ("m", "v"), "fedyogi": ("m", "v"), "fedadagrad": ("v",)}
@@ -80,13 +95,34 @@ def state_spec(spec: StrategySpec, model: Sequence[tuple[str, np.dtype, tuple[in
 # -- blocks ----------------------------------------------------------------------------------------
 
 
-def _spans(current: Tensors, names: Sequence[str]) -> Iterator[tuple[str, slice]]:
+def _spans(current: Tensors, names: Sequence[str], offsets: Mapping[str, int] | None = None
+           ) -> Iterator[tuple[str, slice]]:
     """(tensor, flat slice) for every block of the named tensors. Blocks stay within a tensor
-    (unlike flstore's packed Gram blocks): each result is written back to its own tensor."""
+    (unlike flstore's packed Gram blocks): each result is written back to its own tensor. They
+    end on multiples of BLOCK of the whole tensor (a piece starting at ``offsets[name]`` starts
+    with what is left of its first block), so a block is the same block sharded or not."""
     for name in names:
         size = current[name].size
-        for start in range(0, size, BLOCK):
-            yield name, slice(start, min(start + BLOCK, size))
+        offset = offsets.get(name, 0) if offsets else 0
+        start = 0
+        while start < size:
+            stop = min(size, (offset + start) // BLOCK * BLOCK + BLOCK - offset)
+            yield name, slice(start, stop)
+            start = stop
+
+
+def _tensor_id(name: str) -> int:
+    """A number naming the tensor for dp's noise, whatever the tensors beside it."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def _noise(seed: int, version: int, name: str, start: int, stop: int) -> np.ndarray:
+    """Standard normal noise for elements [start, stop) of tensor ``name``, within one block:
+    drawn for the whole block from (seed, version, tensor, block), so it does not depend on
+    how the tensor is cut."""
+    block, first = divmod(start, BLOCK)
+    rng = np.random.default_rng([seed, version, _tensor_id(name), block])
+    return rng.standard_normal(first + stop - start)[first:]
 
 
 def _read(array: np.ndarray, span: slice) -> np.ndarray:
@@ -150,11 +186,41 @@ def _check_inputs(spec: StrategySpec, inputs: StepInputs, out: MutableMapping[st
             raise ValueError(f"{who} has staleness {update.staleness}; strategy {spec.name} takes 0..{limit}")
         if update.staleness > 0 and update.base is None:
             raise ValueError(f"{who} is {update.staleness} versions stale but has no base model")
+    for name, offset in inputs.offsets.items():
+        if name not in current or isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
+            raise ValueError(f"offset {offset!r} of {name!r}: offsets are element counts of the model's tensors")
+    if inputs.partials is not None:
+        n = len(inputs.updates)
+        shape = _PARTIALS_SHAPES[spec.name](n) if spec.name in _PARTIALS_SHAPES else None
+        if shape is None:
+            raise ValueError(f"strategy {spec.name} reads its coordinates apart: it takes no partials")
+        if inputs.partials.shape != shape:
+            raise ValueError(f"strategy {spec.name}'s partials of {n} updates have shape {shape}, "
+                             f"not {inputs.partials.shape}")
     layout = state_spec(spec, [(name, array.dtype, array.shape) for name, array in current.items()])
     if layout and state_out is None:
         raise ValueError(f"strategy {spec.name} keeps a state: state_out is needed")
     _check_state("the state", inputs.state, layout)
     _check_state("state_out", state_out, layout)
+
+
+# -- what a sharded step sums over its shards -------------------------------------------------------
+
+_PARTIALS_SHAPES = {"krum": lambda n: (n, n), "multi_krum": lambda n: (n, n), "dp_fedavg": lambda n: (n,)}
+
+
+def partials(spec: StrategySpec, inputs: StepInputs) -> np.ndarray | None:
+    """What a step of ``spec`` reads of whole updates, over the float tensors of ``inputs`` (a
+    shard's: its pieces): Krum's Gram matrix of the deltas w_k − x (n × n), dp_fedavg's squared
+    norms of the changes (n). Partials of disjoint slices of the model add up to the whole
+    model's. None: the rule reads each coordinate apart."""
+    if spec.name not in _PARTIALS_SHAPES:
+        return None
+    names = [name for name, array in inputs.current.items() if _is_float(array.dtype)]
+    vectors = [update.tensors for update in inputs.updates]
+    if spec.name == "dp_fedavg":
+        return squares_and_dots(vectors, None, names, inputs.current, BLOCK)[0]
+    return gram(vectors, names, BLOCK, origin=inputs.current)
 
 
 # -- eager strategies ------------------------------------------------------------------------------
@@ -169,7 +235,7 @@ def _eager(spec: StrategySpec, inputs: StepInputs, names: Sequence[str], out: Mu
         eta = p["eta"] * np.sqrt(1.0 - p["beta_2"] ** power) / (1.0 - p["beta_1"] ** power)
     else:
         eta = p.get("eta", 0.0)
-    for name, span in _spans(inputs.current, names):
+    for name, span in _spans(inputs.current, names, inputs.offsets):
         average = _read(inputs.average[name], span)
         if spec.name == "fedavg":
             _write(out, name, span, average)
@@ -216,7 +282,7 @@ def _coordinate_wise(spec: StrategySpec, inputs: StepInputs, names: Sequence[str
     # each coordinate's n values side by side, sorted in place: five times faster than np.median's
     # partition along a strided axis (20 ResNet-18 updates: 2 s instead of 5)
     scratch = np.empty((min(BLOCK, max((inputs.current[name].size for name in names), default=0)), n))
-    for name, span in _spans(inputs.current, names):
+    for name, span in _spans(inputs.current, names, inputs.offsets):
         ranked = scratch[: span.stop - span.start]
         for column, update in enumerate(inputs.updates):
             ranked[:, column] = flat_view(update.tensors[name])[span]
@@ -234,7 +300,7 @@ def _weighted_mean(inputs: StepInputs, chosen: Sequence[tuple[float, Update]], n
     total = sum(weight for weight, _ in chosen)
     if total <= 0:
         raise ValueError("the selected updates have no samples to weigh them by")
-    for name, span in _spans(inputs.current, names):
+    for name, span in _spans(inputs.current, names, inputs.offsets):
         acc = np.zeros(span.stop - span.start)
         for weight, update in chosen:
             acc += weight * _read(update.tensors[name], span)
@@ -247,7 +313,7 @@ def _krum(spec: StrategySpec, inputs: StepInputs, names: Sequence[str],
     as Flower, should a round close with fewer updates than the goal)."""
     updates = inputs.updates
     n = len(updates)
-    g = gram([update.tensors for update in updates], names, BLOCK, origin=inputs.current)
+    g = inputs.partials if inputs.partials is not None else partials(spec, inputs)
     scores = krum_scores(g, max(1, n - spec.param("num_malicious") - 2))
     if spec.name == "krum":  # the winner itself, whatever its samples
         chosen = [(1.0, updates[int(np.argmin(scores))])]
@@ -262,11 +328,11 @@ def _dp_fedavg(spec: StrategySpec, inputs: StepInputs, names: Sequence[str],
                out: MutableMapping[str, np.ndarray]) -> dict[str, Any]:
     """Central DP (DP-FedAvg): every change w_k − x clipped to L2 norm C over all float tensors,
     their mean (uniform, or by samples with ``weighted``), plus N(0, (z·C/n)²) on every float
-    coordinate, drawn from (seed, version) block after block."""
+    coordinate, drawn from (seed, version, tensor, block)."""
     updates, current = inputs.updates, inputs.current
     n = len(updates)
     clip, z = float(spec.param("clipping_norm")), float(spec.param("noise_multiplier"))
-    norms = np.sqrt(squares_and_dots([update.tensors for update in updates], None, names, current, BLOCK)[0])
+    norms = np.sqrt(inputs.partials if inputs.partials is not None else partials(spec, inputs))
     scales = np.minimum(1.0, clip / np.maximum(norms, np.finfo(np.float64).tiny))  # a zero change stays zero
     if spec.param("weighted"):
         samples = np.array([update.samples for update in updates], np.float64)
@@ -277,10 +343,10 @@ def _dp_fedavg(spec: StrategySpec, inputs: StepInputs, names: Sequence[str],
         weights = np.full(n, 1.0 / n)
     coefficients = weights * scales
     std = z * clip / n
-    rng = np.random.default_rng([inputs.seed, inputs.version])
-    for name, span in _spans(current, names):
+    for name, span in _spans(current, names, inputs.offsets):
         x = _read(current[name], span)
-        acc = std * rng.standard_normal(len(x))
+        start = inputs.offsets.get(name, 0) + span.start
+        acc = std * _noise(inputs.seed, inputs.version, name, start, start + len(x))
         for coefficient, update in zip(coefficients, updates):
             acc += coefficient * (_read(update.tensors[name], span) - x)
         _write(out, name, span, x + acc)
@@ -302,7 +368,7 @@ def _fedbuff(spec: StrategySpec, inputs: StepInputs, names: Sequence[str],
     total = float(weights.sum())
     if total <= 0:
         raise ValueError("fedbuff: the buffered updates have no samples to weigh them by")
-    for name, span in _spans(current, names):
+    for name, span in _spans(current, names, inputs.offsets):
         x = _read(current[name], span)
         acc = np.zeros_like(x)
         for weight, update in zip(weights, updates):
