@@ -791,6 +791,9 @@ class GatewayService:
             "retention": view.retention.to_dict(),
             "strategy": self._strategy_status(job),
             "fixed_point": job.spec.fixed_point or None,
+            "shards": job.spec.shards or "auto",
+            "shard_alignment": job.spec.shard_alignment,
+            "accumulator": job.spec.accumulator,
             "version": job.version if has_model else None,
             "round": {
                 "id": job.round if has_model else None,

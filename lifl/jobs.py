@@ -17,6 +17,7 @@ from lifl.flstore.retention import RetentionPolicy
 from lifl.models import MODELS
 from lifl.shards import ELEMENT, check_request as check_shards
 from lifl.strategy import StrategySpec
+from lifl.strategy.spec import GRAM, MAX_SHARDED_GRAM_UPDATES
 
 # Always fullmatch: "$" also matches before a final newline, and a name ending in one would become
 # a checkpoint directory and a shared-memory object with a newline in their names.
@@ -129,9 +130,10 @@ class JobSpec:
             values["fixed_point"] = fixed_point.to_json()
         if "shards" in body or "shard_alignment" in body:
             shards, alignment = check_shards(body.get("shards", 1), body.get("shard_alignment", ELEMENT))
-            if shards != 1 and not strategy.coordinatewise:
-                raise BadRequest(f"strategy {strategy.name!r} reads norms or distances of whole updates, so it does not "
-                                 "run on tensor shards: drop 'shards' or choose a coordinate-wise strategy", code="bad_job")
+            if shards != 1 and strategy.name in GRAM and values["goal"] > MAX_SHARDED_GRAM_UPDATES:
+                raise BadRequest(f"strategy {strategy.name!r} on tensor shards adds up the shards' distances between "
+                                 f"every pair of updates, for at most {MAX_SHARDED_GRAM_UPDATES} updates a round; the goal "
+                                 f"is {values['goal']}: lower it or drop 'shards'", code="bad_job")
             values["shards"], values["shard_alignment"] = shards, alignment
         if "accumulator" in body:
             accumulator = body["accumulator"]

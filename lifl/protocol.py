@@ -699,6 +699,27 @@ class NextModel(Message):
     state: bool = False
 
 
+@message("step_sums")
+@dataclass(frozen=True)
+class StepSums(Message):
+    """The answer to ``StepPartials``: b"" while other shards' tops have not sent theirs; once
+    every shard's are in, to the top that completed them, their sum (float64, the shape sent),
+    and that top steps every shard."""
+
+    sums: bytes
+
+
+@message("step_partials", StepSums)
+@dataclass(frozen=True)
+class StepPartials(Message):
+    """The top of a sharded round of a strategy that reads whole updates (Krum, dp_fedavg) sends
+    what its step reads of its slice (``lifl.strategy.partials``: float64, C order) and moves
+    on: it never waits for the other shards' tops, which may not have an instance yet."""
+
+    task: int
+    partials: bytes
+
+
 @message("folded", Allocated)
 @dataclass(frozen=True)
 class Folded(Message):

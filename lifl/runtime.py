@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from lifl import format as fmt
 from lifl.keys.factory import attach as attach_channel
 from lifl.keys.record import KIND_KEY, KIND_PREPARE, KeyMessage, now_ns
@@ -42,7 +44,7 @@ from lifl.errors import LiflError
 from lifl.fixedpoint import FixedPoint
 from lifl.protocol import (
     QUERY_ROLE, Alloc, Attach, CancelTask, Done, Failed, Finished, Folded, InstallResult, Invoke, NextModel, Ready,
-    StrategyInputs, StrategyWork, input_fields,
+    StepPartials, StrategyInputs, StrategyWork, input_fields,
 )
 from lifl.shards import ShardPlan, TensorShard, plan as shard_plan
 from lifl.net.io import ready
@@ -69,6 +71,7 @@ class Invocation:
     fixed_point: FixedPoint | None = None  # sum quantised updates in integers (deterministic)
     shard: TensorShard | None = None  # the slice of the model it aggregates (lifl.shards); None: all of it
     accumulator: fmt.DType = fmt.F64  # what partial sums of float tensors are kept in (without fixed point)
+    shards: ShardPlan | None = None  # every slice of the round (a top may step them all)
 
 
 class Context:
@@ -183,6 +186,13 @@ class Context:
         into, each top of a sharded round its slice."""
         reply, fds = self.client.call(NextModel(task=inv.task, state=state))
         return reply.key, self._mapped(fds)
+
+    def step_partials(self, inv: Invocation, partials: np.ndarray) -> np.ndarray | None:
+        """Send the partials of this top's shard (``StepPartials``); the sum over every shard if
+        they are now all in and this top is to step them all, else None."""
+        values = np.ascontiguousarray(partials, np.float64)
+        reply, _ = self.client.call(StepPartials(task=inv.task, partials=values.tobytes()))
+        return np.frombuffer(reply.sums, np.float64).reshape(values.shape) if reply.sums else None
 
     def _mapped(self, fds: list[int]) -> mmap.mmap:
         try:
@@ -299,7 +309,7 @@ def serve(ctx: Context, handler: Handler, finished: Callable[[Invocation, dict[s
         model_spec, strategy_spec, fixed_point, plan, accumulator = specs[push.job]
         inv = Invocation(push.task, push.job, push.version, push.role, push.fan_in, push.lazy, model_spec,
                          (push.parent_instance, push.parent_task), strategy_spec, fixed_point,
-                         plan[push.shard] if plan is not None else None, accumulator)
+                         plan[push.shard] if plan is not None else None, accumulator, plan)
         try:
             stats = handler(inv, ctx)
             ctx.finish(inv, stats)

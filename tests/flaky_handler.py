@@ -12,7 +12,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from lifl.errors import LiflError
 from lifl.functions.aggregator import handler as aggregator
+from lifl.protocol import TOP, StepPartials
 from lifl.runtime import Context, Invocation
 
 FAULTS = Path(tempfile.gettempdir()) / "lifl-test-faults"  # made world-writable by the test: instances run as tenants
@@ -56,3 +58,37 @@ def handle_exit(inv: Invocation, ctx: Context) -> dict[str, Any]:
 
 def handle_raise(inv: Invocation, ctx: Context) -> dict[str, Any]:
     return _broken_once(inv, ctx, exit=False)
+
+
+def handle_exit_after_partials(inv: Invocation, ctx: Context) -> dict[str, Any]:
+    """Every top of a sharded round of a strategy that reads whole updates dies once right after
+    it sent its shard's partials: before it installs, or, the one told to step every shard,
+    before it steps."""
+    marker = FAULTS / inv.job / str(inv.task)
+    if marker.exists():
+        return aggregator.handle(inv, ctx)
+    send = ctx.step_partials
+
+    def send_then_die(*args: Any, **kwargs: Any) -> Any:
+        send(*args, **kwargs)
+        marker.touch()
+        os._exit(9)
+
+    ctx.step_partials = send_then_die  # type: ignore[method-assign]
+    try:
+        return aggregator.handle(inv, ctx)
+    finally:
+        ctx.step_partials = send  # type: ignore[method-assign]
+
+
+def handle_bad_partials(inv: Invocation, ctx: Context) -> dict[str, Any]:
+    """Each task first sends the agent step partials it should not (a leaf's or middle's, a
+    top's of 3 bytes) and writes down the agent's answer under ``FAULTS/<job>``, then
+    aggregates as usual."""
+    try:
+        ctx.client.call(StepPartials(task=inv.task, partials=b"\0" * (3 if inv.role == TOP else 8)))
+        answer = "accepted"
+    except LiflError as e:
+        answer = f"{e.code}: {e.message}"
+    (FAULTS / inv.job / f"{inv.role}-{inv.task}").write_text(answer)
+    return aggregator.handle(inv, ctx)

@@ -17,6 +17,7 @@ from lifl import kernels
 from lifl.client import Gateway
 from lifl.errors import BadRequest, Conflict, Unprocessable
 from lifl.strategy import StepInputs, StrategySpec, Update, state_spec, step
+from lifl.strategy.spec import MAX_SHARDED_GRAM_UPDATES
 from test_crash import Up
 
 pytestmark = pytest.mark.slow
@@ -37,7 +38,7 @@ class Reference:
     """The pure step run on in-memory copies of what the node aggregates, round after round."""
 
     def __init__(self, status: dict[str, Any], initial: dict[str, np.ndarray]) -> None:
-        self.spec = StrategySpec.from_json(status["strategy"])
+        self.spec = StrategySpec.from_json({k: v for k, v in status["strategy"].items() if k != "privacy"})  # spent so far
         self.models = [initial]
         self.state: dict[str, np.ndarray] | None = None
 
@@ -65,12 +66,12 @@ def push_all(gw: Gateway, job: str, updates: list[tuple[str, dict[str, np.ndarra
 
 
 def run_rounds(gw: Gateway, job: str, ref: Reference, rounds: int, rng: np.random.Generator, goal: int,
-               first_version: int = 0) -> None:
+               first_version: int = 0, seed: int = 0) -> None:
     for r in range(first_version, first_version + rounds):
         updates = [(f"c{i}", tensors(rng), int(rng.integers(1, 50)), r) for i in range(goal)]
         push_all(gw, job, updates)
         wait_for(lambda: gw.job(job)["version"] == r + 1, what=f"version {r + 1}")
-        expected = ref.round(updates)
+        expected = ref.round(updates, seed)
         version, got = model(gw, job)
         assert version == r + 1
         for k in expected:  # the same float64 math on the same inputs: equal to the last bit or nearly
@@ -106,24 +107,36 @@ def test_each_strategy_matches_its_pure_step_round_after_round(node: RunningNode
     {"name": "fedadam"},
     {"name": "median"},
     {"name": "trimmed_mean", "beta": 0.2},
+    {"name": "krum", "num_malicious": 1},
+    {"name": "multi_krum", "num_malicious": 1, "num_selected": 3},
+    {"name": "dp_fedavg", "clipping_norm": 5.0, "noise_multiplier": 0.5, "population": 100},
 ])
-def test_coordinatewise_strategies_step_shard_by_shard_like_the_whole_model(node: RunningNode,
-                                                                             strategy: dict[str, Any]) -> None:
+def test_every_strategy_steps_shard_by_shard_like_the_whole_model(node: RunningNode, strategy: dict[str, Any]) -> None:
     """Each shard's top steps its pieces of the mean, the updates, the current model and the
-    state, into its slices of the next model and state: the pure step of the whole model."""
+    state, into its slices of the next model and state; Krum's and dp's tops send their
+    shard's distances or norms and the one that completes them steps every shard: the pure
+    step of the whole model, dp's noise included (drawn from the job's secret seed)."""
     gw = Gateway(node.http)
     rng = np.random.default_rng(9)
     initial = tensors(rng)
     status = gw.create_job("sh", 5, strategy=strategy, shards=3)
     gw.set_model("sh", fmt.encode(initial))
-    run_rounds(gw, "sh", Reference(status, initial), 3, rng, goal=5)
+    run_rounds(gw, "sh", Reference(status, initial), 3, rng, goal=5, seed=node.state.strategy_seed("sh"))
+    reports = [r["strategy"] for r in gw.rounds("sh")]
+    assert len(reports) == 3
+    if strategy["name"] in ("krum", "multi_krum"):
+        assert all(len(r["selected"]) == (1 if strategy["name"] == "krum" else 3) for r in reports), reports
+    if strategy["name"] == "dp_fedavg":
+        assert all(r["clipped"] >= 1 and r["epsilon"] > 0 for r in reports), reports
 
 
-@pytest.mark.parametrize("strategy", [{"name": "krum", "num_malicious": 1}, {"name": "multi_krum", "num_malicious": 1},
-                                      {"name": "dp_fedavg", "clipping_norm": 1.0, "noise_multiplier": 0.5, "population": 100}])
-def test_strategies_of_whole_updates_refuse_shards(node: RunningNode, strategy: dict[str, Any]) -> None:
-    with pytest.raises(BadRequest, match="reads norms or distances of whole updates"):
-        Gateway(node.http).create_job("whole", 5, strategy=strategy, shards=2)
+@pytest.mark.parametrize("name", ["krum", "multi_krum"])
+def test_distances_between_too_many_updates_refuse_shards(node: RunningNode, name: str) -> None:
+    gw = Gateway(node.http)
+    assert gw.create_job("fits", MAX_SHARDED_GRAM_UPDATES, strategy={"name": name}, shards=2)["shards"] == 2
+    with pytest.raises(BadRequest, match=f"at most {MAX_SHARDED_GRAM_UPDATES} updates a round; the goal is "
+                                         f"{MAX_SHARDED_GRAM_UPDATES + 1}"):
+        gw.create_job("past", MAX_SHARDED_GRAM_UPDATES + 1, strategy={"name": name}, shards=2)
 
 
 def test_median_ignores_an_outlier_that_fedavg_follows(node: RunningNode) -> None:

@@ -53,6 +53,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from lifl import checkpoints
 from lifl import format as fmt
 from lifl import kernels
@@ -80,7 +82,7 @@ from lifl.protocol import (
     PROTOCOL, QUERY_ROLE, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Admitted, Alloc, Allocated, Attach,
     Attached, CancelTask, Done, Failed, Finished, Folded, Forwarded, ForwardPartial, GetMetrics, GetRecent, GetStatus,
     Hello, InstallModel, InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, NextModel, Ok, OpenModel,
-    Query, Ready, Release, StrategyInputs, Submit, SubmitPartial, Submitted, TakeQuery, Text, Welcome, decode, input_record,
+    Query, Ready, Release, StepPartials, StepSums, StrategyInputs, Submit, SubmitPartial, Submitted, TakeQuery, Text, Welcome, decode, input_record,
 )
 from lifl.protocol import (
     ROLES, TOP, InstanceCounts, JobActivity, NodeStatus, QueryAnswer, QueryData, QueryRound, QuerySeconds, QueryUpdate, QueryWork,
@@ -541,6 +543,8 @@ class Agent:
         self._settle_then: dict[str, list[Callable[[], None]]] = {}  # what waits for a job's settle
         self._aggregated: dict[tuple[str, int], int] = {}  # updates folded, not yet counted in Redis
         self._next_models: dict[tuple[str, int, bool], bytes] = {}  # what a sharded round's tops write into (True: state)
+        # a sharded round's step partials by shard, and the shard whose top completed them (it steps every shard)
+        self._step_partials: dict[tuple[str, int], tuple[dict[int, np.ndarray], list[int]]] = {}
         self._listeners: list[socket.socket] = []
         self._holders: set[Hashable] = set()  # gateway connections that are open
         self._stopping = False
@@ -826,6 +830,7 @@ class Agent:
             Ready: lambda m, f, r: self.ready(iid, r),
             Alloc: lambda m, f, r: self.alloc(iid, m, r),
             NextModel: lambda m, f, r: self.next_model(iid, m, r),
+            StepPartials: lambda m, f, r: self.step_partials(iid, m, r),
             Folded: lambda m, f, r: self.folded(iid, m, r),
             Finished: lambda m, f, r: self.finished(iid, m),
             InstallResult: lambda m, f, r: self.install(iid, m, r),
@@ -1769,6 +1774,28 @@ class Agent:
             key = self._next_models[(task.job, task.round, m.state)] = seg.key
         reply(Allocated(key), [os.dup(self.store.get(key).fd)])
 
+    def step_partials(self, iid: int, m: StepPartials, reply: Reply) -> None:
+        """A sharded round's top sends what its step reads of its slice and moves on. The top
+        whose partials complete the round's set is told their sum, and steps every shard (so no
+        top waits for another, whatever the instances); a run of it again is told again."""
+        task = self._task_of(iid, m.task)
+        run = self.jobs[task.job]
+        if task.role != TOP or run.shard_plan is None or not run.spec.strategy_spec.reads_whole_updates:
+            raise BadRequest(f"task {task.id} is not the top of a sharded round of a strategy that reads whole updates",
+                             code="not_sharded")
+        if not m.partials or len(m.partials) % 8:
+            raise BadRequest(f"step partials of {len(m.partials)} bytes are not float64 values", code="bad_partials")
+        lanes, stepper = self._step_partials.setdefault((task.job, task.round), ({}, []))
+        values = np.frombuffer(m.partials, np.float64)
+        if lanes and len(values) != len(next(iter(lanes.values()))):
+            raise BadRequest(f"step partials of {len(values)} values, other shards' tops sent "
+                             f"{len(next(iter(lanes.values())))}", code="bad_partials")
+        lanes[task.shard] = values
+        if not stepper and len(lanes) == run.lanes:
+            stepper.append(task.shard)
+        steps = stepper == [task.shard]
+        reply(StepSums(np.sum(list(lanes.values()), axis=0).tobytes() if steps else b""))
+
     def folded(self, iid: int, m: Folded, reply: Reply) -> None:
         """Inputs (and the previous accumulator) are summed up in a new accumulator, ``m.state``:
         it is what the task runs again from if its instance dies; what it sums up may go. The
@@ -1872,7 +1899,10 @@ class Agent:
         """The top has the round's model: checkpoint it in the background, then install it."""
         task = self._task_of(iid, m.task)
         if not (m.state or m.report) or self.trees.lanes_writing(task.id) > 1:
-            # a sharded round's step is staged with its last top: the state is written by then
+            # a sharded round's step is staged with its last top: the state is written by then;
+            # the report of a top that stepped every shard (no state) is kept till then
+            if m.report and not m.state:
+                self.steps[(task.job, task.version + 1)] = StrategyStep(None, m.report)
             self._result(iid, m.task, tree.Input(m.key, m.samples, m.updates, False))
             reply(Installed(task.version + 1))
             return
@@ -2353,8 +2383,10 @@ class Agent:
         self._write_checkpoint(e)
 
     def _forget_next_models(self, job: str, round_id: int) -> None:
+        """What a sharded round's tops shared, given up when it installs or ends."""
         for state in (False, True):
             self._next_models.pop((job, round_id, state), None)
+        self._step_partials.pop((job, round_id), None)
 
     def _write_checkpoint(self, e: tree.Install) -> None:
         seg = self.store.get(e.input.key)

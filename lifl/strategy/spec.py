@@ -19,8 +19,12 @@ EAGER = frozenset({"fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad"})  # 
 STATEFUL = frozenset({"fedavgm", "fedadam", "fedyogi", "fedadagrad"})  # a server optimiser's state across versions
 MEAN_ONLY = frozenset({"fedavg"})  # the next model is the round's mean itself: no step
 PRIVATE = frozenset({"dp_fedavg"})  # spend a privacy budget each round (lifl.strategy.privacy)
-# steps that read each coordinate apart (not norms or distances of whole updates): they run on tensor shards
-COORDINATEWISE = frozenset({"fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "median", "trimmed_mean", "fedbuff"})
+# steps that read norms or distances of whole updates: on tensor shards, the shards' partial sums are added first
+WHOLE_UPDATES = frozenset({"krum", "multi_krum", "dp_fedavg"})
+GRAM = frozenset({"krum", "multi_krum"})  # of those, what read every pair of updates
+# a sharded round's tops send their n x n Gram blocks through the node's control channel (16 MiB a
+# message, bytes as hex): rounds of at most this many updates keep each within a quarter of it
+MAX_SHARDED_GRAM_UPDATES = 512
 
 MAX_STALENESS = 100  # fedbuff keeps max_staleness + 1 models: a bound on that memory
 MAX_POPULATION = 1 << 40
@@ -143,10 +147,11 @@ class StrategySpec:
         return self.name not in MEAN_ONLY
 
     @property
-    def coordinatewise(self) -> bool:
-        """Its step reads each coordinate of the model apart, so it runs shard by shard
-        (``lifl.shards``) and the shards' results make the unsharded one."""
-        return self.name in COORDINATEWISE
+    def reads_whole_updates(self) -> bool:
+        """Its step reads norms or distances of whole updates: on tensor shards (``lifl.shards``)
+        each shard's top computes its ``lifl.strategy.partials`` and one top steps every shard
+        with their sum. Other steps read each coordinate apart and run shard by shard."""
+        return self.name in WHOLE_UPDATES
 
     @property
     def spends_privacy(self) -> bool:

@@ -134,7 +134,21 @@ def _write(out: MutableMapping[str, np.ndarray], name: str, span: slice, values:
     flat_view(out[name])[span] = values
 
 
+def floats_of(tensors: Tensors) -> dict[str, np.ndarray]:
+    """The floating-point tensors: what the rules aggregate."""
+    return {name: array for name, array in tensors.items() if _is_float(array.dtype)}
+
+
+def copy_non_float(inputs: StepInputs, out: MutableMapping[str, np.ndarray]) -> None:
+    """Write the tensors no rule aggregates (not floating point) as ``step`` does: from the
+    round's mean when the inputs carry it, else from the first update. A sharded round's tops
+    each write their own pieces of these, whichever top steps the float tensors."""
+    _copy_non_float(inputs, [name for name, array in inputs.current.items() if not _is_float(array.dtype)], out)
+
+
 def _copy_non_float(inputs: StepInputs, names: Sequence[str], out: MutableMapping[str, np.ndarray]) -> None:
+    if not names:
+        return
     source = inputs.average if inputs.average is not None else inputs.updates[0].tensors
     for name in names:
         values = source[name]
