@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -130,6 +130,7 @@ def auto_count(data_bytes: int, memory_bytes: int) -> int:
     return max(1, min(MAX_SHARDS, -(-data_bytes // target)))
 
 
+@lru_cache(maxsize=64)  # the controller asks every tick for every job: 14 ms for 300 tensors in 64 shards
 def resolve(requested: int, alignment: str, spec: ModelSpec, memory_bytes: int) -> ShardPlan | None:
     """A job's plan: ``requested`` shards (0: "auto", from the model's size and the node's
     ``memory_bytes``); None when the model stays whole (one shard asked, or possible)."""
