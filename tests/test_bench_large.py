@@ -3,6 +3,8 @@ figures say what sharding and float32 accumulators change (full figures: `lifl b
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lifl.bench import large
@@ -37,3 +39,19 @@ def test_a_small_large_run() -> None:
     resume, update_bytes = result["resume"], result["update_bytes"]
     assert resume["cuts"] == 1 and resume["resumes"] == 1
     assert 0 <= resume["resume_overhead_bytes"] < update_bytes - update_bytes // 2 + 4096
+    flower = result["flower"]
+    assert flower["completed"] and flower["replies_held"] == 3 and flower["round_s"] >= 0, flower
+    assert set(result["flower_peak_ratio"]) == set(large.SYSTEMS)
+
+
+@pytest.mark.slow
+def test_a_round_flower_cannot_hold_fails_within_its_cap_and_says_how_many_replies_it_held(tmp_path: Path) -> None:
+    """Replies of 12 MB widened to float32, Flower capped at 30 MB beyond its global model."""
+    tensors = large.model_tensors(3_000_000)
+    files = [tmp_path / f"update{i}" for i in range(3)]
+    for i, path in enumerate(files):
+        large.write_update(path, tensors, seed=i)
+    large.write_update(tmp_path / "model", tensors, seed=None)
+    capped = large.flower_system(files, tmp_path / "model", [1, 2, 3], 30 << 20)
+    assert capped["completed"] is False and capped["round_s"] is None and 1 <= capped["replies_held"] < 3, capped
+    assert capped["peak_above_baseline_bytes"] <= 30 << 20

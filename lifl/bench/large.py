@@ -8,7 +8,14 @@ measures, on fresh nodes:
 
 - ``unsharded``: lifl on one node, every aggregator folding whole updates;
 - ``sharded``: lifl on one node with ``--shards`` M tensor shards;
-- ``sharded_f32``: the same with float32 accumulators.
+- ``sharded_f32``: the same with float32 accumulators;
+- ``flower``: Flower 1.41's FedAvg in a process of Flower's environment, on the same replies
+  widened to float32 (numpy has no bfloat16 arithmetic: Flower aggregates what numpy computes
+  on), pulled from an in-process grid as a ServerApp pulls them from the SuperLink. Its
+  address space is capped at ``FLOWER_MEMORY_FRACTION`` of the machine's available memory
+  beyond what it held before the round, so a round it cannot hold fails with MemoryError
+  instead of taking the machine: then it reports ``completed`` false and how many replies it
+  held.
 
 Each system reports ``round_s`` (first byte pushed to the new version installed), ``ingest_gbps``
 (update bytes over the time until every push was acknowledged), ``aggregate_gbps`` (update
@@ -47,6 +54,15 @@ ROWS = 4096  # a tensor's row: the model is a few (rows x 4096) matrices and a r
 TENSORS = 8
 CHUNK_ELEMENTS = 1 << 24  # generation and checking go through this many elements at a time
 SHM_CAPACITY = 20 << 30  # the node's --shm-limit, or less if /dev/shm has less free
+FLOWER_MEMORY_FRACTION = 0.75  # of MemAvailable: what Flower's round may take before it counts as out of memory
+FLOWER_TIMEOUT_S = 3600  # bounds a failure only
+
+
+SYSTEMS: dict[str, Callable[[int], dict[str, Any]]] = {  # lifl's, by their job fields for M shards
+    "unsharded": lambda _: {},
+    "sharded": lambda shards: {"shards": shards},
+    "sharded_f32": lambda shards: {"shards": shards, "accumulator": "float32"},
+}
 
 
 def model_tensors(parameters: int) -> list[tuple[str, fmt.DType, tuple[int, ...]]]:
@@ -273,6 +289,83 @@ def run_system(name: str, files: list[Path], model_file: Path, samples: list[int
             gw.close()
 
 
+def _meminfo_bytes(key: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def flower_system(files: list[Path], model_file: Path, samples: list[int], limit_bytes: int) -> dict[str, Any]:
+    """Flower's FedAvg on the same replies, in a process of Flower's environment (``flower_round``)."""
+    import subprocess
+
+    from lifl.bench.flower import flower_env
+
+    argv = [str(flower_env() / "python"), "-m", "lifl.bench.large", json.dumps(
+        {"files": [str(f) for f in files], "model": str(model_file), "samples": samples, "limit_bytes": limit_bytes})]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=FLOWER_TIMEOUT_S, env={**os.environ, "PYTHONPATH": ""})
+    if done.returncode:  # out of memory where Python could not raise (a C library's abort), or a failure
+        return {"completed": False, "failed": f"exit {done.returncode}: {done.stderr.strip()[-2000:]}",
+                "limit_bytes": limit_bytes}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _float32_arrays(path: Path) -> dict[str, np.ndarray]:
+    """An update file's tensors widened from bf16 to float32, read (not mapped: a capped address
+    space then fails the way a server receiving them would, with MemoryError)."""
+    with open(path, "rb") as f:
+        layout = fmt.parse_header(f.read(fmt.header_length(f.read(fmt.PREFIX_BYTES))))
+        out = {}
+        for entry in layout.entries:
+            t = entry.spec
+            bits = np.fromfile(f, np.uint16, t.numel, offset=layout.data_start + entry.begin - f.tell())
+            out[t.name] = _from_bf16(bits).reshape(t.shape)
+    return out
+
+
+def flower_round(files: list[Path], model_file: Path, samples: list[int], limit_bytes: int) -> dict[str, Any]:
+    """One round of Flower 1.41's FedAvg in this process (Flower's environment): the replies made
+    from the files as they are pulled, the address space capped at ``limit_bytes`` beyond what
+    the process holds once the global model is in."""
+    import resource
+
+    from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+    from flwr.serverapp.strategy import FedAvg
+
+    from lifl.bench.flowermem import _status_mb, reset_peak, synthetic_grid
+
+    held = 0
+
+    def answer(position: int, _: Any) -> RecordDict:
+        nonlocal held
+        arrays = ArrayRecord({name: Array(values) for name, values in _float32_arrays(files[position]).items()})
+        held += 1
+        return RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": samples[position]})})
+
+    n = len(files)
+    fedavg = FedAvg(fraction_train=1.0, min_train_nodes=n, min_available_nodes=n, fraction_evaluate=0.0)
+    grid = synthetic_grid({}, n, answer=answer)
+    model = ArrayRecord({name: Array(values) for name, values in _float32_arrays(model_file).items()})
+    messages = list(fedavg.configure_train(1, model, ConfigRecord(), grid))
+    virtual = int(_status_mb("VmSize") * (1 << 20))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)  # the soft limit only: raising it back needs no privilege
+    resource.setrlimit(resource.RLIMIT_AS, (virtual + limit_bytes, hard))
+    baseline = reset_peak()
+    t = time.perf_counter()
+    try:
+        aggregated, _ = fedavg.aggregate_train(1, grid.send_and_receive(messages, timeout=None))
+        completed = aggregated is not None
+    except MemoryError:
+        completed = False
+    seconds = time.perf_counter() - t
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    peak = _status_mb("VmHWM")
+    return {"completed": completed, "replies_held": held, "round_s": round(seconds, 2) if completed else None,
+            "peak_rss_bytes": int(peak * (1 << 20)), "peak_above_baseline_bytes": int((peak - baseline) * (1 << 20)),
+            "limit_bytes": limit_bytes}
+
+
 def run(parameters: int, clients: int, shards: int, say: Callable[[str], None] = lambda _: None,
         workdir: Path | None = None) -> dict[str, Any]:
     tensors = model_tensors(parameters)
@@ -290,12 +383,16 @@ def run(parameters: int, clients: int, shards: int, say: Callable[[str], None] =
         out: dict[str, Any] = {"parameters": parameters, "clients": clients, "shards": shards, "update_bytes": update_bytes,
                                "memcpy_gbps": round(memcpy_gbps(update_bytes), 3)}
         capacity = shm_capacity()
-        for name, fields in [("unsharded", {}), ("sharded", {"shards": shards}),
-                             ("sharded_f32", {"shards": shards, "accumulator": "float32"})]:
-            out[name] = run_system(name, files, model_file, samples, fields, root, capacity)
+        for name in SYSTEMS:
+            out[name] = run_system(name, files, model_file, samples, SYSTEMS[name](shards), root, capacity)
             say(f"{name}: {out[name]}")
         out["resume"] = resume_overhead(files[0], model_file, root, capacity)
         say(f"resume: {out['resume']}")
+        out["flower"] = flower_system(files, model_file, samples, int(FLOWER_MEMORY_FRACTION * _meminfo_bytes("MemAvailable")))
+        say(f"flower: {out['flower']}")
+        if out["flower"]["completed"]:  # lifl's node against Flower's server process
+            out["flower_peak_ratio"] = {name: round(out[name]["peak_rss_bytes_per_node"] / out["flower"]["peak_rss_bytes"], 3)
+                                        for name in SYSTEMS if "refused" not in out[name]}
         unsharded, sharded = out["unsharded"], out["sharded"]
         if "refused" not in unsharded and "refused" not in sharded:
             out["sharded_round_ratio"] = round(sharded["round_s"] / unsharded["round_s"], 3)
@@ -320,3 +417,11 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     return 0
+
+
+if __name__ == "__main__":  # the Flower side, in Flower's environment (flower_system)
+    import sys
+
+    request = json.loads(sys.argv[1])
+    print(json.dumps(flower_round([Path(f) for f in request["files"]], Path(request["model"]), request["samples"],
+                                  request["limit_bytes"])))
