@@ -27,7 +27,7 @@ def test_model_tensors(parameters: int, shapes: list[tuple[int, ...]]) -> None:
 def test_a_small_large_run() -> None:
     result = large.run(300_000, clients=3, shards=3)
     assert result["update_bytes"] > 600_000 and result["memcpy_gbps"] > 0
-    for name in ("unsharded", "sharded", "sharded_f32"):
+    for name in large.SYSTEMS:
         r = result[name]
         assert r["round_s"] > 0 and r["ingest_gbps"] > 0 and r["aggregate_gbps"] > 0
         assert r["max_abs_error"] < 2 ** -4  # the model's bf16 rounding of averages below 4 in magnitude

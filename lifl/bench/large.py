@@ -9,6 +9,9 @@ measures, on fresh nodes:
 - ``unsharded``: lifl on one node, every aggregator folding whole updates;
 - ``sharded``: lifl on one node with ``--shards`` M tensor shards;
 - ``sharded_f32``: the same with float32 accumulators;
+- ``lean``: lifl on one node, unsharded, with float32 accumulators, one leaf for every update
+  (``leaf_fan_in`` = clients) and ``max_inflight`` 2: the node holds two updates, the model and
+  the accumulator, the other clients wait their turn (503 and a retry);
 - ``flower``: Flower 1.41's FedAvg in a process of Flower's environment, on the same replies
   widened to float32 (numpy has no bfloat16 arithmetic: Flower aggregates what numpy computes
   on), pulled from an in-process grid as a ServerApp pulls them from the SuperLink. Its
@@ -58,10 +61,13 @@ FLOWER_MEMORY_FRACTION = 0.75  # of MemAvailable: what Flower's round may take b
 FLOWER_TIMEOUT_S = 3600  # bounds a failure only
 
 
-SYSTEMS: dict[str, Callable[[int], dict[str, Any]]] = {  # lifl's, by their job fields for M shards
-    "unsharded": lambda _: {},
-    "sharded": lambda shards: {"shards": shards},
-    "sharded_f32": lambda shards: {"shards": shards, "accumulator": "float32"},
+LEAN_INFLIGHT = 2  # the lean system's max_inflight: updates held at once besides the accumulator
+SYSTEMS: dict[str, Callable[[int, int], dict[str, Any]]] = {  # lifl's, by their job fields for M shards and N clients
+    "unsharded": lambda shards, clients: {},
+    "sharded": lambda shards, clients: {"shards": shards},
+    "sharded_f32": lambda shards, clients: {"shards": shards, "accumulator": "float32"},
+    # one leaf folds every update as it comes, two in flight at a time: memory over parallelism
+    "lean": lambda shards, clients: {"accumulator": "float32", "leaf_fan_in": clients, "max_inflight": LEAN_INFLIGHT},
 }
 
 
@@ -384,7 +390,7 @@ def run(parameters: int, clients: int, shards: int, say: Callable[[str], None] =
                                "memcpy_gbps": round(memcpy_gbps(update_bytes), 3)}
         capacity = shm_capacity()
         for name in SYSTEMS:
-            out[name] = run_system(name, files, model_file, samples, SYSTEMS[name](shards), root, capacity)
+            out[name] = run_system(name, files, model_file, samples, SYSTEMS[name](shards, clients), root, capacity)
             say(f"{name}: {out[name]}")
         out["resume"] = resume_overhead(files[0], model_file, root, capacity)
         say(f"resume: {out['resume']}")
