@@ -17,7 +17,7 @@ from lifl.flstore.retention import RetentionPolicy
 from lifl.models import MODELS
 from lifl.shards import ELEMENT, check_request as check_shards
 from lifl.strategy import StrategySpec
-from lifl.strategy.spec import GRAM, MAX_SHARDED_GRAM_UPDATES
+from lifl.strategy.spec import MAX_SHARDED_GRAM_UPDATES
 
 # Always fullmatch: "$" also matches before a final newline, and a name ending in one would become
 # a checkpoint directory and a shared-memory object with a newline in their names.
@@ -130,7 +130,7 @@ class JobSpec:
             values["fixed_point"] = fixed_point.to_json()
         if "shards" in body or "shard_alignment" in body:
             shards, alignment = check_shards(body.get("shards", 1), body.get("shard_alignment", ELEMENT))
-            if shards != 1 and strategy.name in GRAM and values["goal"] > MAX_SHARDED_GRAM_UPDATES:
+            if shards != 1 and strategy.reads_update_pairs and values["goal"] > MAX_SHARDED_GRAM_UPDATES:
                 raise BadRequest(f"strategy {strategy.name!r} on tensor shards adds up the shards' distances between "
                                  f"every pair of updates, for at most {MAX_SHARDED_GRAM_UPDATES} updates a round; the goal "
                                  f"is {values['goal']}: lower it or drop 'shards'", code="bad_job")

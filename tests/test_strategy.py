@@ -99,17 +99,19 @@ def test_from_request_refuses_bad_strategies(obj: Any, goal: int, message: str) 
     assert e.value.code == "bad_strategy" and message in e.value.message
 
 
-@pytest.mark.parametrize("name, eager, stateful, max_staleness, runs_step, spends_privacy", [
-    ("fedavg", True, False, 0, False, False), ("fedavgm", True, True, 0, True, False), ("fedadam", True, True, 0, True, False),
-    ("fedyogi", True, True, 0, True, False), ("fedadagrad", True, True, 0, True, False),
-    ("median", False, False, 0, True, False), ("trimmed_mean", False, False, 0, True, False),
-    ("krum", False, False, 0, True, False), ("multi_krum", False, False, 0, True, False),
-    ("dp_fedavg", False, False, 0, True, True), ("fedbuff", False, False, 10, True, False),
+@pytest.mark.parametrize("name, eager, stateful, max_staleness, runs_step, spends_privacy, whole, pairs", [
+    ("fedavg", True, False, 0, False, False, False, False), ("fedavgm", True, True, 0, True, False, False, False),
+    ("fedadam", True, True, 0, True, False, False, False), ("fedyogi", True, True, 0, True, False, False, False),
+    ("fedadagrad", True, True, 0, True, False, False, False),
+    ("median", False, False, 0, True, False, False, False), ("trimmed_mean", False, False, 0, True, False, False, False),
+    ("krum", False, False, 0, True, False, True, True), ("multi_krum", False, False, 0, True, False, True, True),
+    ("dp_fedavg", False, False, 0, True, True, True, False), ("fedbuff", False, False, 10, True, False, False, False),
 ])
-def test_kinds(name: str, eager: bool, stateful: bool, max_staleness: int, runs_step: bool, spends_privacy: bool) -> None:
+def test_kinds(name: str, eager: bool, stateful: bool, max_staleness: int, runs_step: bool, spends_privacy: bool,
+               whole: bool, pairs: bool) -> None:
     s = spec(name)
     assert (s.eager, s.needs_updates, s.stateful, s.max_staleness) == (eager, not eager, stateful, max_staleness)
-    assert (s.runs_step, s.spends_privacy) == (runs_step, spends_privacy)
+    assert (s.runs_step, s.spends_privacy, s.reads_whole_updates, s.reads_update_pairs) == (runs_step, spends_privacy, whole, pairs)
     model = [("w", np.dtype(np.float32), (3, 2)), ("steps", np.dtype(np.int64), ())]
     assert bool(state_spec(s, model)) == stateful
     assert all(dtype == np.float64 and shape == (3, 2) for _, dtype, shape in state_spec(s, model))

@@ -147,6 +147,12 @@ class StrategySpec:
         return self.name not in MEAN_ONLY
 
     @property
+    def reads_update_pairs(self) -> bool:
+        """Its step reads the distance between every pair of updates (Krum): on tensor shards the
+        shards' n x n Gram blocks are summed, for at most MAX_SHARDED_GRAM_UPDATES updates."""
+        return self.name in GRAM
+
+    @property
     def reads_whole_updates(self) -> bool:
         """Its step reads norms or distances of whole updates: on tensor shards (``lifl.shards``)
         each shard's top computes its ``lifl.strategy.partials`` and one top steps every shard
