@@ -12,7 +12,7 @@ from lifl.errors import BadRequest, Unprocessable
 from lifl.format import F32, ModelSpec, TensorSpec
 from lifl.jobs import JobSpec
 from lifl.kernels import validate
-from lifl.node.agent import check_shards_fit
+from lifl.node.agent import StepPartialSums, check_shards_fit
 
 SHAPES = {"embed": (64, 33), "w": (33, 17), "b": (17,), "scale": (1,)}
 
@@ -109,3 +109,16 @@ def test_sharded_jobs_need_one_node(shards: int, data_bytes: int, capacity: int,
             check_shards_fit(spec, model, capacity, nodes)
     else:
         check_shards_fit(spec, model, capacity, nodes)
+
+
+@pytest.mark.parametrize("sends, told", [
+    ([0, 1], [False, False]),  # not all in: nobody steps yet
+    ([0, 1, 2], [False, False, True]),  # the third completes them and steps
+    ([2, 0, 2, 1], [False, False, False, True]),  # a rerun before completion counts once
+    ([0, 1, 2, 2, 0], [False, False, True, True, False]),  # the stepper run again is told again, no other
+])
+def test_step_partial_sums_count_each_shard_once_and_name_one_stepper(sends: list[int], told: list[bool]) -> None:
+    """Three shards whose tops send [1], [2] and [4] (shard k sends 2**k), in the order given."""
+    sums = StepPartialSums(np.zeros(1))
+    assert [sums.add(lane, np.array([2.0 ** lane]), 3) for lane in sends] == told
+    assert sums.total.tolist() == [float(sum(1 << lane for lane in set(sends)))]

@@ -275,6 +275,26 @@ class QueryRun:
     timer: Any = None
 
 
+@dataclass(eq=False)
+class StepPartialSums:
+    """A sharded round's step partials summed as its shards' tops send them (a top run again
+    sends the same values: counted once), and the shard whose top completed them."""
+
+    total: np.ndarray
+    lanes: set[int] = field(default_factory=set)
+    stepper: int | None = None
+
+    def add(self, lane: int, values: np.ndarray, lanes: int) -> bool:
+        """Whether the top of ``lane`` is to step every shard (it completed the sums, maybe in an
+        earlier run) once its values are in."""
+        if lane not in self.lanes:
+            self.lanes.add(lane)
+            self.total += values
+            if len(self.lanes) == lanes:
+                self.stepper = lane
+        return self.stepper == lane
+
+
 @dataclass(frozen=True)
 class StrategyStep:
     """What a top's strategy step made besides the model: its new state (an object) and report."""
@@ -543,8 +563,7 @@ class Agent:
         self._settle_then: dict[str, list[Callable[[], None]]] = {}  # what waits for a job's settle
         self._aggregated: dict[tuple[str, int], int] = {}  # updates folded, not yet counted in Redis
         self._next_models: dict[tuple[str, int, bool], bytes] = {}  # what a sharded round's tops write into (True: state)
-        # a sharded round's step partials by shard, and the shard whose top completed them (it steps every shard)
-        self._step_partials: dict[tuple[str, int], tuple[dict[int, np.ndarray], list[int]]] = {}
+        self._step_partials: dict[tuple[str, int], StepPartialSums] = {}  # of a sharded round's tops, by (job, round)
         self._listeners: list[socket.socket] = []
         self._holders: set[Hashable] = set()  # gateway connections that are open
         self._stopping = False
@@ -1785,16 +1804,12 @@ class Agent:
                              code="not_sharded")
         if not m.partials or len(m.partials) % 8:
             raise BadRequest(f"step partials of {len(m.partials)} bytes are not float64 values", code="bad_partials")
-        lanes, stepper = self._step_partials.setdefault((task.job, task.round), ({}, []))
         values = np.frombuffer(m.partials, np.float64)
-        if lanes and len(values) != len(next(iter(lanes.values()))):
-            raise BadRequest(f"step partials of {len(values)} values, other shards' tops sent "
-                             f"{len(next(iter(lanes.values())))}", code="bad_partials")
-        lanes[task.shard] = values
-        if not stepper and len(lanes) == run.lanes:
-            stepper.append(task.shard)
-        steps = stepper == [task.shard]
-        reply(StepSums(np.sum(list(lanes.values()), axis=0).tobytes() if steps else b""))
+        sums = self._step_partials.setdefault((task.job, task.round), StepPartialSums(np.zeros_like(values)))
+        if len(values) != len(sums.total):
+            raise BadRequest(f"step partials of {len(values)} values, other shards' tops sent {len(sums.total)}",
+                             code="bad_partials")
+        reply(StepSums(sums.total.tobytes() if sums.add(task.shard, values, run.lanes) else b""))
 
     def folded(self, iid: int, m: Folded, reply: Reply) -> None:
         """Inputs (and the previous accumulator) are summed up in a new accumulator, ``m.state``:

@@ -19,8 +19,9 @@ Sharded rounds (``lifl.shards``): each shard's top steps its pieces of every ten
 the tensors and placed by ``StepInputs.offsets``. Coordinate-wise rules need nothing else. Krum
 and dp_fedavg read norms or distances of whole updates: each shard's top computes its
 ``partials`` (Krum: the Gram matrix of the deltas over its slice; dp_fedavg: the squared norms
-of the changes), the shards' partials are summed, and every top steps with the sum as
-``StepInputs.partials``, which is what the unsharded step computes over the whole model. Blocks
+of the changes), the shards' partials are summed, and each shard's step takes the sum as
+``StepInputs.partials``, which is what the unsharded step computes over the whole model (the
+node's top that completes the sum steps every shard: functions/aggregator/top.py). Blocks
 lie at fixed positions of each tensor (multiples of ``BLOCK`` elements) and dp's noise is drawn
 block by block from (seed, version, tensor, block), so every coordinate gets the same noise
 however the model is cut.
@@ -70,7 +71,7 @@ class StepInputs:
     average: Tensors | None = None  # the round's sample-weighted mean (eager strategies): float64 or model dtype
     updates: Sequence[Update] = ()  # strategies that need every update
     state: Tensors | None = None  # what the previous step wrote into its state_out (None: the first step)
-    seed: int = 0  # dp noise is drawn from (seed, version): a step run again releases the same model
+    seed: int = 0  # dp noise is drawn from (seed, version, tensor, block): a step run again releases the same model
     # a shard's step: where each named tensor's piece starts in the whole tensor (elements; absent: 0)...
     offsets: Mapping[str, int] = field(default_factory=dict)
     # ...and the sums over every shard of what ``partials`` computes (None: the step computes them itself)
