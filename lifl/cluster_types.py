@@ -39,7 +39,7 @@ class Job:
     @property
     def leaf_fan_in(self) -> int:
         """Updates per leaf for the job's current model (``JobSpec.fan_in_for``)."""
-        return self.spec.fan_in_for(self.model_spec.data_bytes if self.model_spec else None)
+        return self.spec.fan_in_for(self.model_spec)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from lifl.errors import BadRequest
-from lifl.format import ACCUMULATORS, DType
+from lifl.format import ACCUMULATORS, DType, ModelSpec
 from lifl.fixedpoint import FixedPoint
 from lifl.flstore.retention import RetentionPolicy
 from lifl.models import MODELS
@@ -27,6 +27,10 @@ DEFAULT_MAX_UPDATE_BYTES = 4 << 30
 MAX_SAMPLES = 1 << 53  # X-Lifl-Samples of any update: counts stay exact in float64 weights
 AUTO_LEAF_BYTES = 4 << 20  # leaf_fan_in 0: a leaf takes about this many bytes of updates
 AUTO_FAN_IN = (2, 256)  # ... and between this many updates
+# From this size on a leaf's partial sum (2 to 4 times an update's bytes in float64) costs the
+# middle seconds to fold again: a leaf folds at least REFOLD_BOUND times the bytes it hands on.
+LARGE_UPDATE_BYTES = 256 << 20
+REFOLD_BOUND = 2
 # A wait for a job's next version (GET /v1/jobs/{job}/version?after=N&wait_s=S):
 NO_VERSION = -1  # after=-1: any version (a job without a model yet has none)
 MAX_VERSION = 1 << 62
@@ -62,15 +66,25 @@ class JobSpec:
     def inflight_budget(self) -> int:
         return self.max_inflight or self.goal
 
-    def fan_in_for(self, data_bytes: int | None) -> int:
-        """The updates per leaf for a model of ``data_bytes``: as set, or (0) enough that a leaf
-        folds about AUTO_LEAF_BYTES. A task's fixed costs (its invocation, its result's hand-off)
-        then weigh little per small update, while a large model keeps the paper's I = 2 (a leaf
-        waits least after its first update when folding is what takes time). Unknown model: 2."""
+    def fan_in_for(self, model: ModelSpec | None) -> int:
+        """The updates per leaf for ``model``: as set, or (0) enough that a leaf folds about
+        AUTO_LEAF_BYTES. A task's fixed costs (its invocation, its result's hand-off) then weigh
+        little per small update, while a model of some MB keeps the paper's I = 2 (a leaf waits
+        least after its first update when folding is what takes time). An update of
+        LARGE_UPDATE_BYTES or more is another matter: a leaf takes enough of them that they
+        outweigh REFOLD_BOUND times its partial sum, which the middle folds again (8 bf16 updates
+        for a float64 partial; parallelism then comes from shards, each with its own leaves).
+        Unknown model: 2."""
         if self.leaf_fan_in:
             return self.leaf_fan_in
         low, high = AUTO_FAN_IN
-        return max(low, min(high, AUTO_LEAF_BYTES // data_bytes)) if data_bytes else low
+        if model is None or not model.data_bytes:
+            return low
+        update = model.data_bytes
+        fan_in = AUTO_LEAF_BYTES // update
+        if update >= LARGE_UPDATE_BYTES:
+            fan_in = -(-REFOLD_BOUND * model.partial(self.float_accumulator).data_bytes // update)
+        return max(low, min(high, fan_in))
 
     @classmethod
     def from_request(cls, body: Any) -> JobSpec:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lifl.errors import BadRequest
-from lifl.jobs import AUTO_FAN_IN, AUTO_LEAF_BYTES, DEFAULT_MAX_UPDATE_BYTES, JobSpec
+from lifl.format import BF16, F32, F64, DType, ModelSpec, TensorSpec
+from lifl.jobs import AUTO_FAN_IN, AUTO_LEAF_BYTES, DEFAULT_MAX_UPDATE_BYTES, LARGE_UPDATE_BYTES, REFOLD_BOUND, JobSpec
 
 
 def test_defaults_and_round_trip() -> None:
@@ -56,16 +57,25 @@ def test_invalid_jobs_name_the_field(body: object, needle: str) -> None:
     assert needle in info.value.message and info.value.code == "bad_job"
 
 
-@pytest.mark.parametrize("leaf_fan_in, data_bytes, expected", [
-    (0, None, AUTO_FAN_IN[0]),  # no model yet
-    (0, 4 << 10, AUTO_FAN_IN[1]),  # small updates: as many as a leaf may take
-    (0, 40 << 10, AUTO_LEAF_BYTES // (40 << 10)),
-    (0, 400 << 10, AUTO_LEAF_BYTES // (400 << 10)),
-    (0, AUTO_LEAF_BYTES // 2, 2),
-    (0, 44_700_000, 2),  # a ResNet-18: the paper's I
-    (0, 1, AUTO_FAN_IN[1]),
-    (7, 4 << 10, 7),  # as set, whatever the model
-    (1, 44_700_000, 1),
+def flat(dtype: DType, nbytes: int) -> ModelSpec:
+    return ModelSpec((TensorSpec("w", dtype, (nbytes // dtype.itemsize,)),))
+
+
+@pytest.mark.parametrize("leaf_fan_in, model, accumulator, expected", [
+    (0, None, "float64", AUTO_FAN_IN[0]),  # no model yet
+    (0, flat(F32, 4 << 10), "float64", AUTO_FAN_IN[1]),  # small updates: as many as a leaf may take
+    (0, flat(F32, 40 << 10), "float64", AUTO_LEAF_BYTES // (40 << 10)),
+    (0, flat(F32, 400 << 10), "float64", AUTO_LEAF_BYTES // (400 << 10)),
+    (0, flat(F32, AUTO_LEAF_BYTES // 2), "float64", 2),
+    (0, flat(F32, 44_700_000), "float64", 2),  # a ResNet-18: the paper's I
+    (0, flat(F32, LARGE_UPDATE_BYTES - 4), "float64", 2),  # below large updates
+    (0, flat(F32, LARGE_UPDATE_BYTES), "float64", 2 * REFOLD_BOUND),  # large: float64 partials are twice an update
+    (0, flat(BF16, 500_000_000), "float64", 4 * REFOLD_BOUND),  # bf16: four times
+    (0, flat(BF16, 500_000_000), "float32", 2 * REFOLD_BOUND),
+    (0, flat(F64, 1 << 30), "float64", REFOLD_BOUND),
+    (0, flat(F32, 4), "float64", AUTO_FAN_IN[1]),
+    (7, flat(F32, 4 << 10), "float64", 7),  # as set, whatever the model
+    (1, flat(BF16, 500_000_000), "float64", 1),
 ])
-def test_the_leaf_fan_in_in_use(leaf_fan_in: int, data_bytes: int | None, expected: int) -> None:
-    assert JobSpec("a", goal=10, leaf_fan_in=leaf_fan_in).fan_in_for(data_bytes) == expected
+def test_the_leaf_fan_in_in_use(leaf_fan_in: int, model: ModelSpec | None, accumulator: str, expected: int) -> None:
+    assert JobSpec("a", goal=10, leaf_fan_in=leaf_fan_in, accumulator=accumulator).fan_in_for(model) == expected

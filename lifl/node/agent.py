@@ -195,7 +195,7 @@ class JobRun:
 
     @cached_property
     def leaf_fan_in(self) -> int:
-        return self.spec.fan_in_for(self.model_spec.data_bytes if self.model_spec else None)
+        return self.spec.fan_in_for(self.model_spec)
 
     @cached_property
     def sizes(self) -> JobSizes:
@@ -228,7 +228,7 @@ def shard_accumulator_bytes(shard: shards.TensorShard, spec: JobSpec) -> int:
 def job_sizes(spec: JobSpec, model_spec: fmt.ModelSpec, plan: shards.ShardPlan | None = None) -> JobSizes:
     """What aggregating a job's updates allocates; with shards, one accumulator of each shard
     stands for one of the whole model (a task of each shard has one at a time)."""
-    sizes = JobSizes.of(model_spec, spec.fan_in_for(model_spec.data_bytes), strategy_bytes(spec.strategy_spec, model_spec),
+    sizes = JobSizes.of(model_spec, spec.fan_in_for(model_spec), strategy_bytes(spec.strategy_spec, model_spec),
                         spec.fixed_point_spec, spec.float_accumulator)
     if plan is None:
         return sizes
@@ -246,7 +246,7 @@ def check_round_fits(spec: JobSpec, model_spec: fmt.ModelSpec, update_bytes: int
         available = max(for_jobs, default=0)
         raise Unprocessable(
             f"a round of job {spec.job!r} can never complete: it needs {needed} bytes of shared memory at once on a "
-            f"node ({needed_updates} updates of {update_bytes} bytes, leaf fan-in {spec.fan_in_for(model_spec.data_bytes)}, "
+            f"node ({needed_updates} updates of {update_bytes} bytes, leaf fan-in {spec.fan_in_for(model_spec)}, "
             f"spread over up to {len(for_jobs)} node(s)) and the largest has {available} bytes for its tenant's rounds; "
             "raise --shm-limit (or the tenant's shm_bytes quota), lower the job's goal (or min_updates, with a deadline) "
             "or add nodes", code="round_too_large", extra={"needed": needed, "available": available})
