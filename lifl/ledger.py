@@ -101,16 +101,23 @@ class JobSizes:
     accumulator: int  # a partial sum: header and tensors in accumulator dtypes
     model: int  # what the top writes: the next model (header and tensors in model dtypes), and a strategy's objects
     leaf_fan_in: int
+    max_inflight: int = 0  # updates held here at once (the job's max_inflight); 0: no bound
+
+    @property
+    def leaf_inputs_held(self) -> int:
+        """The most inputs of one leaf held at once: its fan-in, or fewer if the job lets fewer
+        updates wait (a leaf folds each as it comes and lets it go)."""
+        return min(self.leaf_fan_in, self.max_inflight) if self.max_inflight else self.leaf_fan_in
 
     @classmethod
     def of(cls, spec: fmt.ModelSpec, leaf_fan_in: int, strategy_bytes: int = 0,
-           fixed_point: FixedPoint | None = None, floats: fmt.DType = fmt.F64) -> JobSizes:
+           fixed_point: FixedPoint | None = None, floats: fmt.DType = fmt.F64, max_inflight: int = 0) -> JobSizes:
         """The objects the aggregator function allocates (``functions/aggregator/handler``);
         ``strategy_bytes``: what a strategy step allocates besides the model (``functions/aggregator/top``);
         ``fixed_point``: partial sums are integers (``lifl.fixedpoint``); ``floats``: else, their dtype."""
         partial = partial_spec(spec, fixed_point, floats)
         return cls(len(fmt.spec_header(partial)) + partial.data_bytes,
-                   len(fmt.spec_header(spec)) + spec.data_bytes + strategy_bytes, leaf_fan_in)
+                   len(fmt.spec_header(spec)) + spec.data_bytes + strategy_bytes, leaf_fan_in, max_inflight)
 
 
 def round_extra(sizes: JobSizes, updates: int, partials: int) -> int:
@@ -140,9 +147,10 @@ def node_peak(sizes: JobSizes, update_bytes: int, updates: int, partials: int) -
     fan_in = sizes.leaf_fan_in
     # the floor is largest when a leaf's last input arrives (all its inputs wait together) or
     # at the round's last update (the most accumulators): one of the two is the peak
-    peak = round_extra(sizes, updates, partials) + ((updates - 1) % fan_in + 1) * update_bytes if updates else 0
+    held = sizes.leaf_inputs_held
+    peak = round_extra(sizes, updates, partials) + min((updates - 1) % fan_in + 1, held) * update_bytes if updates else 0
     if full_leaf := updates - updates % fan_in:
-        peak = max(peak, round_extra(sizes, full_leaf, partials) + fan_in * update_bytes)
+        peak = max(peak, round_extra(sizes, full_leaf, partials) + held * update_bytes)
     if partials:
         peak = max(peak, round_extra(sizes, updates, partials) + sizes.accumulator)
     return peak
@@ -346,7 +354,7 @@ class MemoryLedger:
         need = nbytes + after - before
         # what must coexist for the round to take it: its extra, this input, and the inputs
         # already waiting in the same leaf (held until the leaf folds them)
-        siblings = r.updates % sizes.leaf_fan_in * nbytes if kind == UPDATE else 0
+        siblings = min(r.updates % sizes.leaf_fan_in, sizes.leaf_inputs_held - 1) * nbytes if kind == UPDATE else 0
         floor, for_rounds = after + nbytes + siblings, self.for_rounds(tenant)
         if floor > for_rounds:
             self._settle(owner.job)

@@ -14,25 +14,30 @@ ACCUMULATOR, MODEL, UPDATE_BYTES = 100, 90, 80
 
 def brute_floor(sizes: JobSizes, updates: int) -> int:
     """The largest floor the ledger checks over a node's updates of a round (MemoryLedger.reserve)."""
-    return max(round_extra(sizes, k + 1, 0) + (k % sizes.leaf_fan_in + 1) * UPDATE_BYTES for k in range(updates))
+    held = sizes.leaf_inputs_held
+    return max(round_extra(sizes, k + 1, 0) + min(k % sizes.leaf_fan_in + 1, held) * UPDATE_BYTES for k in range(updates))
 
 
 @pytest.mark.parametrize("fan_in", [1, 2, 3, 5])
 @pytest.mark.parametrize("updates", [1, 2, 3, 4, 7, 10, 31])
-def test_a_nodes_peak_is_the_largest_floor_the_ledger_admits_by(fan_in: int, updates: int) -> None:
-    sizes = JobSizes(ACCUMULATOR, MODEL, fan_in)
+@pytest.mark.parametrize("max_inflight", [0, 1, 2, 40])
+def test_a_nodes_peak_is_the_largest_floor_the_ledger_admits_by(fan_in: int, updates: int, max_inflight: int) -> None:
+    sizes = JobSizes(ACCUMULATOR, MODEL, fan_in, max_inflight)
     assert node_peak(sizes, UPDATE_BYTES, updates, 0) == brute_floor(sizes, updates)
 
 
-@pytest.mark.parametrize("fan_in, updates", [(2, 1), (2, 6), (3, 7), (4, 9)])
-def test_the_ledger_takes_a_round_one_leaf_at_a_time_with_its_peak_and_not_one_byte_less(fan_in: int, updates: int) -> None:
-    """Admitting the updates, each leaf folded (its inputs freed, its accumulator made) as it fills."""
-    sizes = JobSizes(ACCUMULATOR, MODEL, fan_in)
+@pytest.mark.parametrize("fan_in, updates, max_inflight", [(2, 1, 0), (2, 6, 0), (3, 7, 0), (4, 9, 0), (8, 8, 2), (8, 11, 1),
+                                                          (4, 9, 3)])
+def test_the_ledger_takes_a_round_one_leaf_at_a_time_with_its_peak_and_not_one_byte_less(
+        fan_in: int, updates: int, max_inflight: int) -> None:
+    """Admitting the updates, each leaf folding (its inputs freed, its accumulator made) as it
+    fills, or as soon as the job's max_inflight updates wait."""
+    sizes = JobSizes(ACCUMULATOR, MODEL, fan_in, max_inflight)
     peak = node_peak(sizes, UPDATE_BYTES, updates, 0)
 
     def run(capacity: int) -> bool:
         ledger, owner = MemoryLedger(capacity), RoundOf("j", 0)
-        inputs = 0
+        inputs = in_leaf = 0
         for k in range(updates):
             try:
                 ledger.reserve(owner, UPDATE, sizes, UPDATE_BYTES, now=0.0)
@@ -41,10 +46,12 @@ def test_the_ledger_takes_a_round_one_leaf_at_a_time_with_its_peak_and_not_one_b
                 return False
             ledger.add_object(owner, UPDATE_BYTES)
             inputs += 1
-            if inputs == fan_in or k == updates - 1:  # the leaf folds: its inputs go, its result stays
-                for _ in range(inputs):
+            in_leaf += 1
+            if inputs == sizes.leaf_inputs_held or in_leaf == fan_in or k == updates - 1:
+                for _ in range(inputs):  # the leaf folds: its inputs go, its result stays
                     ledger.remove_object(owner, UPDATE_BYTES)
                 inputs = 0
+                in_leaf %= fan_in
         return True
 
     assert run(peak) and not run(peak - 1)

@@ -229,7 +229,7 @@ def job_sizes(spec: JobSpec, model_spec: fmt.ModelSpec, plan: shards.ShardPlan |
     """What aggregating a job's updates allocates; with shards, one accumulator of each shard
     stands for one of the whole model (a task of each shard has one at a time)."""
     sizes = JobSizes.of(model_spec, spec.fan_in_for(model_spec), strategy_bytes(spec.strategy_spec, model_spec),
-                        spec.fixed_point_spec, spec.float_accumulator)
+                        spec.fixed_point_spec, spec.float_accumulator, spec.max_inflight)
     if plan is None:
         return sizes
     return replace(sizes, accumulator=sum(shard_accumulator_bytes(s, spec) for s in plan.shards))
