@@ -59,6 +59,7 @@ CHUNK_ELEMENTS = 1 << 24  # generation and checking go through this many element
 SHM_CAPACITY = 20 << 30  # the node's --shm-limit, or less if /dev/shm has less free
 FLOWER_MEMORY_FRACTION = 0.75  # of MemAvailable: what Flower's round may take before it counts as out of memory
 FLOWER_TIMEOUT_S = 3600  # bounds a failure only
+PUSH_PATIENCE_S = 1800  # how long a client keeps asking while the lean job's max_inflight keeps it waiting
 
 
 LEAN_INFLIGHT = 2  # the lean system's max_inflight: updates held at once besides the accumulator
@@ -232,6 +233,7 @@ def resume_overhead(update: Path, model_file: Path, workdir: Path, shm_capacity:
 def run_system(name: str, files: list[Path], model_file: Path, samples: list[int], fields: dict[str, Any],
                workdir: Path, shm_capacity: int) -> dict[str, Any]:
     from lifl.client import Gateway
+    from lifl.client.gateway import RetryPolicy
     from lifl.protocol import GetRecent, Hello
     from lifl.rpc import Client
 
@@ -250,8 +252,8 @@ def run_system(name: str, files: list[Path], model_file: Path, samples: list[int
                     return {"refused": e.code, "needed_bytes": e.extra["needed"], "available_bytes": e.extra["available"]}
             errors: list[BaseException] = []
 
-            def push(i: int) -> None:
-                client = Gateway(http, token=node.operator_token)
+            def push(i: int) -> None:  # a client the node asks to wait (max_inflight) waits its turn
+                client = Gateway(http, token=node.operator_token, retry=RetryPolicy(max_elapsed_s=PUSH_PATIENCE_S))
                 try:
                     client.push_file("large", files[i], client=f"c{i}", samples=samples[i], base_version=0)
                 except BaseException as e:
