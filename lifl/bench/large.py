@@ -59,7 +59,7 @@ CHUNK_ELEMENTS = 1 << 24  # generation and checking go through this many element
 SHM_CAPACITY = 20 << 30  # the node's --shm-limit, or less if /dev/shm has less free
 FLOWER_MEMORY_FRACTION = 0.75  # of MemAvailable: what Flower's round may take before it counts as out of memory
 FLOWER_TIMEOUT_S = 3600  # bounds a failure only
-PUSH_PATIENCE_S = 1800  # how long a client keeps asking while the lean job's max_inflight keeps it waiting
+PUSH_PATIENCE_S = 1800  # seconds (and tries) a client keeps asking while the lean job's max_inflight keeps it waiting
 
 
 LEAN_INFLIGHT = 2  # the lean system's max_inflight: updates held at once besides the accumulator
@@ -253,7 +253,8 @@ def run_system(name: str, files: list[Path], model_file: Path, samples: list[int
             errors: list[BaseException] = []
 
             def push(i: int) -> None:  # a client the node asks to wait (max_inflight) waits its turn
-                client = Gateway(http, token=node.operator_token, retry=RetryPolicy(max_elapsed_s=PUSH_PATIENCE_S))
+                patient = RetryPolicy(max_attempts=PUSH_PATIENCE_S, max_elapsed_s=PUSH_PATIENCE_S)
+                client = Gateway(http, token=node.operator_token, retry=patient)
                 try:
                     client.push_file("large", files[i], client=f"c{i}", samples=samples[i], base_version=0)
                 except BaseException as e:
