@@ -50,3 +50,11 @@ def pss_mb(pids: list[int]) -> float:
         except OSError:
             pass
     return kb / 1024
+
+
+def meminfo_bytes(key: str) -> int:
+    """A field of /proc/meminfo ("MemAvailable", ...) in bytes."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(f"/proc/meminfo has no {key}")

@@ -50,6 +50,7 @@ import numpy as np
 
 from lifl import format as fmt
 from lifl.errors import Unprocessable
+from lifl.procstat import meminfo_bytes
 
 GB = 1e9
 SAMPLE_INTERVAL_S = 0.05
@@ -298,13 +299,6 @@ def run_system(name: str, files: list[Path], model_file: Path, samples: list[int
             gw.close()
 
 
-def _meminfo_bytes(key: str) -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith(f"{key}:"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def flower_system(files: list[Path], model_file: Path, samples: list[int], limit_bytes: int) -> dict[str, Any]:
     """Flower's FedAvg on the same replies, in a process of Flower's environment (``flower_round``)."""
     import subprocess
@@ -397,7 +391,7 @@ def run(parameters: int, clients: int, shards: int, say: Callable[[str], None] =
             say(f"{name}: {out[name]}")
         out["resume"] = resume_overhead(files[0], model_file, root, capacity)
         say(f"resume: {out['resume']}")
-        out["flower"] = flower_system(files, model_file, samples, int(FLOWER_MEMORY_FRACTION * _meminfo_bytes("MemAvailable")))
+        out["flower"] = flower_system(files, model_file, samples, int(FLOWER_MEMORY_FRACTION * meminfo_bytes("MemAvailable")))
         say(f"flower: {out['flower']}")
         if out["flower"]["completed"]:  # lifl's node against Flower's server process
             out["flower_peak_ratio"] = {name: round(out[name]["peak_rss_bytes_per_node"] / out["flower"]["peak_rss_bytes"], 3)

@@ -52,7 +52,7 @@ from lifl.control.planner import BESTFIT, LEAST_CONNECTION, Counters, NodeLoad, 
 from lifl.kernels import Tensors, fold
 from lifl.node import netns
 from lifl.node.cluster import Cluster, ClusterConfig
-from lifl.procstat import cpu_seconds
+from lifl.procstat import cpu_seconds, meminfo_bytes
 from lifl.state import ClusterState
 
 SYSTEMS: dict[str, dict[str, Any]] = {
@@ -165,8 +165,7 @@ def cold_start_ms(reps: int = 3) -> float:
 def update_size_mb(loads: list[int]) -> float:
     """The largest update (up to 230 MB) for which the biggest load, its accumulators (twice the
     update, one per two updates) and the pooled buffers fit in half the available memory."""
-    available = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
-                         if line.startswith("MemAvailable:"))) * 1024
+    available = meminfo_bytes("MemAvailable")
     return min(MAX_UPDATE_MB, float(int(available * 0.5 / (2.5 * max(loads)) / 1e6)))
 
 
