@@ -8,7 +8,8 @@
 #
 # The images: dev.local/lifl/base:bookworm (Debian minbase + Python, made by mmdebstrap from the
 # mirror the host's apt uses), dev.local/lifl/lifl:VERSION (the node: lifl[k8s] in a venv,
-# redis-server, bpftool, the eBPF object; templates/lifl-node), dev.local/lifl/aggregator:VERSION
+# redis-server, bpftool, the eBPF object; templates/lifl-node, on dev.local/lifl/node-base:bookworm,
+# which holds the apt packages and is rebuilt only when they change), dev.local/lifl/aggregator:VERSION
 # (the aggregator function, OpenFaaS-style, non-root, built only if its tests pass;
 # templates/lifl-aggregator + functions/aggregator), dev.local/knative/queue:KNATIVE_VERSION
 # (Knative's queue-proxy, from the binary scripts/k8s-testenv.sh builds) and
@@ -60,11 +61,14 @@ knative_version() {  # the serving module the test bed builds its Knative binari
 
 BASE_IMAGE="dev.local/lifl/base:$DEBIAN_SUITE"
 IMAGES=(base lifl aggregator queue pause)  # in build order; each has its archive and stamp under $OUT
+# node-base (templates/lifl-node/base.Containerfile) is built and cached the same way, but only as
+# the node image's base: it is not listed or imported
 
 image_name() {  # key
   local version
   case "$1" in
     base) echo "$BASE_IMAGE" ;;
+    node-base) echo "dev.local/lifl/node-base:$DEBIAN_SUITE" ;;
     lifl | aggregator) version="$(lifl_version)"; echo "dev.local/lifl/$1:$version" ;;
     queue) version="$(knative_version)"; echo "dev.local/knative/queue:$version" ;;
     pause) echo "dev.local/lifl/pause:3.10" ;;
@@ -244,8 +248,19 @@ build_wheelhouse() {
   echo "$stamp" > "$OUT/wheelhouse.stamp"
 }
 
-build_node() {  # name, context; apt-get install needs the mirror: the host's network
-  podman_build "$1" "$2" Containerfile host
+build_node_base() {  # name, context; apt-get install needs the mirror: the host's network
+  podman_build "$1" "$2" base.Containerfile host
+}
+
+build_node() {  # name, context
+  podman_build "$1" "$2" Containerfile none
+}
+
+node_base_context() {
+  local context
+  context="$(context_dir node-base)"
+  copy_tree "$SOURCE/templates/lifl-node" "$context" base.Containerfile
+  echo "$context"
 }
 
 build_function() {  # name, context; Python packages come from the wheelhouse only: no network
@@ -336,9 +351,14 @@ build() {
   base="$(base_stamp)"
   ensure_image base "$base" build_base
 
+  context="$(node_base_context)"
+  local node_base
+  node_base="$(context_stamp "$base" "$context" build_node_base node_base_context)"
+  ensure_image node-base "$node_base" build_node_base "$context"
+
   build_wheelhouse
   context="$(node_context)"
-  stamp="$(context_stamp "$base" "$context" build_node node_context)"
+  stamp="$(context_stamp "$node_base" "$context" build_node node_context)"
   ensure_image lifl "$stamp" build_node "$context"
   context="$(function_context)"
   stamp="$(context_stamp "$base" "$context" build_function function_context)"

@@ -38,6 +38,7 @@ pytestmark = [
 
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 BASE = "dev.local/lifl/base:bookworm"
+NODE_BASE = "dev.local/lifl/node-base:bookworm"
 NODE = f"dev.local/lifl/lifl:{VERSION}"
 FUNCTION = f"dev.local/lifl/aggregator:{VERSION}"
 PAUSE = "dev.local/lifl/pause:3.10"
@@ -111,6 +112,7 @@ def test_every_image_is_built_and_listed(first_build: str) -> None:
     images = listed()
     for name in (BASE, NODE, FUNCTION, PAUSE):
         assert images[name].is_file(), f"{name} has no archive:\n{first_build}"
+    assert states(first_build).get(NODE_BASE) in ("building", "up to date") and NODE_BASE not in images  # a stage only
     queue = [name for name in images if name.startswith("dev.local/knative/queue:")]
     if not (CACHE / "bin" / QUEUE_BINARY_NAME).exists():
         assert "skipping" in states(first_build).values(), first_build
@@ -299,6 +301,7 @@ def test_a_changed_handler_rebuilds_only_the_lifl_images_and_its_tests_gate_the_
     done = states(rebuilt)
     assert done.pop("wheelhouse") == "building"
     assert done.pop(NODE) == "building"
+    assert done.pop(NODE_BASE) == "up to date"  # the node's apt packages: not installed again
     assert done.pop(FUNCTION) == "building"
     assert set(done.values()) <= {"up to date", "skipping"}, rebuilt
     assert BASE in done and PAUSE in done
