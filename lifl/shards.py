@@ -23,14 +23,16 @@ alignment: every node and every aggregator derives the same one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 import numpy as np
 
 from lifl.errors import BadRequest
-from lifl.format import DType, ModelSpec, TensorSpec
+from lifl import format as fmt
+from lifl.format import DType, Layout, ModelSpec, TensorSpec
 
 TENSOR = "tensor"
 ELEMENT = "element"
@@ -139,6 +141,34 @@ def resolve(requested: int, alignment: str, spec: ModelSpec, memory_bytes: int) 
     return cut if cut is not None and len(cut) > 1 else None
 
 
+def split_record(requested: int, alignment: str, spec: ModelSpec, memory_bytes: int, nodes: Sequence[str]) -> str:
+    """The parts of a sharded job's model across ``nodes`` (``assign_nodes`` over them sorted),
+    as the job keeps them in Redis: "" when the model stays whole or there is one node. The
+    record names the count the plan was cut with ("auto" is resolved here, on the node setting
+    the model, once), so every node derives the same plan from it (``parts_of``)."""
+    cut = resolve(requested, alignment, spec, memory_bytes)
+    if cut is None or len(nodes) < 2:
+        return ""
+    count = requested or auto_count(spec.data_bytes, memory_bytes)
+    parts = assign_nodes(cut, sorted(nodes))
+    return json.dumps({"count": count, "alignment": alignment, "parts": [[p.node, p.first, p.stop] for p in parts]},
+                      separators=(",", ":"))
+
+
+def split_cut(record: str) -> tuple[int, str]:
+    """The count and the alignment a ``split_record``'s plan was cut with (``plan``'s arguments)."""
+    doc = json.loads(record)
+    return doc["count"], doc["alignment"]
+
+
+@lru_cache(maxsize=64)
+def parts_of(spec: ModelSpec, record: str) -> tuple[ShardPlan, tuple[NodePart, ...]]:
+    """The plan and the parts a ``split_record`` describes."""
+    doc = json.loads(record)
+    cut = plan(spec, *split_cut(record))
+    return cut, tuple(NodePart(node, cut.alignment, cut.shards[first:stop]) for node, first, stop in doc["parts"])
+
+
 def plan(spec: ModelSpec, count: int, alignment: str = ELEMENT) -> ShardPlan:
     """Cut ``spec``'s canonical data section into at most ``count`` non-empty slices."""
     if not 1 <= count <= MAX_SHARDS:
@@ -188,3 +218,129 @@ def _piece(t: TensorSpec, offset: int, begin: int, end: int) -> Piece:
     first = max(begin, offset)
     last = min(end, offset + t.nbytes)
     return Piece(t.name, t.dtype, (first - offset) // size, (last - offset) // size)
+
+
+@dataclass(frozen=True)
+class NodePart:
+    """The shards one node holds of every update and of every version: a contiguous run of a
+    plan's shards, so one byte range of the canonical data section. The node sees the part as a
+    model of its own (``spec``: a flat tensor per tensor it has elements of, named after it), in
+    which its shards lie as ``plan`` says; a blob of that model holds exactly the canonical bytes
+    [data_begin, data_end) of the whole model's."""
+
+    node: str
+    alignment: str  # the whole plan's
+    shards: tuple[TensorShard, ...]
+
+    @property
+    def first(self) -> int:
+        return self.shards[0].index
+
+    @property
+    def stop(self) -> int:
+        return self.shards[-1].index + 1
+
+    @property
+    def data_begin(self) -> int:
+        return self.shards[0].data_begin
+
+    @property
+    def data_end(self) -> int:
+        return self.shards[-1].data_end
+
+    @property
+    def nbytes(self) -> int:
+        return self.data_end - self.data_begin
+
+    def holds(self, shard: int) -> bool:
+        return self.first <= shard < self.stop
+
+    @cached_property
+    def pieces(self) -> tuple[Piece, ...]:
+        """One piece per tensor: its shards' pieces of that tensor, which are consecutive."""
+        merged: dict[str, Piece] = {}
+        for p in (p for shard in self.shards for p in shard.pieces):
+            prior = merged.get(p.tensor)
+            merged[p.tensor] = p if prior is None else Piece(p.tensor, p.dtype, prior.begin, p.end)
+        return tuple(merged.values())
+
+    @cached_property
+    def spec(self) -> ModelSpec:
+        return ModelSpec(tuple(TensorSpec(p.tensor, p.dtype, (p.numel,)) for p in self.pieces))
+
+    @cached_property
+    def plan(self) -> ShardPlan:
+        """Its shards, numbered from 0, with their pieces and bytes counted from the part's."""
+        begins = {p.tensor: p.begin for p in self.pieces}
+        return ShardPlan(self.alignment, tuple(
+            TensorShard(i, tuple(Piece(p.tensor, p.dtype, p.begin - begins[p.tensor], p.end - begins[p.tensor])
+                                 for p in shard.pieces),
+                        shard.data_begin - self.data_begin, shard.data_end - self.data_begin)
+            for i, shard in enumerate(self.shards)))
+
+
+def assign_nodes(plan: ShardPlan, nodes: Sequence[str]) -> tuple[NodePart, ...]:
+    """Each of ``nodes`` (in the order given: every caller passes the same, sorted) takes a
+    contiguous run of the plan's shards, the runs as even in bytes as whole shards allow, every
+    run at least one shard: as many parts as nodes, or as shards when there are fewer."""
+    if not nodes:
+        raise ValueError("no node to hold the shards")
+    if len(set(nodes)) != len(nodes):
+        raise ValueError(f"nodes appear twice in {list(nodes)}")
+    count = min(len(nodes), len(plan))
+    ends = [s.data_end for s in plan.shards]  # cumulative: shard i ends where the data section's bytes reach ends[i]
+    total = ends[-1] if ends else 0
+    stops = []
+    first = 0
+    for k in range(1, count):
+        target = total * k // count
+        lowest, highest = first + 1, len(plan) - (count - k)  # leave each later part a shard at least
+        stop = min(range(lowest, highest + 1), key=lambda i: (abs(ends[i - 1] - target), i))
+        stops.append(stop)
+        first = stop
+    bounds = [0, *stops, len(plan)]
+    return tuple(NodePart(node, plan.alignment, plan.shards[a:b]) for node, a, b in zip(nodes, bounds, bounds[1:]))
+
+
+def part_ranges(layout: Layout, part: NodePart) -> list[tuple[int, int]]:
+    """Where a node's part lies in one blob of the model, laid out as ``layout`` says (a client's
+    update need not be canonical): (offset from the blob's start, bytes) in the order of the
+    part's own blob (``part_blob``: its pieces in the model's order), runs that follow each other
+    in both merged. After the part's header, these bytes are its blob: what a client sends the
+    node, streamed from a file (one run when the update is in the model's order)."""
+    entries = {e.spec.name: e for e in layout.entries}
+    merged: list[tuple[int, int]] = []
+    for p in part.pieces:
+        if not p.nbytes:
+            continue
+        offset = layout.data_start + entries[p.tensor].begin + p.begin * p.dtype.itemsize
+        if merged and merged[-1][0] + merged[-1][1] == offset:
+            merged[-1] = (merged[-1][0], merged[-1][1] + p.nbytes)
+        else:
+            merged.append((offset, p.nbytes))
+    return merged
+
+
+def part_of(plan: ShardPlan, first: int, stop: int, node: str = "") -> NodePart:
+    """The part of ``plan`` made of shards [first, stop): how a function instance, told its
+    node's run, sees the model (``NodePart.spec``) and its shards (``NodePart.plan``)."""
+    if not 0 <= first < stop <= len(plan):
+        raise ValueError(f"shards [{first}, {stop}) are not a run of a plan of {len(plan)}")
+    return NodePart(node, plan.alignment, plan.shards[first:stop])
+
+
+def part_blob(blob: bytes | memoryview, part: NodePart) -> bytearray:
+    """A node's part of a whole model's ``blob`` (in any tensor order) as a blob of its own
+    (``NodePart.spec``): how a node that holds a part takes it from a whole model (the first,
+    or one restored from a whole checkpoint)."""
+    layout = fmt.parse_layout(blob)
+    views = fmt.views(blob, layout)
+    header = fmt.spec_header(part.spec)
+    out = bytearray(len(header) + part.nbytes)
+    out[: len(header)] = header
+    offset = len(header)
+    for p in part.pieces:
+        piece = views[p.tensor].reshape(-1)[p.begin : p.end]
+        out[offset : offset + p.nbytes] = piece.tobytes()
+        offset += p.nbytes
+    return out
