@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from lifl import shards
+from lifl.errors import Unprocessable
 from lifl.format import ModelSpec
 from lifl.jobs import JobSpec
 
@@ -35,6 +37,33 @@ class Job:
     last_round: dict[str, Any] | None
     checkpoint: int  # latest version durably checkpointed, -1 if none
     checkpoint_error: str = ""  # why the next version's checkpoint is not written yet ("" when none failed)
+    parts: str = ""  # the model's shards split across nodes (lifl.shards.split_record); "" when on one node
+    parts_lost: str = ""  # why the round of a split job cannot complete (a part of an acknowledged update was lost)
+
+    @property
+    def split(self) -> tuple[shards.ShardPlan, tuple[shards.NodePart, ...]] | None:
+        """The plan and the nodes' parts of a job whose shards are split across nodes."""
+        if not self.parts or self.model_spec is None:
+            return None
+        return shards.parts_of(self.model_spec, self.parts)
+
+    def part_of(self, node: str) -> shards.NodePart | None:
+        """What ``node`` holds of the job's model (None: nothing, or the job is not split)."""
+        split = self.split
+        return next((p for p in split[1] if p.node == node), None) if split else None
+
+    def blob_spec(self, node: str) -> ModelSpec | None:
+        """What ``node``'s blobs of the job hold (updates, partial sums' layout, versions): its
+        part of the model when the job is split across nodes, else the whole model. A node that
+        holds no part of a split job is refused anything of it (``lifl.errors.Unprocessable``)."""
+        if self.split is None:
+            return self.model_spec
+        part = self.part_of(node)
+        if part is None:
+            raise Unprocessable(f"job {self.spec.job!r} holds its model's shards on nodes {', '.join(p.node for p in self.split[1])}, "
+                                f"not on {node}: send each node its part (GET /v1/jobs/{self.spec.job}/parts)",
+                                code="not_a_part_node")
+        return part.spec
 
     @property
     def leaf_fan_in(self) -> int:
@@ -58,6 +87,7 @@ class Shard:
     assigned: dict[str, int] = field(default_factory=dict)  # clients sent to each node
     inflight: dict[str, int] = field(default_factory=dict)  # uploads in progress on each node
     first_update: float | None = None  # when its first update was acknowledged (Redis clock, s)
+    installed: frozenset[str] = frozenset()  # split jobs: nodes that have their part of the next version
 
     @property
     def participants(self) -> dict[str, int]:
@@ -86,6 +116,7 @@ class Shard:
             assigned={k[9:]: int(v) for k, v in h.items() if k.startswith("assigned.")},
             inflight={k[9:]: int(v) for k, v in h.items() if k.startswith("inflight.")},
             first_update=int(h["first_ms"]) / 1000 if "first_ms" in h else None,
+            installed=frozenset(k[10:] for k in h if k.startswith("installed.")),
         )
 
 

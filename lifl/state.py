@@ -42,7 +42,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from lifl.cluster_types import NO_MODEL, Job, Loss, Shard
-from lifl.errors import Conflict, Forbidden, NotFound, Overloaded, QuotaBusy, QuotaExceeded, Unavailable
+from lifl.errors import BadRequest, Conflict, Forbidden, NotFound, Overloaded, QuotaBusy, QuotaExceeded, Unavailable
 from lifl.format import ModelSpec
 from lifl.flstore.retention import RetentionPolicy
 from lifl.jobs import JobSpec
@@ -193,11 +193,23 @@ local function reserve(token, base, lease, node, client)
     redis.call('ZREM', KEYS[2], lease)
     forget(KEYS[4], lease)
   end
+  local split = (field(h, 'part_count') or 0) > 0
+  if split then
+    if client == '' then return {-9, v, r} end
+    if redis.call('HEXISTS', KEYS[6], 'gone.' .. client) == 1 then return {-10, v, r} end
+    if token ~= '' then redis.call('HSET', KEYS[6], 'tclient.' .. token, client) end
+    if redis.call('HEXISTS', KEYS[6], 'part.' .. client) == 1 then  -- another part of an update with a slot
+      redis.call('HINCRBY', KEYS[3], 'inflight.' .. node, 1)
+      if token ~= '' then redis.call('HSET', KEYS[6], 'slot.' .. token, node) end
+      return {0, v, r}
+    end
+  end
   if field(h, 'reserved') >= field(h, 'goal') then return {-4, v, r} end
   if field(h, 'reserved') == 0 and not round_may_start(h) then return {-8, v, r} end
   redis.call('HINCRBY', h, 'reserved', 1)
   redis.call('HINCRBY', KEYS[3], 'inflight.' .. node, 1)
   if token ~= '' then redis.call('HSET', KEYS[6], 'slot.' .. token, node) end
+  if split then redis.call('HSET', KEYS[6], 'part.' .. client, 1) end
   return {0, v, r}
 end
 local out = {}
@@ -224,7 +236,22 @@ for i = 2, #ARGV, 3 do
   else
     back = tonumber(redis.call('HGET', KEYS[1], 'round')) == tonumber(ARGV[i + 1])
   end
-  if back then
+  local client = token ~= '' and redis.call('HGET', KEYS[3], 'tclient.' .. token)
+  if back and client then  -- a part of an update split across nodes
+    redis.call('HINCRBY', KEYS[2], 'inflight.' .. ARGV[1], -1)
+    if redis.call('HEXISTS', KEYS[3], 'pacc.' .. client .. '.' .. ARGV[1]) == 0 then  -- not a duplicate's
+      if tonumber(redis.call('HGET', KEYS[3], 'pdone.' .. client) or '0') > 0 then
+        -- another node folds a part of it already: the round can only be abandoned
+        redis.call('HSETNX', KEYS[1], 'parts_lost', 'a part of the update of client ' .. client .. ' on node ' ..
+                   ARGV[1] .. ' was given up after other parts of it were acknowledged')
+      elseif redis.call('HDEL', KEYS[3], 'part.' .. client) == 1 then
+        redis.call('HSET', KEYS[3], 'gone.' .. client, 1)
+        redis.call('HINCRBY', KEYS[1], 'reserved', -1)
+        if ARGV[i + 2] ~= '' then redis.call('HINCRBY', KEYS[1], ARGV[i + 2], 1) end
+      end
+    end
+    given = given + 1
+  elseif back then
     redis.call('HINCRBY', KEYS[1], 'reserved', -1)
     redis.call('HINCRBY', KEYS[2], 'inflight.' .. ARGV[1], -1)
     if ARGV[i + 2] ~= '' then redis.call('HINCRBY', KEYS[1], ARGV[i + 2], 1) end
@@ -335,6 +362,20 @@ local function decided(token, status, accepted)
   end
   return status, accepted
 end
+local function count_update()  -- one more acknowledged update: the one that meets the goal closes the round
+  local accepted = redis.call('HINCRBY', h, 'accepted', 1)
+  if accepted >= field(h, 'goal') then
+    finalize(h, s)
+    redis.call('PUBLISH', '""" + EVENTS + """', ARGV[2])
+    return 1, accepted
+  end
+  return 0, accepted
+end
+local function arrived()  -- an update (or a part of one) arrived whole at this node
+  redis.call('HINCRBY', s, 'count.' .. node, 1)
+  redis.call('HINCRBY', s, 'inflight.' .. node, -1)
+  redis.call('HSETNX', s, 'first_ms', now_ms())
+end
 local function accept(token, round, client)
   if token ~= '' then
     local prior = redis.call('HGET', t, 'acc.' .. token)
@@ -346,21 +387,28 @@ local function accept(token, round, client)
   if field(h, 'round') ~= round then return -1, 0 end
   if field(h, 'closed') == 1 then return -5, 0 end
   if redis.call('HEXISTS', s, 'dead.' .. node) == 1 then return -6, 0 end
+  local parts = field(h, 'part_count') or 0
+  if parts > 0 then  -- a part of an update split across nodes: the update counts once all its parts are in
+    if client == '' or redis.call('HEXISTS', t, 'gone.' .. client) == 1 then
+      redis.call('HINCRBY', s, 'inflight.' .. node, -1)
+      return decided(token, -8, 0)
+    end
+    if redis.call('HSETNX', t, 'pacc.' .. client .. '.' .. node, 1) == 0 then  -- this part came twice
+      redis.call('HINCRBY', s, 'inflight.' .. node, -1)
+      return decided(token, -7, 0)
+    end
+    arrived()
+    if redis.call('HINCRBY', t, 'pdone.' .. client, 1) < parts then return decided(token, 0, field(h, 'accepted')) end
+    redis.call('HSET', t, 'client.' .. client, node)
+    return decided(token, count_update())
+  end
   if client ~= '' and redis.call('HSETNX', t, 'client.' .. client, node) == 0 then
     redis.call('HINCRBY', h, 'reserved', -1)
     redis.call('HINCRBY', s, 'inflight.' .. node, -1)
     return decided(token, -7, 0)
   end
-  local accepted = redis.call('HINCRBY', h, 'accepted', 1)
-  redis.call('HINCRBY', s, 'count.' .. node, 1)
-  redis.call('HINCRBY', s, 'inflight.' .. node, -1)
-  redis.call('HSETNX', s, 'first_ms', now_ms())
-  if accepted >= field(h, 'goal') then
-    finalize(h, s)
-    redis.call('PUBLISH', '""" + EVENTS + """', ARGV[2])
-    return decided(token, 1, accepted)
-  end
-  return decided(token, 0, accepted)
+  arrived()
+  return decided(token, count_update())
 end
 local out = {}
 for i = 3, #ARGV - 1, 3 do
@@ -373,12 +421,17 @@ return out
 
 # KEYS: job, shard. ARGV: round, min updates, job name. Closes the round at its deadline:
 # 1 closed with what arrived (final counts set), 2 closed to be abandoned (fewer than the
-# minimum: no final counts, so no node starts finishing its tree), -1 not open.
+# minimum, or, split across nodes, parts of updates that are not whole: no final counts, so no node starts finishing its tree), -1 not open.
 _CLOSE = _NOW + _FINALIZE + """
 local h, s = KEYS[1], KEYS[2]
 if field(h, 'round') ~= tonumber(ARGV[1]) or field(h, 'closed') == 1 then return -1 end
 redis.call('PUBLISH', '""" + EVENTS + """', ARGV[3])
-if field(h, 'accepted') < tonumber(ARGV[2]) then
+local parts_in = 0  -- a job split across nodes closes with whole updates only: every part counted belongs to one
+for _, f in ipairs(redis.call('HKEYS', s)) do
+  if string.sub(f, 1, 6) == 'count.' then parts_in = parts_in + tonumber(redis.call('HGET', s, f)) end
+end
+local parts = field(h, 'part_count') or 0
+if field(h, 'accepted') < tonumber(ARGV[2]) or (parts > 0 and parts_in ~= field(h, 'accepted') * parts) then
   redis.call('HSET', h, 'closed', 1)
   return 2
 end
@@ -463,7 +516,8 @@ return {1, remaining, closed and 1 or 0, top_lost}
 
 # KEYS: job, leases, history, shard, assignments, lease owners, updates. ARGV: round expected, new version, model key
 # ('' keeps it), node, summary json ('' records nothing), model spec json ('' keeps it),
-# history length, job name. -> opening time (ms), or -1.
+# history length, job name, parts record ('' keeps it: lifl.shards.split_record, set with the
+# first model). -> opening time (ms), or -1.
 _NEXT_ROUND = _NOW + _TENANT_ROUNDS + """
 local h = KEYS[1]
 if tonumber(redis.call('HGET', h, 'round')) ~= tonumber(ARGV[1]) then return -1 end
@@ -478,6 +532,8 @@ redis.call('HSET', h, 'version', ARGV[2], 'round', next_round, 'round_opened', n
            'reserved', 0, 'accepted', 0, 'aggregated', 0)
 if ARGV[3] ~= '' then redis.call('HSET', h, 'model_key', ARGV[3], 'model_node', ARGV[4]) end
 if ARGV[6] ~= '' then redis.call('HSET', h, 'model_spec', ARGV[6]) end
+if ARGV[9] ~= '' then redis.call('HSET', h, 'parts', ARGV[9], 'part_count', #cjson.decode(ARGV[9]).parts) end
+redis.call('HDEL', h, 'parts_lost')
 redis.call('DEL', KEYS[2], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
 redis.call('HSET', KEYS[4], 'round', next_round, 'epoch', 0)
 if ARGV[5] ~= '' then
@@ -573,6 +629,23 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
+# KEYS: job, shard. ARGV: round, node. A node of a job split across nodes has its part of the
+# round's next version (written and checkpointed). -> the number of parts that have theirs (the
+# node whose part completes them installs the version: next_round), -1 another round or a
+# round that was lost.
+_PART_INSTALLED = """
+local h = KEYS[1]
+if tonumber(redis.call('HGET', h, 'round')) ~= tonumber(ARGV[1]) or redis.call('HEXISTS', h, 'parts_lost') == 1 then
+  return -1
+end
+if redis.call('HSETNX', KEYS[2], 'installed.' .. ARGV[2], 1) == 0 then return 0 end
+local n = 0
+for _, f in ipairs(redis.call('HKEYS', KEYS[2])) do
+  if string.sub(f, 1, 10) == 'installed.' then n = n + 1 end
+end
+return n
+"""
+
 # KEYS: shard. ARGV: round, plan json. The round's plan is written once (first writer wins).
 _SET_PLAN = """
 if tonumber(redis.call('HGET', KEYS[1], 'round') or '-1') ~= tonumber(ARGV[1]) then return 0 end
@@ -583,9 +656,12 @@ RESERVE_OK, RESERVE_NO_JOB, RESERVE_NO_MODEL, RESERVE_STALE, RESERVE_FULL, RESER
 RESERVE_DUPLICATE = -6  # the client's update of this round was acknowledged already
 RESERVE_EXCLUDED = -7  # a query's filter excluded the client from the job's rounds
 RESERVE_TENANT_ROUNDS = -8  # the tenant's other jobs have as many rounds in progress as its quota allows
+RESERVE_NO_CLIENT = -9  # a job split across nodes joins an update's parts by their client: it needs one
+RESERVE_UPDATE_GONE = -10  # another part of the client's update was given up: the update is out of the round
 QUOTA_RETRY_AFTER = 1.0  # seconds a client refused by a quota of what ends by itself is told to wait
 ACCEPT_CLOSED_ROUND, ACCEPT_COUNTED, ACCEPT_OTHER_ROUND, ACCEPT_ROUND_CLOSED, ACCEPT_FENCED = 1, 0, -1, -5, -6
 ACCEPT_DUPLICATE = -7  # another upload of the same client's update was counted first
+ACCEPT_UPDATE_GONE = -8  # another part of the client's update was given up: the update is out of the round
 CLOSE_FINAL, CLOSE_ABANDON, CLOSE_NOT_OPEN = 1, 2, -1
 
 
@@ -618,6 +694,11 @@ def refusal(status: int, job: str, version: int, round_id: int, goal: int, *, ba
     if status == RESERVE_EXCLUDED:
         return Forbidden(f"this client is excluded from the rounds of job {job!r} (a filter query flagged it)",
                          code="client_excluded")
+    if status == RESERVE_NO_CLIENT:
+        return BadRequest(f"job {job!r} holds its model's shards on several nodes, and a client's parts of one update "
+                          "are joined by its client id: send X-Lifl-Client", code="client_required")
+    if status == RESERVE_UPDATE_GONE:
+        return part_given_up(job, round_id, version)
     return Conflict(f"round {round_id} (version {version}) is closed: its deadline passed", code="round_closed",
                     extra={"version": version})
 
@@ -634,6 +715,14 @@ def duplicate(round_id: int, version: int) -> Conflict:
                     code="already_acknowledged", extra={"version": version, "round": round_id})
 
 
+def part_given_up(job: str, round_id: int, version: int) -> Conflict:
+    """A part of an update whose other part was given up (refused, cut off, expired) before any
+    was acknowledged: the update left the round, and its slot went to another client."""
+    return Conflict(f"another part of this client's update of round {round_id} (version {version}) of job {job!r} was "
+                    "given up, so the update is out of the round; send it again in the next round",
+                    code="update_given_up", extra={"version": version, "round": round_id})
+
+
 def accept_refusal(status: int, job: str, round_id: int, version: int, node: str) -> Exception:
     """The error for an update that arrived whole but cannot count (``accept``)."""
     if status == ACCEPT_FENCED:
@@ -641,6 +730,8 @@ def accept_refusal(status: int, job: str, round_id: int, version: int, node: str
                           f"retry (another node, or the next round)", code="node_fenced")
     if status == ACCEPT_DUPLICATE:
         return duplicate(round_id, version)
+    if status == ACCEPT_UPDATE_GONE:
+        return part_given_up(job, round_id, version)
     return Conflict(f"round {round_id} closed while the update was arriving; pull version {version}",
                     code="round_closed", extra={"version": version})
 
@@ -832,6 +923,7 @@ class ClusterState:
         self._next_round = r.register_script(_NEXT_ROUND)
         self._assign = r.register_script(_ASSIGN)
         self._set_plan = r.register_script(_SET_PLAN)
+        self._part_installed = r.register_script(_PART_INSTALLED)
         self._lead = r.register_script(_LEAD)
         self._membership = r.register_script(_MEMBERSHIP)
         self._held_slots = r.register_script(_HELD_SLOTS)
@@ -917,6 +1009,8 @@ class ClusterState:
             last_round=json.loads(h["last_round"]) if h.get("last_round") else None,
             checkpoint=int(h["checkpoint"]),
             checkpoint_error=h.get("checkpoint_error", ""),
+            parts=h.get("parts", ""),
+            parts_lost=h.get("parts_lost", ""),
         )
 
     def _model_spec(self, text: str) -> ModelSpec | None:
@@ -1126,16 +1220,22 @@ class ClusterState:
         return Loss(int(status) == 1, int(remaining), bool(closed), bool(top_lost))
 
     def next_round(self, name: str, round_id: int, version: int, *, key: str = "", node: str = "",
-                   summary: dict[str, Any] | None = None, spec: ModelSpec | None = None) -> float:
+                   summary: dict[str, Any] | None = None, spec: ModelSpec | None = None, parts: str = "") -> float:
         """Finish round ``round_id`` (recording ``summary``) and open the next on ``version``;
         returns its opening time (s), or -1 if the round had moved on already."""
         opened = self._next_round(
             keys=[job_key(name), leases_key(name), history_key(name), shard_key(name), assignments_key(name),
                   lease_owners_key(name), updates_key(name)],
             args=[round_id, version, key, node, json.dumps(summary) if summary else "",
-                  json.dumps(spec.to_json()) if spec else "", HISTORY, name],
+                  json.dumps(spec.to_json()) if spec else "", HISTORY, name, parts],
         )
         return int(opened) / 1000 if int(opened) >= 0 else -1.0
+
+    def part_installed(self, name: str, round_id: int, node: str) -> int:
+        """``node`` has its part of the next version of round ``round_id``: how many parts have
+        theirs now (the part count: this node installs the version), 0 if it said so before, -1 if
+        the round moved on or was lost."""
+        return int(self._part_installed(keys=[job_key(name), shard_key(name)], args=[round_id, node]))
 
     def set_checkpoint(self, name: str, version: int) -> None:
         pipe = self.redis.pipeline()

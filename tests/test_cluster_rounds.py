@@ -7,8 +7,10 @@ import threading
 
 import pytest
 
+from lifl import shards
 from lifl.cluster_types import Job, Shard
 from lifl.control.rounds import AbandonRound, CloseAtDeadline, DeclareLost, PlaceTop, duties
+from lifl.format import F32, ModelSpec, TensorSpec
 from lifl.jobs import JobSpec
 from lifl.state import (
     ACCEPT_CLOSED_ROUND, ACCEPT_COUNTED, ACCEPT_FENCED, ACCEPT_ROUND_CLOSED, CLOSE_ABANDON, CLOSE_FINAL, RESERVE_FULL,
@@ -54,6 +56,52 @@ def shard(**changes) -> Shard:
 ])
 def test_round_duties(j: Job, s: Shard, now: float, live: set[str], expected: list) -> None:
     assert duties(j, s, now, live) == expected
+
+
+MODEL = ModelSpec((TensorSpec("w", F32, (1000,)),))
+PARTS = shards.split_record(4, shards.ELEMENT, MODEL, 1 << 30, ["a", "b"])
+
+
+def split(**changes) -> Job:
+    return job(model_spec=MODEL, parts=PARTS, **changes)
+
+
+@pytest.mark.parametrize("j,s,now,live,expected", [
+    (split(), shard(), 105.0, {"a", "b"}, []),  # nothing under way
+    (split(), shard(), 105.0, {"a"}, []),  # a node died, but the round holds nothing yet
+    (split(reserved=1), shard(inflight={"a": 1, "b": 1}), 105.0, {"a", "b"}, []),
+    (split(reserved=1), shard(inflight={"a": 1}), 105.0, {"a"},  # a node holding shards died: no version can be whole
+     [AbandonRound(7, "interrupted", "node(s) b holding shards of the round died")]),
+    (split(accepted=4, closed=True), shard(finalized=True, counts={"a": 4, "b": 4}), 105.0, {"a", "b"}, []),  # no top to place
+    (split(accepted=4, closed=True), shard(finalized=True, counts={"a": 4, "b": 4}, installed=frozenset({"b"})),
+     105.0, {"a"}, []),  # b died with its part of the next version durable: the round still completes
+    (split(accepted=4, closed=True), shard(finalized=True, counts={"a": 4, "b": 4}, installed=frozenset({"a"})),
+     105.0, {"a"}, [AbandonRound(7, "interrupted", "node(s) b holding shards of the round died")]),
+    (split(reserved=2, parts_lost="a part of the update of client c1 on node b was given up"), shard(), 105.0, {"a", "b"},
+     [AbandonRound(7, "interrupted", "a part of the update of client c1 on node b was given up")]),
+    (split(spec=SPEC, accepted=1), shard(counts={"a": 1, "b": 1}), 110.0, {"a", "b"}, [CloseAtDeadline(7, 2)]),
+    (split(spec=SPEC, accepted=1, closed=True), shard(counts={"a": 1, "b": 1}), 111.0, {"a", "b"},
+     [AbandonRound(7, "abandoned", "deadline passed with 1 whole updates of the 2 needed, or with parts of updates missing")]),
+])
+def test_split_round_duties(j: Job, s: Shard, now: float, live: set[str], expected: list) -> None:
+    assert duties(j, s, now, live) == expected
+
+
+def test_a_split_round_closes_at_its_deadline_with_whole_updates_only(state: ClusterState) -> None:
+    state.create_job(JobSpec("j", goal=4, shards=4, round_deadline_s=10.0, min_updates=1))
+    state.next_round("j", -1, 0, key="00", node="a", spec=MODEL, parts=PARTS)
+    for node in ("a", "b"):
+        assert state.reserve("j", 0, node, client="c1", token=f"c1{node}")[0] == RESERVE_OK
+        state.accept("j", 0, node, client="c1", token=f"c1{node}")
+    assert state.reserve("j", 0, "a", client="c2", token="c2a")[0] == RESERVE_OK
+    state.accept("j", 0, "a", client="c2", token="c2a")  # c2's part on b never comes
+    assert state.close_round("j", 0, 1) == CLOSE_ABANDON  # a's partial sums hold part of c2: abandoned
+    state.next_round("j", 0, 0)
+    for node in ("a", "b"):
+        assert state.reserve("j", 0, node, client="c1", token=f"again{node}")[0] == RESERVE_OK
+        state.accept("j", 1, node, client="c1", token=f"again{node}")
+    assert state.close_round("j", 1, 1) == CLOSE_FINAL  # whole updates only: closes with them
+    assert state.shard("j").counts == {"a": 1, "b": 1}
 
 
 @pytest.fixture

@@ -49,6 +49,8 @@ def duties(job: Job, shard: Shard, now: float, live: Set[str]) -> list[Duty]:
     """The duties round ``job.round`` needs now (``now`` on the Redis clock)."""
     if job.version == NO_MODEL or shard.round != job.round:
         return []  # no model yet, or a next round is being opened
+    if job.parts:
+        return _split_duties(job, shard, now, live)
     involved = {n for n, c in shard.counts.items() if c > 0} | {n for n, c in shard.inflight.items() if c > 0}
     if shard.top:
         involved.add(shard.top)
@@ -75,3 +77,25 @@ def duties(job: Job, shard: Shard, now: float, live: Set[str]) -> list[Duty]:
 
 def _names(nodes: dict[str, int]) -> str:
     return ", ".join(sorted(nodes)) or "none"
+
+
+def _split_duties(job: Job, shard: Shard, now: float, live: Set[str]) -> list[Duty]:
+    """A job split across nodes (lifl.shards.split_record): every node holds a part of every
+    update and aggregates its own shards, so there is no top to place, and a round with a part
+    missing (given up after others were acknowledged, or on a node that died) can only be
+    abandoned: a version is the same round's on every node or none."""
+    split = job.split
+    nodes = [p.node for p in split[1]] if split else []
+    if job.parts_lost:
+        return [AbandonRound(job.round, "interrupted", job.parts_lost)]
+    started = job.reserved > 0 or shard.total > 0
+    dead = [n for n in nodes if n not in live]
+    if dead and started and not shard.installed >= set(dead):
+        return [AbandonRound(job.round, "interrupted", f"node(s) {', '.join(dead)} holding shards of the round died")]
+    deadline = job.spec.round_deadline_s
+    if not job.closed and deadline and now >= job.round_opened + deadline:
+        return [CloseAtDeadline(job.round, job.spec.min_updates)]
+    if job.closed and not shard.finalized:
+        return [AbandonRound(job.round, "abandoned", f"deadline passed with {job.accepted} whole updates of the "
+                             f"{job.spec.min_updates} needed, or with parts of updates missing")]
+    return []
