@@ -426,6 +426,8 @@ class HttpServer(LoopServer):
             Route("GET", re.compile(r"/v1/jobs/([^/]+)"), BLOCKING, self.get_job),
             Route("PUT", re.compile(r"/v1/jobs/([^/]+)/model"), UPLOAD, self.put_model, status=201),
             Route("GET", re.compile(r"/v1/jobs/([^/]+)/model"), DOWNLOAD, self.get_model),
+            Route("GET", re.compile(r"/v1/jobs/([^/]+)/parts"), BLOCKING, self.get_parts),
+            Route("GET", re.compile(r"/v1/jobs/([^/]+)/part"), DOWNLOAD, self.get_part),
             Route("GET", re.compile(r"/v1/jobs/([^/]+)/version"), DEFERRED, self.get_version),
             Route("POST", re.compile(r"/v1/jobs/([^/]+)/updates"), UPLOAD, self.post_update, status=202),
             Route("POST", re.compile(r"/v1/jobs/([^/]+)/uploads"), DEFERRED, self.create_upload, headers=TUS_HEADERS),
@@ -443,6 +445,7 @@ class HttpServer(LoopServer):
             Route("POST", re.compile(r"/v1/internal/jobs/([^/]+)/rounds/([0-9]{1,18})/partials"), UPLOAD, self.post_partial,
                   status=202, internal=True),
             Route("GET", re.compile(r"/v1/internal/jobs/([^/]+)/model"), DOWNLOAD, self.get_local_model, internal=True),
+            Route("GET", re.compile(r"/v1/internal/jobs/([^/]+)/part"), DOWNLOAD, self.get_peer_part, internal=True),
             Route("POST", re.compile(r"/v1/internal/jobs/([^/]+)/queries"), BLOCKING, self.post_peer_query, MAX_QUERY_BODY,
                   pool=SLOW_POOL, internal=True),
             Route("PUT", re.compile(r"/v1/jobs/([^/]+)/leases/([^/]+)"), BLOCKING, self.heartbeat),
@@ -618,6 +621,17 @@ class HttpServer(LoopServer):
 
     def get_model(self, req: Request, caller: Principal, job: str, done: Callable[..., None]) -> None:
         self.service.open_model(caller, job, done)
+
+    def get_parts(self, req: Request, caller: Principal, job: str) -> Response:
+        """Where each node's part of a job split across nodes is (docs/sharding.md)."""
+        return json_response(200, self.service.parts(caller, job))
+
+    def get_part(self, req: Request, caller: Principal, job: str, done: Callable[..., None]) -> None:
+        """This node's part of the model of a job split across nodes."""
+        self.service.open_part(caller, job, done)
+
+    def get_peer_part(self, req: Request, caller: Principal, job: str, done: Callable[..., None]) -> None:
+        self.service.open_part(caller, job, done, internal=True)
 
     def get_version(self, req: Request, caller: Principal, job: str, done: Callable[..., None]) -> None:
         """The job's version once it passes ``after`` (or when ``wait_s`` ends): a long poll."""

@@ -21,6 +21,7 @@ once per version so that any node's gateway serves any job's model.
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import math
@@ -38,6 +39,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from lifl import format as fmt
+from lifl import shards
 from lifl.auth import (
     CLIENT, OPERATOR, REFRESH_SECONDS, TENANT, Action, Principal, TokenSpec, Tokens, acting_client, authorize, bearer,
     certificate_principal, job_tenant, may_issue,
@@ -79,6 +81,7 @@ MAX_ERROR_BODY = 64 << 10
 MAX_PEER_ANSWER = 16 << 20  # a node's part of a split query: per-client numbers, never tensors
 ASSIGN_ATTEMPTS = 3
 FETCH_ATTEMPTS = 3
+PART_CHUNK = 4 << 20  # bytes of a part copied at a time while a split job's whole model is put together
 # a model reference downloads share is given back once unused this long, so that the agent can
 # spill an idle model (lifl.node.spill: it counts the model used until the reference comes back)
 SHARED_MODEL_IDLE_S = 5.0
@@ -793,6 +796,8 @@ class GatewayService:
             "fixed_point": job.spec.fixed_point or None,
             "shards": job.spec.shards or "auto",
             "shard_alignment": job.spec.shard_alignment,
+            "parts": [{"node": p.node, "shards": [p.first, p.stop], "data": [p.data_begin, p.data_end]}
+                      for p in job.split[1]] if job.split else None,
             "accumulator": job.spec.accumulator,
             "version": job.version if has_model else None,
             "round": {
@@ -1006,8 +1011,8 @@ class GatewayService:
                 if not fresh:
                     raise _Recheck(job_name)
                 raise stale(meta.base_version, job.version, allowed)
-            return Ingest(self, "update", meta.job, protocol, job.model_spec, job.spec.max_update_bytes, expected_size,
-                          meta=meta)
+            return Ingest(self, "update", meta.job, protocol, job.blob_spec(self.node), job.spec.max_update_bytes,
+                          expected_size, meta=meta)
 
         def checked(ingest: Ingest | None, error: BaseException | None) -> None:
             if authorized and isinstance(error, LiflError):  # the job's refusal: counted in its round first
@@ -1070,7 +1075,7 @@ class GatewayService:
 
     def _open_anywhere(self, job_name: str, fetches: int, done: Callable[[ModelView | None, BaseException | None], None]) -> None:
         def opened(view: ModelView | None, error: BaseException | None) -> None:
-            if not (isinstance(error, NotFound) and error.code == "model_elsewhere"):
+            if not (isinstance(error, NotFound) and error.code in ("model_elsewhere", "model_split")):
                 done(view, error)
                 return
             if not fetches:
@@ -1084,10 +1089,52 @@ class GatewayService:
                 else:
                     self._open_anywhere(job_name, fetches - 1, done)
 
-            node = error.extra["node"]
-            self.loop.offload(lambda: self._fetch_replica(job_name, node), fetched, SLOW_POOL)
+            if error.code == "model_split":
+                copy = functools.partial(assemble_replica, self, job_name)
+            else:
+                copy = functools.partial(fetch_replica, self, job_name, error.extra["node"])
+            self.loop.offload(lambda: self._replicate_once(job_name, error.code, copy), fetched, SLOW_POOL)
 
         self.open_local_model(job_name, opened)
+
+    def open_part(self, principal: Principal, job_name: str, done: Callable[[ModelView | None, BaseException | None], None],
+                  *, internal: bool = False) -> None:
+        """This node's part of the current model of a job split across nodes (lifl.shards): what
+        the SDK downloads from each node, and peers assemble the whole model from."""
+
+        def authorized(_: Any, error: BaseException | None) -> None:
+            if error is not None:
+                done(None, error)
+                return
+
+            def opened(reply: Reply | None, error: BaseException | None) -> None:
+                if error is not None or reply is None:
+                    done(None, error)
+                    return
+                ref = ModelRef(self.agent, reply[0], reply[1][0])
+                view = ref.view()
+                ref.retire()  # given back once sent: parts are not shared between downloads
+                done(view, None)
+
+            self.agent.request(OpenModel(job_name, part=True), done=opened)
+
+        action = Action.INTERNAL if internal else Action.READ_MODEL
+        self._with_job(job_name, lambda job, fresh: authorize(principal, action, tenant=job.spec.tenant, job=job_name),
+                       authorized)
+
+    def parts(self, principal: Principal, job_name: str) -> dict[str, Any]:
+        """(Blocking.) Where each part of a job split across nodes is: what the SDK sends each
+        node of an update, and downloads from it."""
+        job = self.state.job(job_name)
+        authorize(principal, Action.READ_MODEL, tenant=job.spec.tenant, job=job_name)
+        split = job.split
+        if split is None or job.model_spec is None:
+            raise NotFound(f"job {job_name!r} is not split across nodes" + ("" if job.model_spec else " (it has no model yet)"),
+                           code="not_split")
+        gateways = self.state.gateways()
+        return {"job": job_name, "version": job.version, "model": job.model_spec.to_json(), "cut": list(shards.split_cut(job.parts)),
+                "parts": [{"node": p.node, "gateway": gateways.get(p.node), "shards": [p.first, p.stop],
+                           "data": [p.data_begin, p.data_end]} for p in split[1]]}
 
     def open_peer_model(self, principal: Principal, job_name: str,
                         done: Callable[[ModelView | None, BaseException | None], None]) -> None:
@@ -1149,19 +1196,21 @@ class GatewayService:
         if ref is not None:
             self._models[job_name] = ref
 
-    def _fetch_replica(self, job_name: str, node: str) -> None:
-        """(On the pool.) Copy the model from ``node`` unless another fetch did meanwhile."""
+    def _replicate_once(self, job_name: str, missing: str, copy: Callable[[], None]) -> None:
+        """(On the pool.) ``copy()`` the model to this node (a fetch from the node holding it, or
+        an assembly of a split job's parts), unless another copy did meanwhile: the agent no
+        longer answers ``missing``. One copy per job at a time; the others then find it here."""
         with self._fetching_lock:
             lock = self._fetching.setdefault(job_name, threading.Lock())
-        with lock:  # one fetch per job at a time; the others then find it here
+        with lock:
             try:
                 reply, fds = self.agent.call(OpenModel(job_name))
                 ModelRef(self.agent, reply, fds[0]).retire()
                 return
             except NotFound as e:
-                if e.code != "model_elsewhere":
+                if e.code != missing:
                     raise
-            fetch_replica(self, job_name, node)
+            copy()
 
     def count_rejection(self, job: str, protocol: str, code: str, *, counted_by_agent: bool,
                         then: Callable[[], None] = _nothing) -> None:
@@ -1277,6 +1326,88 @@ def fetch_replica(service: GatewayService, job_name: str, node: str) -> None:
             if sink.key is not None:  # given back at once: the agent's connection outlives this fetch
                 agent.request(Abort(sink.key, e.code if isinstance(e, LiflError) else "aborted"))
             raise
+    finally:
+        conn.close()
+
+
+def assemble_replica(service: GatewayService, job_name: str) -> None:
+    """Put a split job's whole model together in this node's shared memory, as a replica: the
+    model's header, then each part's data section where it lies (the parts are consecutive ranges
+    of the canonical data section). Every part must be of the job's current version; a version
+    that moves meanwhile makes the caller try again."""
+    job = service.state.job(job_name)
+    split = job.split
+    if split is None or job.model_spec is None:
+        raise NotFound(f"job {job_name!r} is not split across nodes", code="not_split")
+    header = fmt.spec_header(job.model_spec)
+    agent = service.agent
+    reply, fds = agent.call(AdmitReplica(job_name, job.version, len(header) + job.model_spec.data_bytes))
+    key = reply.key
+    try:
+        with os.fdopen(fds[0], "r+b", buffering=0) as replica:
+            replica.write(header)
+            for part in split[1]:
+                replica.seek(len(header) + part.data_begin)
+                if part.node == service.node:
+                    _copy_own_part(service, job_name, job.version, part.nbytes, replica)
+                else:
+                    _copy_peer_part(service, job_name, job.version, part.node, part.nbytes, replica)
+        agent.call(InstallReplica(key))
+    except BaseException as e:
+        agent.request(Abort(key, e.code if isinstance(e, LiflError) else "aborted"))
+        raise
+
+
+def _moved(job_name: str, version: int, got: int, node: str) -> Overloaded:
+    return Overloaded(f"node {node} has version {got} of {job_name!r}'s part, not {version}: the model moved on; retry",
+                      code="model_moving")
+
+
+def _copy_own_part(service: GatewayService, job_name: str, version: int, nbytes: int, out: Any) -> None:
+    reply, fds = service.agent.call(OpenModel(job_name, part=True))
+    ref = ModelRef(service.agent, reply, fds[0])
+    try:
+        if ref.version != version:
+            raise _moved(job_name, version, ref.version, service.node)
+        prefix = os.pread(ref.fd, fmt.PREFIX_BYTES, 0)
+        start = fmt.PREFIX_BYTES + fmt.header_length(prefix)
+        if ref.size - start != nbytes:
+            raise Internal(f"this node's part of {job_name!r} holds {ref.size - start} bytes, not {nbytes}")
+        done = 0
+        while done < nbytes:
+            chunk = os.pread(ref.fd, min(PART_CHUNK, nbytes - done), start + done)
+            out.write(chunk)
+            done += len(chunk)
+    finally:
+        ref.retire()
+
+
+def _copy_peer_part(service: GatewayService, job_name: str, version: int, node: str, nbytes: int, out: Any) -> None:
+    peer = service.state.gateway(node)
+    if peer is None:
+        raise Overloaded(f"node {node}, which holds a part of {job_name!r}, is unreachable", code="model_unreachable")
+    host, _, port = peer["http"].rpartition(":")
+    conn = peer_http_connection(host, int(port), PEER_TIMEOUT)
+    try:
+        conn.request("GET", f"/v1/internal/jobs/{job_name}/part",
+                     headers={"Authorization": f"Bearer {service.tokens.internal_token()}"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise Overloaded(f"node {node} did not serve its part of {job_name!r}: "
+                             f"{_error_text(response.read(MAX_ERROR_BODY))}", code="model_unreachable")
+        got = int(response.getheader("X-Lifl-Version", "-1"))
+        if got != version:
+            raise _moved(job_name, version, got, node)
+        prefix = response.read(fmt.PREFIX_BYTES)
+        response.read(fmt.header_length(prefix))
+        done = 0
+        while done < nbytes:
+            chunk = response.read(min(PART_CHUNK, nbytes - done))
+            if not chunk:
+                raise Overloaded(f"node {node}'s part of {job_name!r} ended after {done} of {nbytes} bytes",
+                                 code="model_unreachable")
+            out.write(chunk)
+            done += len(chunk)
     finally:
         conn.close()
 

@@ -45,6 +45,12 @@ class CheckpointStore(Protocol):
     def delete_blob(self, job: str, name: str) -> None: ...
 
 
+def part_name(version: int, first: int, stop: int) -> str:
+    """The blob of a node's part (shards [first, stop)) of ``version`` of a job whose shards are
+    split across nodes (lifl.shards): each node checkpoints its own part; version 0 is whole."""
+    return f"part-{first:03d}-{stop:03d}-{version:012d}"
+
+
 def latest(store: CheckpointStore, job: str) -> int | None:
     versions = store.versions(job)
     return versions[-1] if versions else None

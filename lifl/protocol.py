@@ -545,6 +545,7 @@ class InstallReplica(Message):
 @dataclass(frozen=True)
 class OpenModel(Message):
     job: str
+    part: bool = False  # a job split across nodes: this node's part of the model (else the whole model)
 
 
 @message("release", Ok)

@@ -46,7 +46,7 @@ from lifl.protocol import (
     QUERY_ROLE, Alloc, Attach, CancelTask, Done, Failed, Finished, Folded, InstallResult, Invoke, NextModel, Ready,
     StepPartials, StrategyInputs, StrategyWork, input_fields,
 )
-from lifl.shards import ShardPlan, TensorShard, plan as shard_plan
+from lifl.shards import ShardPlan, TensorShard, part_of, plan as shard_plan
 from lifl.net.io import ready
 from lifl.rpc import Client, Connection
 from lifl.store import MappingCache, object_name
@@ -302,9 +302,12 @@ def serve(ctx: Context, handler: Handler, finished: Callable[[Invocation, dict[s
             strategy = options.get("strategy")
             model_spec = fmt.ModelSpec.from_json(push.spec)
             shards = options.get("shards")  # [count, alignment] when the job's model is cut
+            plan = shard_plan(model_spec, *shards) if shards else None
+            if plan is not None and options.get("part"):  # split across nodes: this node's run of shards
+                part = part_of(plan, *options["part"])
+                model_spec, plan = part.spec, part.plan
             specs[push.job] = (model_spec, StrategySpec.from_json(strategy) if strategy else StrategySpec(),
-                               FixedPoint.from_request(options.get("fixed_point")),
-                               shard_plan(model_spec, *shards) if shards else None,
+                               FixedPoint.from_request(options.get("fixed_point")), plan,
                                fmt.ACCUMULATORS[options.get("accumulator", "float64")])
         model_spec, strategy_spec, fixed_point, plan, accumulator = specs[push.job]
         inv = Invocation(push.task, push.job, push.version, push.role, push.fan_in, push.lazy, model_spec,

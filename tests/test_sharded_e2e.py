@@ -12,7 +12,8 @@ from lifl.errors import BadRequest, Unprocessable
 from lifl.format import F32, ModelSpec, TensorSpec
 from lifl.jobs import JobSpec
 from lifl.kernels import validate
-from lifl.node.agent import StepPartialSums, check_shards_fit
+from lifl.node.agent import StepPartialSums, check_split
+from lifl.shards import parts_of, split_record
 
 SHAPES = {"embed": (64, 33), "w": (33, 17), "b": (17,), "scale": (1,)}
 
@@ -93,22 +94,30 @@ def test_sharded_jobs_refuse_what_they_cannot_do(node) -> None:
         gw.job("refused")
 
 
-@pytest.mark.parametrize("shards, data_bytes, capacity, nodes, refused", [
-    (4, 4096, 1 << 30, 1, False),
-    (4, 4096, 1 << 30, 2, True),
-    (1, 4096, 1 << 30, 3, False),
-    (0, 4096, 1 << 30, 3, False),  # "auto" keeps a small model whole
-    (0, 1 << 20, 1 << 20, 3, True),  # ...and cuts a large one
-    (4, 4, 1 << 30, 2, False),  # a model of one element has one shard however many are asked
+@pytest.mark.parametrize("count, data_bytes, capacity, nodes, strategy, outcome", [
+    (4, 4096, 1 << 30, 1, {}, "whole"),  # one node: its shards stay together
+    (4, 4096, 1 << 30, 2, {}, "split"),
+    (1, 4096, 1 << 30, 3, {}, "whole"),
+    (0, 4096, 1 << 30, 3, {}, "whole"),  # "auto" keeps a small model whole
+    (0, 1 << 20, 1 << 20, 3, {}, "split"),  # ...and cuts a large one
+    (4, 4, 1 << 30, 2, {}, "whole"),  # a model of one element has one shard however many are asked
+    (4, 4096, 1 << 30, 2, {"name": "fedadam"}, "split"),  # coordinate-wise: each node steps its shards
+    (4, 4096, 1 << 30, 2, {"name": "krum"}, "refused"),  # distances of whole updates: one node
+    (4, 4096, 1 << 30, 2, {"name": "dp_fedavg", "clipping_norm": 1.0, "noise_multiplier": 0.1}, "refused"),
+    (4, 4096, 1 << 30, 1, {"name": "krum"}, "whole"),
 ])
-def test_sharded_jobs_need_one_node(shards: int, data_bytes: int, capacity: int, nodes: int, refused: bool) -> None:
-    spec = JobSpec("j", 2, shards=shards)
+def test_sharded_jobs_split_across_nodes(count: int, data_bytes: int, capacity: int, nodes: int,
+                                          strategy: dict[str, object], outcome: str) -> None:
+    spec = JobSpec.from_request({"job": "j", "goal": 4, "shards": count or "auto", **({"strategy": strategy} if strategy else {})})
     model = ModelSpec((TensorSpec("w", F32, (data_bytes // 4,)),))
-    if refused:
-        with pytest.raises(Unprocessable, match="tensor shards, which aggregate on one node"):
-            check_shards_fit(spec, model, capacity, nodes)
+    record = split_record(spec.shards, spec.shard_alignment, model, capacity, [f"n{k}" for k in range(nodes)])
+    assert bool(record) == (outcome != "whole")
+    parts = parts_of(model, record)[1] if record else ()
+    if outcome == "refused":
+        with pytest.raises(Unprocessable, match="reads whole updates"):
+            check_split(spec, parts)
     else:
-        check_shards_fit(spec, model, capacity, nodes)
+        check_split(spec, parts)
 
 
 @pytest.mark.parametrize("sends, told", [

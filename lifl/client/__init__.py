@@ -26,7 +26,8 @@ needs, its ``torch`` extra what torch tensors need.
 from lifl.client.blobs import from_blob, to_blob
 from lifl.client.gateway import DEFAULT_RETRY, NO_RETRY, TOKEN_ENV, ConnectionLost, Gateway, RetryPolicy
 from lifl.client.participant import Participant, RoundResult
+from lifl.client.split import SplitJob
 from lifl.net.tls import ClientTls
 
-__all__ = ["DEFAULT_RETRY", "NO_RETRY", "TOKEN_ENV", "ClientTls", "ConnectionLost", "Gateway", "Participant", "RetryPolicy",
+__all__ = ["DEFAULT_RETRY", "NO_RETRY", "TOKEN_ENV", "ClientTls", "ConnectionLost", "Gateway", "Participant", "RetryPolicy", "SplitJob",
            "RoundResult", "from_blob", "to_blob"]

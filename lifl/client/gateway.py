@@ -486,6 +486,23 @@ class Gateway:
                            idempotent=True)
         return parts[0].meta.version, b"".join(p.data for p in parts)
 
+    def parts(self, job: str) -> dict[str, Any]:
+        """Where each part of a job split across nodes is (docs/sharding.md): {"version", "model"
+        (its tensors), "cut" (the shard plan's count and alignment), "parts": [{"node", "gateway"
+        (its addresses), "shards" [first, stop), "data" [begin, end) of the data section}]}. HTTP only."""
+        self._http_only("parts")
+        return self._json("GET", f"/v1/jobs/{job}/parts", idempotent=True)
+
+    def part(self, job: str) -> tuple[int, bytes]:
+        """(version, blob) of this gateway's node's part of the current model of a split job. HTTP only."""
+        self._http_only("part")
+        _, headers, data = self._request("GET", f"/v1/jobs/{job}/part", idempotent=True)
+        return int(headers["X-Lifl-Version"]), data
+
+    def _http_only(self, call: str) -> None:
+        if self.protocol != "http":
+            raise ValueError(f"{call} needs protocol='http'")
+
     def push(self, job: str, blob: bytes | memoryview, *, samples: int, base_version: int, lease: str = "",
              client: str | None = None) -> dict[str, Any]:
         """Send one update; returns {"version"}: the version it counts towards. ``client`` is the
@@ -540,9 +557,19 @@ class Gateway:
                 raise errors.BadRequest(f"{path} has {size} bytes: an update starts with its 8-byte header length",
                                         code="truncated")
             header_end = min(size, 8 + int.from_bytes(os.pread(f.fileno(), 8, 0), "little"))
-            upload = _ResumableUpload(self, job, f.fileno(), size, header_end, base_version,
-                                      _update_headers(samples, base_version, client, lease))
-            return self._retrying(upload.once, idempotent=True, also=upload.retryable)
+            return self.push_segments(job, [(f.fileno(), 0, size)], header_end, samples=samples,
+                                      base_version=base_version, lease=lease, client=client)
+
+    def push_segments(self, job: str, segments: list[Segment], header_end: int, *, samples: int, base_version: int,
+                      lease: str = "", client: str | None = None) -> dict[str, Any]:
+        """``push_file`` of an update made of ``segments``, in order: bytes in memory, or
+        (file descriptor, offset, length) ranges of open files, sent with sendfile; its header
+        ends at ``header_end``. What ``SplitJob.push_file`` sends each node (its part's header,
+        then the part's ranges of the update's file)."""
+        self._http_only("push_segments")
+        upload = _ResumableUpload(self, job, segments, header_end, base_version,
+                                  _update_headers(samples, base_version, client, lease))
+        return self._retrying(upload.once, idempotent=True, also=upload.retryable)
 
     def download_model(self, job: str, path: str | os.PathLike[str]) -> int:
         """Write the job's current model into ``path`` as it arrives, never holding it whole in
@@ -651,13 +678,18 @@ def _update_headers(samples: int, base_version: int, client: str | None, lease: 
     return headers
 
 
-class _ResumableUpload:
-    """An update pushed from a file (``fd``, ``size`` bytes, its header ending at ``header_end``)
-    through a resumable upload: ``once`` is a try, which goes on where the gateway's bytes end."""
+Segment = bytes | tuple[int, int, int]  # bytes in memory, or (file descriptor, offset, length) of a file
 
-    def __init__(self, gateway: Gateway, job: str, fd: int, size: int, header_end: int, base_version: int,
+
+class _ResumableUpload:
+    """An update pushed through a resumable upload from ``segments`` (its bytes in order: in
+    memory, or ranges of a file, sent with sendfile), its header ending at ``header_end``:
+    ``once`` is a try, which goes on where the gateway's bytes end."""
+
+    def __init__(self, gateway: Gateway, job: str, segments: list[Segment], header_end: int, base_version: int,
                  headers: dict[str, str]) -> None:
-        self.gateway, self.job, self.fd, self.size, self.header_end = gateway, job, fd, size, header_end
+        self.gateway, self.job, self.segments, self.header_end = gateway, job, segments, header_end
+        self.size = sum(len(s) if isinstance(s, bytes) else s[2] for s in segments)
         self.base_version, self.headers = base_version, headers
         self.location: str | None = None  # the upload's, once created
         self.sent_bytes = 0
@@ -713,14 +745,23 @@ class _ResumableUpload:
         return int(answer["Upload-Offset"]), json.loads(data) if status == 202 else None
 
     def _send(self, sock: socket.socket, offset: int, stop: int) -> None:
-        """The file's bytes ``offset`` to ``stop``, unless the gateway answers first (it refused them:
+        """The update's bytes ``offset`` to ``stop``, unless the gateway answers first (it refused them:
         its answer is read next, instead of sending bytes it drops)."""
-        while offset < stop:
-            if ready([sock], 0):
-                return
-            count = min(SEND_CHUNK, stop - offset)
-            sendfile_all(sock, self.fd, count, self.gateway.timeout, start=offset, on_sent=self._count)
-            offset += count
+        begin = 0  # where the segment starts in the update
+        for segment in self.segments:
+            length = len(segment) if isinstance(segment, bytes) else segment[2]
+            while offset < stop and begin <= offset < begin + length:
+                if ready([sock], 0):
+                    return
+                count = min(SEND_CHUNK, stop - offset, begin + length - offset)
+                if isinstance(segment, bytes):
+                    sock.sendall(memoryview(segment)[offset - begin : offset - begin + count])
+                    self._count(count)
+                else:
+                    fd, start, _ = segment
+                    sendfile_all(sock, fd, count, self.gateway.timeout, start=start + offset - begin, on_sent=self._count)
+                offset += count
+            begin += length
         self.sent_all = self.sent_all or stop == self.size
 
     def _count(self, sent: int) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import mmap
 import os
 import queue
 import secrets
@@ -181,12 +182,28 @@ class JobRun:
 
     spec: JobSpec
     tenant: Tenant
-    model_spec: fmt.ModelSpec | None
-    model_key: bytes | None = None  # the model, if this node installed it
+    model_spec: fmt.ModelSpec | None  # the whole model's
+    model_key: bytes | None = None  # the model (its part, for a split job), if this node installed it
     model_version: int = NO_MODEL
     replica: tuple[bytes, int] | None = None  # (key, version): a copy fetched to serve it here
     strategy_state: tuple[bytes, int] | None = None  # (key, version): the strategy's state after that version, if made here
     shm_capacity: int = 0  # the node's shared memory, from which "shards": "auto" sizes its shards
+    parts: str = ""  # its shards split across nodes (lifl.shards.split_record); "" when on one node
+    node: str = ""  # this node, whose part of a split job it is
+
+    @property
+    def part(self) -> shards.NodePart | None:
+        """This node's part of a job split across nodes (None: the job is not split, or the node
+        holds none of it)."""
+        if not self.parts or self.model_spec is None:
+            return None
+        return next((p for p in shards.parts_of(self.model_spec, self.parts)[1] if p.node == self.node), None)
+
+    @property
+    def blob_spec(self) -> fmt.ModelSpec | None:
+        """What this node's blobs of the job hold: its part of a split job's model, else the model."""
+        part = self.part
+        return part.spec if part is not None else self.model_spec
 
     @property
     def spilled(self) -> bool:
@@ -195,18 +212,22 @@ class JobRun:
 
     @cached_property
     def leaf_fan_in(self) -> int:
-        return self.spec.fan_in_for(self.model_spec)
+        return self.spec.fan_in_for(self.blob_spec)
 
     @cached_property
     def sizes(self) -> JobSizes:
         """What aggregating its updates allocates (computed once: it encodes the model's header)."""
-        assert self.model_spec is not None
-        return job_sizes(self.spec, self.model_spec, self.shard_plan)
+        spec = self.blob_spec
+        assert spec is not None
+        return job_sizes(self.spec, spec, self.shard_plan)
 
     @cached_property
     def shard_plan(self) -> shards.ShardPlan | None:
-        """How its model is cut into tensor shards (None: it is not)."""
+        """How its model (its part, when split) is cut into tensor shards (None: it is not)."""
         assert self.model_spec is not None
+        part = self.part
+        if part is not None:
+            return part.plan
         return shards.resolve(self.spec.shards, self.spec.shard_alignment, self.model_spec, self.shm_capacity)
 
     @property
@@ -252,14 +273,14 @@ def check_round_fits(spec: JobSpec, model_spec: fmt.ModelSpec, update_bytes: int
             "or add nodes", code="round_too_large", extra={"needed": needed, "available": available})
 
 
-def check_shards_fit(spec: JobSpec, model_spec: fmt.ModelSpec, shm_capacity: int, nodes: int) -> None:
-    """Refuse a sharded job's model on a cluster of several nodes: its shards' trees aggregate on
-    the node hosting the round's top, and results of other nodes' shards cannot reach it yet."""
-    plan = shards.resolve(spec.shards, spec.shard_alignment, model_spec, shm_capacity)
-    if plan is not None and nodes > 1:
+def check_split(spec: JobSpec, parts: Sequence[shards.NodePart]) -> None:
+    """Refuse to split across nodes a job whose strategy reads whole updates (Krum's distances,
+    dp's norms): its shards' partial sums would have to meet on one node before the step."""
+    if parts and spec.strategy_spec.reads_whole_updates:
         raise Unprocessable(
-            f"job {spec.job!r} cuts its model into {len(plan)} tensor shards, which aggregate on one node, and this "
-            f"cluster has {nodes} nodes: run it on one node, or create it without 'shards'", code="shards_need_one_node")
+            f"job {spec.job!r} cuts its model into shards that this cluster's {len(parts)} nodes would hold apart, and "
+            f"its strategy {spec.strategy_spec.name!r} reads whole updates (norms or distances): run it on one node, "
+            "or create it without 'shards'", code="strategy_needs_one_node")
 
 
 @dataclass(eq=False)
@@ -303,9 +324,10 @@ class StrategyStep:
     report: dict[str, Any]
 
 
-def strategy_state_blob(version: int) -> str:
-    """The checkpoint store's name for the strategy's state after ``version``."""
-    return f"strategy-state-{version:012d}"
+def strategy_state_blob(version: int, part: shards.NodePart | None = None) -> str:
+    """The checkpoint store's name for the strategy's state after ``version`` (``part``: this
+    node's part of it, for a job split across nodes: each node checkpoints its own)."""
+    return f"strategy-state-{version:012d}" + (f"-part-{part.first:03d}-{part.stop:03d}" if part is not None else "")
 
 
 def _input_holder(task_id: int) -> tuple[str, int]:
@@ -337,29 +359,46 @@ class Checkpointer:
 
     def __init__(self, store: checkpoints.CheckpointStore) -> None:
         self.store = store
-        self._queue: queue.Queue[tuple[str, int, int, int, Callable[[float, Exception | None], None]] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, int, int, int, shards.NodePart | None, Callable[[float, Exception | None], None]]
+                                 | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="checkpointer", daemon=True)
         self._thread.start()
         self.keep: Callable[[str], int] = lambda job: checkpoints.KEEP  # versions kept per job
 
-    def submit(self, job: str, version: int, fd: int, size: int, done: Callable[[float, Exception | None], None]) -> None:
-        """Write ``size`` bytes of ``fd`` (closed afterwards) as ``version``; then ``done(seconds, error)``."""
-        self._queue.put((job, version, fd, size, done))
+    def submit(self, job: str, version: int, fd: int, size: int, done: Callable[[float, Exception | None], None],
+               part: shards.NodePart | None = None) -> None:
+        """Write ``size`` bytes of ``fd`` (closed afterwards) as ``version`` (``part``: as this
+        node's part of it); then ``done(seconds, error)``."""
+        self._queue.put((job, version, fd, size, part, done))
 
-    def write(self, job: str, version: int, fd: int, size: int) -> float:
+    def write(self, job: str, version: int, fd: int, size: int, part: shards.NodePart | None = None) -> float:
         t0 = time.perf_counter()
         try:
-            self.store.save(job, version, fd, size)
+            if part is None:
+                self.store.save(job, version, fd, size)
+            else:
+                self.store.save_blob(job, checkpoints.part_name(version, part.first, part.stop), fd, size)
         finally:
             os.close(fd)
-        checkpoints.prune(self.store, job, self.keep(job))
+        if part is None:
+            checkpoints.prune(self.store, job, self.keep(job))
+        elif version - self.keep(job) > 0:  # version 0 is whole, and stays
+            self.store.delete_blob(job, checkpoints.part_name(version - self.keep(job), part.first, part.stop))
         return time.perf_counter() - t0
+
+    def load(self, job: str, version: int, part: shards.NodePart | None = None) -> bytes:
+        """A version's checkpoint, or this node's part of it (sliced from version 0, which is whole)."""
+        if part is None:
+            return self.store.load(job, version)
+        if version == 0:
+            return bytes(shards.part_blob(self.store.load(job, 0), part))
+        return self.store.load_blob(job, checkpoints.part_name(version, part.first, part.stop))
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            job, version, fd, size, done = item
+            job, version, fd, size, part, done = item
             try:
-                seconds, error = self.write(job, version, fd, size), None
+                seconds, error = self.write(job, version, fd, size, part), None
             except Exception as e:  # the install still happens; the error is reported
                 seconds, error = 0.0, e
             done(seconds, error)
@@ -532,6 +571,8 @@ class Agent:
         self.uploads = uploads.Uploads()
         self.checkpoints = installs.Checkpoints()
         self.forwards = installs.Forwards()
+        # a split job's part of a round's next version, durable, until every node's is (lifl.shards)
+        self._split_installing: dict[str, tuple[tree.Install, dict[str, Any]]] = {}
         self.controller = Controller(state, config.node, config.control, reuse=config.reuse)
         self.jobs: dict[str, JobRun] = {}
         self.instances: dict[int, Peer] = {}  # control connections of live instances
@@ -736,7 +777,7 @@ class Agent:
             print(f"lifl agent: job {name!r} resumed at version {latest} from its checkpoint", file=sys.stderr)
 
     def _blob_object(self, run: JobRun, blob: bytes, holder: Hashable, *, model: bool = True) -> Segment:
-        layout = kernels.validate(blob, run.model_spec if model else None)
+        layout = kernels.validate(blob, run.blob_spec if model else None)
         seg = self.store.create(run.tenant, layout.total_size, holder, affinity="gateway", owner=Pinned(run.spec.job))
         os.pwrite(seg.fd, blob, 0)
         self.store.seal(seg.key)
@@ -874,9 +915,10 @@ class Agent:
         """This node's record of a job (``j`` was read from Redis)."""
         run = self.jobs.get(j.spec.job)
         if run is None:
-            run = self.jobs[j.spec.job] = JobRun(j.spec, tenant, j.model_spec, shm_capacity=self.store.capacity)
+            run = self.jobs[j.spec.job] = JobRun(j.spec, tenant, j.model_spec, shm_capacity=self.store.capacity,
+                                                 parts=j.parts, node=self.node)
         if run.model_spec is None:
-            run.model_spec = j.model_spec
+            run.model_spec, run.parts = j.model_spec, j.parts
         return run
 
     def _job_io(self, name: str) -> tuple[Job, Tenant, RetentionPolicy]:
@@ -1296,19 +1338,31 @@ class Agent:
             quota += spillable
             here = min(here, quota)
 
-        def write() -> tuple[float, float]:
+        def write() -> tuple[float, float, str, bytearray | None]:
             try:
+                nodes = {n: s for n, s in self.state.nodes().items() if n != self.node}
                 others = [min(s.shm.capacity - s.shm.pinned - size, quota if quota is not None else s.shm.capacity)
-                          for n, s in self.state.nodes().items() if n != self.node]
-                check_round_fits(run.spec, spec, size, [here, *others])
-                check_shards_fit(run.spec, spec, self.store.capacity, len(others) + 1)
+                          for s in nodes.values()]
+                parts = shards.split_record(run.spec.shards, run.spec.shard_alignment, spec, self.store.capacity,
+                                            [self.node, *nodes])
+                split = shards.parts_of(spec, parts)[1] if parts else ()
+                check_split(run.spec, split)
+                largest = max(split, key=lambda p: p.nbytes, default=None)
+                check_round_fits(run.spec, largest.spec if largest else spec,
+                                 size - spec.data_bytes + largest.nbytes if largest else size, [here, *others])
+                mine = next((p for p in split if p.node == self.node), None)
+                own = None
+                if mine is not None:
+                    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as whole:
+                        own = shards.part_blob(whole, mine)
             except BaseException:
                 os.close(fd)  # the checkpoint's writer would have
                 raise
             seconds = self.checkpointer.write(upload.job, 0, fd, size)
-            return seconds, self.state.next_round(upload.job, -1, 0, key=m.key.hex(), node=self.node, spec=spec)
+            return seconds, self.state.next_round(upload.job, -1, 0, key=m.key.hex(), node=self.node, spec=spec,
+                                                  parts=parts), parts, own
 
-        def written(result: tuple[float, float] | None, error: BaseException | None) -> None:
+        def written(result: tuple[float, float, str, bytearray | None] | None, error: BaseException | None) -> None:
             if error is not None or result is None:
                 self.store.release(m.key, pending)
                 if isinstance(error, OSError):
@@ -1318,16 +1372,24 @@ class Agent:
                 else:
                     reply.error(_unavailable(error or Internal("no answer")))
                 return
-            seconds, opened = result
+            seconds, opened, parts, own = result
             if opened < 0:
                 self.store.release(m.key, pending)
                 reply.error(Conflict(f"job {upload.job!r} already has a model", code="model_exists"))
                 return
-            self.store.move_ref(m.key, pending, ("model", upload.job))
-            run.model_spec = spec
-            self._hold_model(run, m.key, 0)
-            if self.retainer.policy(upload.job).active:
-                self.retainer.keep_model(upload.job, run.tenant, m.key, 0)
+            run.model_spec, run.parts = spec, parts
+            key = m.key
+            if parts:  # split across nodes: this node keeps its part (the whole model is in the checkpoint)
+                self.store.release(m.key, pending)
+                key = self._blob_object(run, bytes(own), ("model", upload.job)).key if own is not None else None
+            else:
+                self.store.move_ref(m.key, pending, ("model", upload.job))
+            if key is not None:
+                self._hold_model(run, key, 0)
+            else:
+                run.model_version = 0  # this node holds no part: it reads the model from the checkpoint when asked
+            if key is not None and self.retainer.policy(upload.job).active:
+                self.retainer.keep_model(upload.job, run.tenant, key, 0)
             self.metrics.checkpoint_seconds.observe(seconds)
             self.metrics.version.labels(upload.job).set(0)
             self._io(lambda: self.state.set_checkpoint(upload.job, 0), "recording the checkpoint")
@@ -1365,17 +1427,25 @@ class Agent:
         def then(j: Job, run: JobRun) -> None:
             if j.version == NO_MODEL:
                 raise Conflict(f"job {m.job!r} has no model yet", code="no_model")
-            opened = self._open_local(holder, run, j.version)
+            split = bool(run.parts)
+            if m.part and not split:
+                raise BadRequest(f"job {m.job!r} is not split across nodes: its model is whole", code="not_split")
+            if split and m.part and run.part is None:
+                raise Unprocessable(f"node {self.node} holds no part of job {m.job!r}", code="not_a_part_node")
+            opened = self._open_local(holder, run, j.version, part=m.part if split else None)
             if opened:
                 reply(*opened)
                 return
+            if split and not m.part:  # the whole model: the gateway assembles it from the parts (a replica)
+                raise NotFound(f"the model of job {m.job!r} is split across nodes", code="model_split",
+                               extra={"version": j.version})
             if run.spilled and run.model_version == j.version:
 
                 def back(error: LiflError | None) -> None:
                     if error is not None:
                         reply.error(error)
                         return
-                    again = self._open_local(holder, run, j.version)
+                    again = self._open_local(holder, run, j.version, part=m.part if split else None)
                     if again is None:  # a newer version was installed meanwhile: read the job again
                         self.open_model(holder, m, reply)
                     else:
@@ -1385,6 +1455,8 @@ class Agent:
                 return
 
             def fetch() -> bytes:
+                if run.parts:  # split across nodes: each holds its own part, every checkpoint of which is shared
+                    return self.checkpointer.load(m.job, j.version, run.part)
                 if j.model_node != self.node and self.state.gateway(j.model_node) is not None:
                     raise NotFound(f"the model of job {m.job!r} is on node {j.model_node}", code="model_elsewhere",
                                    extra={"node": j.model_node, "version": j.version})
@@ -1404,9 +1476,16 @@ class Agent:
                 except LiflError as e:
                     reply.error(e)
                     return
-                self._set_replica(m.job, run, seg.key, j.version, holder)
-                self.metrics.replicas.labels("checkpoint").inc()
-                again = self._open_local(holder, run, j.version)
+                if split:  # this node's part, from its checkpoint: its model again
+                    self.store.move_ref(seg.key, holder, ("model", m.job))
+                    if run.model_key is not None:
+                        self.store.release(run.model_key, ("model", m.job))
+                    self._hold_model(run, seg.key, j.version)
+                    self.metrics.models_moved.labels("restored").inc()
+                else:
+                    self._set_replica(m.job, run, seg.key, j.version, holder)
+                    self.metrics.replicas.labels("checkpoint").inc()
+                again = self._open_local(holder, run, j.version, part=m.part if split else None)
                 assert again is not None
                 reply(*again)
 
@@ -1451,7 +1530,7 @@ class Agent:
             for waiter in self._restoring.pop(job):
                 waiter(problem)
 
-        self.loop.offload(lambda: self.checkpointer.store.load(job, version), loaded, SLOW_POOL)
+        self.loop.offload(lambda: self.checkpointer.load(job, version, run.part), loaded, SLOW_POOL)
 
     def _model_in_memory(self, run: JobRun, version: int) -> bytes | None:
         """(Off the loop.) The object of the job's model ``version`` if it is this node's current
@@ -1522,10 +1601,13 @@ class Agent:
         del self._resident[job]
         self.metrics.models_moved.labels(reason).inc()
 
-    def _open_local(self, holder: Hashable, run: JobRun, version: int) -> tuple[Message, list[int]] | None:
-        if run.model_key is not None and run.model_version == version:
+    def _open_local(self, holder: Hashable, run: JobRun, version: int, *, part: bool | None = None
+                    ) -> tuple[Message, list[int]] | None:
+        """``version`` of the model if this node has it in memory (``part``, for a job split
+        across nodes: its own part, True, or a whole copy, False)."""
+        if part is not False and run.model_key is not None and run.model_version == version:
             key = run.model_key
-        elif run.replica is not None and run.replica[1] == version:
+        elif part is not True and run.replica is not None and run.replica[1] == version:
             key = run.replica[0]
         else:
             return None
@@ -1570,6 +1652,9 @@ class Agent:
             j = read[0]
             if j.version == NO_MODEL:
                 raise Conflict(f"job {m.job!r} has no model yet", code="no_model")
+            if j.parts:  # its nodes hold parts of every update and version: no node has a whole one to query
+                raise Unprocessable(f"job {m.job!r} holds its model's shards on several nodes, and queries read whole "
+                                    "updates and versions: they are not served for it", code="split_job")
             run = self.loop.call(lambda: self._known(read))
             policy = read[2]
             self.loop.call(lambda: self.retainer.policies.__setitem__(m.job, policy))
@@ -1778,7 +1863,7 @@ class Agent:
         into: made by the first that asks, its header written, kept by the round until installed."""
         task = self._task_of(iid, m.task)
         run = self.jobs[task.job]
-        spec = run.model_spec
+        spec = run.blob_spec
         if m.state and spec is not None:
             spec = state_model_spec(run.spec.strategy_spec, spec)
         if task.role != TOP or run.shard_plan is None or spec is None:
@@ -1922,6 +2007,7 @@ class Agent:
             reply(Installed(task.version + 1))
             return
         step = StrategyStep(m.state or None, m.report)
+        part = self.jobs[task.job].part
         written: tuple[int, int] | None = None
         if step.state is not None:
             seg = self.store.seal(step.state)
@@ -1933,12 +2019,12 @@ class Agent:
                 return
             fd, size = written
             try:
-                self.checkpointer.store.save_blob(task.job, strategy_state_blob(task.version + 1), fd, size)
+                self.checkpointer.store.save_blob(task.job, strategy_state_blob(task.version + 1, part), fd, size)
             finally:
                 os.close(fd)
             # a restart resumes from a version the model checkpoints keep: older states are of no use
             if task.version - checkpoints.KEEP >= 0:
-                self.checkpointer.store.delete_blob(task.job, strategy_state_blob(task.version - checkpoints.KEEP))
+                self.checkpointer.store.delete_blob(task.job, strategy_state_blob(task.version - checkpoints.KEEP, part))
 
         def staged(_: None, error: BaseException | None) -> None:
             if error is not None:
@@ -2078,17 +2164,20 @@ class Agent:
 
     def _held_model(self, run: JobRun, version: int, holder: Hashable) -> bytes:
         """Model ``version`` held by ``holder`` (off the loop): installed here, a replica, retained,
-        or read back from its checkpoint."""
+        or read back from its checkpoint (a split job's: this node's part of it)."""
 
-        def local() -> bytes | None:
-            for key, v in ((run.model_key, run.model_version), run.replica or (None, NO_MODEL)):
+        def local() -> bytes | None:  # a split job's replica is the whole model: its part is the model
+            for key, v in ((run.model_key, run.model_version), (None, NO_MODEL) if run.parts else run.replica or (None, NO_MODEL)):
                 if key is not None and v == version:
                     self.store.add_ref(key, holder)
                     return key
             return None
 
         key = self.loop.call(local)
-        if key is None:
+        if key is None and run.parts:  # split across nodes: this node's part, from its checkpoints
+            blob = self.checkpointer.load(run.spec.job, version, run.part)
+            key = self.loop.call(lambda: self._blob_object(run, blob, holder).key)
+        elif key is None:
             key, _ = self.retainer.acquire_model(run.spec.job, run.tenant, version, holder, keep=False)
         return key
 
@@ -2107,7 +2196,7 @@ class Agent:
         if kept is not None:
             return kept
         try:
-            blob = self.checkpointer.store.load_blob(run.spec.job, strategy_state_blob(version))
+            blob = self.checkpointer.store.load_blob(run.spec.job, strategy_state_blob(version, run.part))
         except FileNotFoundError:
             return None
         return self.loop.call(lambda: self._blob_object(run, blob, holder, model=False).key)
@@ -2229,7 +2318,11 @@ class Agent:
             assert run.model_spec is not None
             spec = run.model_spec.to_json()
             options = {"strategy": run.spec.strategy, "fixed_point": run.spec.fixed_point}
-            if run.shard_plan is not None:
+            part = run.part
+            if part is not None:  # how the whole model is cut, and which run of shards is this node's
+                options["shards"] = list(shards.split_cut(run.parts))
+                options["part"] = [part.first, part.stop]
+            elif run.shard_plan is not None:
                 options["shards"] = [len(run.shard_plan), run.spec.shard_alignment]
             if run.spec.accumulator != "float64":
                 options["accumulator"] = run.spec.accumulator
@@ -2310,15 +2403,17 @@ class Agent:
         if then is not None:
             self._settle_then.setdefault(job, []).append(then)
 
-        def settled(shard: Shard | None, error: BaseException | None) -> None:
+        def settled(view: tuple[Job, Shard] | None, error: BaseException | None) -> None:
             self._settling.discard(job)
             if isinstance(error, NotFound):
                 self._apply(self.trees.end(job, "the job no longer exists"))
             elif error is not None:
                 print(f"lifl agent: settling {job!r} waits: {error}", file=sys.stderr)
-            elif shard is not None:
+            elif view is not None:
+                j, shard = view
+                self._settle_split_install(j)
                 try:
-                    self._apply(self.trees.sync(job, shard))
+                    self._apply(self.trees.sync(job, shard, own_top=bool(j.parts)))
                 except ValueError as e:  # Redis and this node disagree: the round cannot finish here
                     print(f"lifl agent: {e}", file=sys.stderr)
             for callback in self._settle_then.pop(job, []):
@@ -2329,8 +2424,9 @@ class Agent:
 
         self.loop.offload(lambda: self._settle_io(job, live), settled)
 
-    def _settle_io(self, job: str, live: set[str] | None) -> Shard:
-        """The round's duties, performed until there are none (off the loop); the shard as it is then."""
+    def _settle_io(self, job: str, live: set[str] | None) -> tuple[Job, Shard]:
+        """The round's duties, performed until there are none (off the loop); the job and its
+        shard as they are then."""
         for _ in range(SETTLE_PASSES):
             view = self.state.job_view(job)
             j, shard = view.job, view.shard
@@ -2340,10 +2436,11 @@ class Agent:
                 wait = (j.round_opened + deadline - view.now if deadline and not j.closed and j.version != NO_MODEL
                         else IDLE_SWEEP_S)
                 self.loop.post(lambda: self._deadline_at.__setitem__(job, time.monotonic() + wait))
-                return shard
+                return j, shard
             for duty in todo:
                 self._perform_duty(job, duty, j, shard)
-        return self.state.shard(job)
+        view = self.state.job_view(job)
+        return view.job, view.shard
 
     def _perform_duty(self, job: str, duty: cluster_rounds.Duty, j: Job | None = None, shard: Shard | None = None) -> None:
         """(off the loop)"""
@@ -2406,7 +2503,8 @@ class Agent:
     def _write_checkpoint(self, e: tree.Install) -> None:
         seg = self.store.get(e.input.key)
         self.checkpointer.submit(e.job, e.version + 1, os.dup(seg.fd), seg.size,
-                                 lambda seconds, error: self.loop.post(lambda: self._checkpointed(e, seconds, error)))
+                                 lambda seconds, error: self.loop.post(lambda: self._checkpointed(e, seconds, error)),
+                                 self.jobs[e.job].part)
 
     def _checkpointed(self, e: tree.Install, seconds: float, error: Exception | None) -> None:
         """The checkpoint of a round's model is written (or failed): make it the next version. A
@@ -2420,11 +2518,10 @@ class Agent:
                   f"trying again in {delay:.3g} s: {error}", file=sys.stderr)
             self._io(lambda: self.state.set_checkpoint_error(job, version, public_reason(error)), "recording a failure")
             return
-        run = self.jobs[job]
         step = self.steps.get((job, version))
         report = step.report if step is not None else {}
 
-        def next_round() -> tuple[float, dict[str, Any]]:
+        def next_round() -> tuple[float | None, dict[str, Any]]:
             view = self.state.job_view(job)
             j, shard = view.job, view.shard
             aggregated = view.now - seconds  # the checkpoint is written between aggregation and installation
@@ -2436,34 +2533,65 @@ class Agent:
                 summary["strategy"] = {"name": strategy.name, **report}
                 if strategy.spends_privacy:  # the budget spent once this version is out
                     summary["strategy"].update(privacy(strategy, version))
+            if j.split is not None:  # this node's part is durable; the node whose part completes them installs
+                installed = self.state.part_installed(job, e.round, self.node)
+                if installed < len(j.split[1]):
+                    return (-1.0 if installed < 0 else None), summary
+                return self.state.next_round(job, e.round, version, summary=summary), summary
             return self.state.next_round(job, e.round, version, key=e.input.key.hex(), node=self.node, summary=summary), summary
 
-        def opened(result: tuple[float, dict[str, Any]] | None, error: BaseException | None) -> None:
+        def opened(result: tuple[float | None, dict[str, Any]] | None, error: BaseException | None) -> None:
             if error is not None or result is None:  # Redis away: written again (it is durable: cheap) later
                 print(f"lifl agent: installing {job} version {version} waits: {error}", file=sys.stderr)
                 failed = self.checkpoints.write_failed(e, time.monotonic())
                 failed.next_try = time.monotonic() + installs.CHECKPOINT_RETRY[0]
                 return
             opened_at, summary = result
-            self._install_step(run, version, installed=opened_at >= 0)
-            pending = ("pending", job, e.round)
-            if opened_at < 0:  # the round moved on meanwhile (abandoned): drop this model
-                self.store.release(e.input.key, pending)
-                return
-            self.store.move_ref(e.input.key, pending, ("model", job))
-            self.store.pin(e.input.key)  # from the round's working memory to the node's models
-            if run.model_key is not None:
-                self.store.release(run.model_key, ("model", job))
-            self._hold_model(run, e.input.key, version)
-            if self.retainer.policy(job).active:
-                self.retainer.keep_model(job, run.tenant, e.input.key, version)
-            self._count_round(job, summary)
-            self.metrics.checkpoint_seconds.observe(seconds)
-            self.metrics.version.labels(job).set(version)
             self.checkpoints.written(job)
-            self.loop.offload(lambda: self.state.set_checkpoint(job, version), lambda _, err: self.settle(job))
+            self.metrics.checkpoint_seconds.observe(seconds)
+            if opened_at is None:  # the other nodes' parts of the version are not all durable yet
+                self._split_installing[job] = (e, summary)
+                self.settle(job)  # the version may have moved meanwhile
+                return
+            self._installed(e, summary, installed=opened_at >= 0)
+            if opened_at >= 0:
+                self.loop.offload(lambda: self.state.set_checkpoint(job, version), lambda _, err: self.settle(job))
 
         self.loop.offload(next_round, opened)
+
+    def _installed(self, e: tree.Install, summary: dict[str, Any], *, installed: bool) -> None:
+        """The round's model is the job's next version (``installed``), or the round moved on
+        without it (it was abandoned): keep it as the node's model, or drop it."""
+        job, version = e.job, e.version + 1
+        run = self.jobs[job]
+        self._install_step(run, version, installed=installed)
+        pending = ("pending", job, e.round)
+        if not installed:
+            self.store.release(e.input.key, pending)
+            return
+        self.store.move_ref(e.input.key, pending, ("model", job))
+        self.store.pin(e.input.key)  # from the round's working memory to the node's models
+        if run.model_key is not None:
+            self.store.release(run.model_key, ("model", job))
+        self._hold_model(run, e.input.key, version)
+        if self.retainer.policy(job).active:
+            self.retainer.keep_model(job, run.tenant, e.input.key, version)
+        self._count_round(job, summary)
+        self.metrics.version.labels(job).set(version)
+
+    def _settle_split_install(self, j: Job) -> None:
+        """A split job's part of a round's next version waits here until the version moves (every
+        node's part durable: it is the node's model now) or the round does without it (lost)."""
+        waiting = self._split_installing.get(j.spec.job)
+        if waiting is None:
+            return
+        e, summary = waiting
+        if j.version > e.version:
+            del self._split_installing[j.spec.job]
+            self._installed(e, summary, installed=True)
+        elif j.round > e.round:
+            del self._split_installing[j.spec.job]
+            self._installed(e, summary, installed=False)
 
     def retry_checkpoints(self) -> None:
         """Write again the checkpoints whose back-off is over (the round's model waits meanwhile);

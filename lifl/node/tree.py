@@ -18,7 +18,9 @@ the number of nodes that took part; it shrinks when a node dies before its resul
 A job with tensor shards (``lifl.shards``) has one such tree per shard in each round, its
 *lanes*: every update goes to a leaf of each lane (which folds only its shard's slice of
 it), and each lane's top writes its slice of the next model into one object, installed
-once every lane's top is done. Lanes of a round run on the node hosting all its tops.
+once every lane's top is done. Lanes of a round run on the node hosting all its tops; a job
+whose shards are split across nodes has the lanes of its own shards on each node, each node
+its own tops (``sync``'s ``own_top``), and every node's count is every update's part.
 """
 
 from __future__ import annotations
@@ -219,8 +221,10 @@ class Trees:
             effects.append(self._deliver(lane.leaves[index], update, shared=s > 0))
         return effects + self._close_tree(r)
 
-    def sync(self, job: str, shard: Shard) -> list[Effect]:
-        """Bring the tree in line with the round's shard (level-based: safe to repeat)."""
+    def sync(self, job: str, shard: Shard, own_top: bool = False) -> list[Effect]:
+        """Bring the tree in line with the round's shard (level-based: safe to repeat).
+        ``own_top``: the job's shards are split across nodes, each node aggregating its own to
+        the end, so its tops are here whatever the shard says, each fed by this node alone."""
         r = self.rounds.get(job)
         if r is None or shard.round < r.round:
             return []
@@ -237,14 +241,15 @@ class Trees:
                 raise ValueError(f"round {r.round} of {job!r} closed with {r.final} updates on {self.node}, "
                                  f"which acknowledged {r.count}")
             effects += self._close_tree(r)
-        if shard.top is not None and (shard.top, shard.epoch) != (r.top_node, r.epoch):
-            r.top_node, r.epoch = shard.top, shard.epoch
+        top, epoch = (self.node, 0) if own_top else (shard.top, shard.epoch)
+        if top is not None and (top, epoch) != (r.top_node, r.epoch):
+            r.top_node, r.epoch = top, epoch
             for s, lane in enumerate(r.lanes):
-                if shard.top == self.node and lane.top is None:
+                if top == self.node and lane.top is None:
                     lane.top = self._task(job, r.round, r.version, TOP, OPEN, s)
                     effects.append(Start(lane.top))
                 effects += self._route_result(r, lane)
-        wanted = len(shard.participants)
+        wanted = 1 if own_top else len(shard.participants)
         for lane in r.lanes:
             if lane.top is not None and wanted != lane.top.fan_in and wanted >= lane.top.inputs:
                 lane.top.fan_in = wanted
