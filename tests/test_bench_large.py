@@ -25,7 +25,7 @@ def test_model_tensors(parameters: int, shapes: list[tuple[int, ...]]) -> None:
 
 @pytest.mark.slow
 def test_a_small_large_run() -> None:
-    result = large.run(300_000, clients=3, shards=3)
+    result = large.run(300_000, clients=3, shards=3, nodes=3)
     assert result["update_bytes"] > 600_000 and result["memcpy_gbps"] > 0
     for name in large.SYSTEMS:
         r = result[name]
@@ -33,7 +33,10 @@ def test_a_small_large_run() -> None:
         assert r["max_abs_error"] < 2 ** -4  # the model's bf16 rounding of averages below 4 in magnitude
     assert result["sharded"]["tasks"]["leaf"] == 3 * result["unsharded"]["tasks"]["leaf"]
     assert result["sharded"]["tasks"]["top"] == 3
-    assert {"sharded_round_ratio", "sharded_aggregator_rss_ratio"} <= set(result)
+    assert {"sharded_round_ratio", "sharded_aggregator_rss_ratio", "split_peak_ratio"} <= set(result)
+    split = result["split"]  # three nodes in namespaces, each holding its shard of every update
+    assert split["nodes"] == 3 and split["round_s"] > 0 and split["max_abs_error"] < 2 ** -4, split
+    assert 0 < split["peak_shm_bytes_per_node"] < result["unsharded"]["peak_shm_bytes_per_node"]
     # what was in flight at the cut (socket buffers: all of this small file's second half) goes
     # again, never what the gateway had (the first half but for the requests' heads)
     resume, update_bytes = result["resume"], result["update_bytes"]

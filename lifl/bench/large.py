@@ -12,6 +12,11 @@ measures, on fresh nodes:
 - ``lean``: lifl on one node, unsharded, with float32 accumulators, one leaf for every update
   (``leaf_fan_in`` = clients) and ``max_inflight`` 2: the node holds two updates, the model and
   the accumulator, the other clients wait their turn (503 and a retry);
+- ``split``: ``lifl up --nodes N`` (network namespaces on this machine, each node ``1/N`` of the
+  shared memory) with the job's ``--shards`` M split across them (docs/sharding.md): every
+  client sends each node its part of its file (``SplitJob.push_file``), each node aggregates
+  its shards; its peaks are the largest node's, and ``split_peak_ratio`` compares them with the
+  unsharded node's (needs root);
 - ``flower``: Flower 1.41's FedAvg in a process of Flower's environment, on the same replies
   widened to float32 (numpy has no bfloat16 arithmetic: Flower aggregates what numpy computes
   on), pulled from an in-process grid as a ServerApp pulls them from the SuperLink. Its
@@ -61,6 +66,7 @@ SHM_CAPACITY = 20 << 30  # the node's --shm-limit, or less if /dev/shm has less 
 FLOWER_MEMORY_FRACTION = 0.75  # of MemAvailable: what Flower's round may take before it counts as out of memory
 FLOWER_TIMEOUT_S = 3600  # bounds a failure only
 PUSH_PATIENCE_S = 1800  # seconds (and tries) a client keeps asking while the lean job's max_inflight keeps it waiting
+NODE_STEM, CLUSTER_PREFIX, CLUSTER_SUBNET = "lg", "liflg", "10.83.0.0/24"  # the split system's cluster
 
 
 LEAN_INFLIGHT = 2  # the lean system's max_inflight: updates held at once besides the accumulator
@@ -145,6 +151,38 @@ class Peaks:
             self.rss = max(self.rss, pss_mb([pid for pids in groups.values() for pid in pids]) * (1 << 20))
             self.aggregator = max([self.aggregator, *(pss_mb([pid]) * (1 << 20) for pid in groups["aggregators"])])
             self.shm = max(self.shm, self.shm_used())
+            self._stop.wait(SAMPLE_INTERVAL_S)
+
+
+class ClusterPeaks:
+    """Each node's memory in a cluster of network namespaces, sampled on a thread until stopped:
+    the largest node's peaks (a node's processes are those of its namespace but its supervisor)."""
+
+    def __init__(self, namespaces: dict[str, tuple[str, int]], shm_used: Callable[[str], float]) -> None:
+        self.namespaces, self.shm_used = namespaces, shm_used  # node -> (namespace, supervisor pid)
+        self.shm = self.rss = self.aggregator = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> ClusterPeaks:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        from lifl.node.netns import namespace_pids
+        from lifl.procstat import children, pss_mb
+
+        while not self._stop.is_set():
+            for node, (namespace, supervisor) in self.namespaces.items():
+                pids = [pid for pid in namespace_pids(namespace) if pid != supervisor]
+                self.rss = max(self.rss, pss_mb(pids) * (1 << 20))
+                runtimes = [pid for parent in children(supervisor) for pid in children(parent)]
+                self.aggregator = max([self.aggregator, *(pss_mb([pid]) * (1 << 20) for pid in runtimes)])
+                self.shm = max(self.shm, self.shm_used(node))
             self._stop.wait(SAMPLE_INTERVAL_S)
 
 
@@ -299,6 +337,73 @@ def run_system(name: str, files: list[Path], model_file: Path, samples: list[int
             gw.close()
 
 
+def split_system(nodes: int, shards: int, files: list[Path], model_file: Path, samples: list[int], workdir: Path,
+                 shm_capacity: int) -> dict[str, Any]:
+    """The round on ``nodes`` nodes of one cluster, the job's ``shards`` split across them."""
+    from lifl.client import Gateway, SplitJob
+    from lifl.client.gateway import RetryPolicy
+    from lifl.net.limits import ConnectionLimits
+    from lifl.node.cluster import Cluster, ClusterConfig
+
+    root = workdir / "split"
+    root.mkdir()
+    with open(root / "cluster.log", "w") as log:  # not stdout: --json prints there
+        cluster = Cluster(ClusterConfig(nodes=nodes, node_stem=NODE_STEM, prefix=CLUSTER_PREFIX, subnet=CLUSTER_SUBNET,
+                                        run_dir=root / "run", data_dir=root / "data", shm_capacity=shm_capacity // nodes,
+                                        gateway_limits=ConnectionLimits(max_uploads_per_principal=len(files))),
+                          log=log)
+        update_bytes = files[0].stat().st_size
+        try:
+            addresses = cluster.start()
+            token = cluster.operator_token
+            http = {node: a.http for node, a in addresses.nodes.items()}
+            gw = Gateway(http[min(http)], token=token)
+            gw.create_job("large", len(files), shards=shards)
+            with _mapped(model_file) as (_, view):
+                gw.set_model("large", view)
+            errors: list[BaseException] = []
+
+            def push(i: int) -> None:  # each client its own connections: a Gateway is not shared by threads
+                patient = RetryPolicy(max_attempts=PUSH_PATIENCE_S, max_elapsed_s=PUSH_PATIENCE_S)
+                try:
+                    with SplitJob(Gateway(http[min(http)], retry=patient, token=token), "large") as job:
+                        job.push_file(files[i], client=f"c{i}", samples=samples[i], base_version=0)
+                except BaseException as e:
+                    errors.append(e)
+
+            watchers = {node: Gateway(address, token=token) for node, address in http.items()}
+            namespaces = {node: (cluster.network.namespace(node), cluster.nodes[node].proc.pid) for node in http}
+            with ClusterPeaks(namespaces, lambda node: _shm_used(watchers[node].metrics())) as peaks:
+                t0 = time.perf_counter()
+                pushers = [threading.Thread(target=push, args=(i,)) for i in range(len(files))]
+                for t in pushers:
+                    t.start()
+                for t in pushers:
+                    t.join()
+                ingested = time.perf_counter() - t0
+                if errors:
+                    raise errors[0]
+                while gw.job("large")["version"] < 1:
+                    time.sleep(0.02)
+                round_s = time.perf_counter() - t0
+            for watcher in watchers.values():
+                watcher.close()
+            with SplitJob(gw, "large") as job:
+                _, model = job.model()
+            gw.close()
+            return {
+                "nodes": nodes,
+                "round_s": round(round_s, 2),
+                "ingest_gbps": round(len(files) * update_bytes / ingested / GB, 3),
+                "peak_shm_bytes_per_node": int(peaks.shm),
+                "peak_rss_bytes_per_node": int(peaks.rss),
+                "peak_aggregator_rss_bytes": int(peaks.aggregator),
+                "max_abs_error": max_abs_error(bytes(model), files, samples),
+            }
+        finally:
+            cluster.stop()
+
+
 def flower_system(files: list[Path], model_file: Path, samples: list[int], limit_bytes: int) -> dict[str, Any]:
     """Flower's FedAvg on the same replies, in a process of Flower's environment (``flower_round``)."""
     import subprocess
@@ -370,7 +475,7 @@ def flower_round(files: list[Path], model_file: Path, samples: list[int], limit_
 
 
 def run(parameters: int, clients: int, shards: int, say: Callable[[str], None] = lambda _: None,
-        workdir: Path | None = None) -> dict[str, Any]:
+        workdir: Path | None = None, nodes: int = 4) -> dict[str, Any]:
     tensors = model_tensors(parameters)
     with tempfile.TemporaryDirectory(prefix="lifl-large-", dir=workdir) as tmp:
         root = Path(tmp)
@@ -383,12 +488,19 @@ def run(parameters: int, clients: int, shards: int, say: Callable[[str], None] =
         write_update(model_file, tensors, seed=None)
         say(f"{parameters:,} bf16 parameters: {clients} updates of {update_bytes / GB:.2f} GB generated")
         samples = [100 + 10 * i for i in range(clients)]
-        out: dict[str, Any] = {"parameters": parameters, "clients": clients, "shards": shards, "update_bytes": update_bytes,
+        out: dict[str, Any] = {"parameters": parameters, "clients": clients, "shards": shards, "nodes": nodes,
+                               "update_bytes": update_bytes,
                                "memcpy_gbps": round(memcpy_gbps(update_bytes), 3)}
         capacity = shm_capacity()
         for name in SYSTEMS:
             out[name] = run_system(name, files, model_file, samples, SYSTEMS[name](shards, clients), root, capacity)
             say(f"{name}: {out[name]}")
+        if nodes > 1:
+            out["split"] = split_system(nodes, shards, files, model_file, samples, root, capacity)
+            say(f"split: {out['split']}")
+            if "refused" not in out["unsharded"]:
+                out["split_peak_ratio"] = round(out["split"]["peak_rss_bytes_per_node"]
+                                                / out["unsharded"]["peak_rss_bytes_per_node"], 3)
         out["resume"] = resume_overhead(files[0], model_file, root, capacity)
         say(f"resume: {out['resume']}")
         out["flower"] = flower_system(files, model_file, samples, int(FLOWER_MEMORY_FRACTION * meminfo_bytes("MemAvailable")))
@@ -408,15 +520,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parameters", type=float, default=1e9, help="bf16 parameters of the model (default 1e9: 2 GB)")
     p.add_argument("--clients", type=int, default=8, help="updates in the round (default 8)")
     p.add_argument("--shards", type=int, default=4, help="tensor shards of the sharded runs (default 4)")
+    p.add_argument("--nodes", type=int, default=4, help="nodes of the split system (default 4; 1: none, it needs root)")
     p.add_argument("--workdir", type=Path, help="where the update files go (default: the temporary directory)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.parameters < 1 or args.clients < 1 or not 2 <= args.shards <= 64:
-        raise SystemExit("--parameters and --clients must be at least 1, --shards between 2 and 64")
+    if args.parameters < 1 or args.clients < 1 or not 2 <= args.shards <= 64 or not 1 <= args.nodes <= args.shards:
+        raise SystemExit("--parameters and --clients must be at least 1, --shards between 2 and 64, --nodes between 1 "
+                         "and --shards")
+    if args.nodes > 1 and os.geteuid() != 0:
+        raise SystemExit("--nodes above 1 runs nodes in network namespaces: it needs root (or --nodes 1)")
     result = run(int(args.parameters), args.clients, args.shards, say=(lambda _: None) if args.json else print,
-                 workdir=args.workdir)
+                 workdir=args.workdir, nodes=args.nodes)
     if args.json:
         print(json.dumps(result))
     return 0
