@@ -249,11 +249,10 @@ def test_the_controller_plans_only_for_the_jobs_it_is_given(state: ClusterState)
 
 def test_the_controller_keeps_a_tree_warm_per_tensor_shard(state: ClusterState) -> None:
     from lifl.control.controller import ControlConfig, Controller
-    from lifl.format import F32, ModelSpec, TensorSpec
 
     model = ModelSpec((TensorSpec("w", F32, (300,)),))
-    for name, shards in (("whole", 1), ("sharded", 3)):
-        state.create_job(JobSpec(name, goal=4, tenant=name, leaf_fan_in=2, shards=shards))
+    for name, count in (("whole", 1), ("sharded", 3)):
+        state.create_job(JobSpec(name, goal=4, tenant=name, leaf_fan_in=2, shards=count))
         state.next_round(name, -1, 0, key="00", node="a", spec=model)
         for i in range(4):
             assert state.assign(name, 0, f"c{i}", ["a"]) == "a"
