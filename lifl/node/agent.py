@@ -1384,12 +1384,10 @@ class Agent:
                 key = self._blob_object(run, bytes(own), ("model", upload.job)).key if own is not None else None
             else:
                 self.store.move_ref(m.key, pending, ("model", upload.job))
-            if key is not None:
+            if key is not None:  # else this node holds no part of the split job's model
                 self._hold_model(run, key, 0)
-            else:
-                run.model_version = 0  # this node holds no part: it reads the model from the checkpoint when asked
-            if key is not None and self.retainer.policy(upload.job).active:
-                self.retainer.keep_model(upload.job, run.tenant, key, 0)
+                if self.retainer.policy(upload.job).active:
+                    self.retainer.keep_model(upload.job, run.tenant, key, 0)
             self.metrics.checkpoint_seconds.observe(seconds)
             self.metrics.version.labels(upload.job).set(0)
             self._io(lambda: self.state.set_checkpoint(upload.job, 0), "recording the checkpoint")
@@ -1432,7 +1430,8 @@ class Agent:
                 raise BadRequest(f"job {m.job!r} is not split across nodes: its model is whole", code="not_split")
             if split and m.part and run.part is None:
                 raise Unprocessable(f"node {self.node} holds no part of job {m.job!r}", code="not_a_part_node")
-            opened = self._open_local(holder, run, j.version, part=m.part if split else None)
+            which = m.part if split else None  # a split job's own part, or its whole copy
+            opened = self._open_local(holder, run, j.version, part=which)
             if opened:
                 reply(*opened)
                 return
@@ -1445,7 +1444,7 @@ class Agent:
                     if error is not None:
                         reply.error(error)
                         return
-                    again = self._open_local(holder, run, j.version, part=m.part if split else None)
+                    again = self._open_local(holder, run, j.version, part=which)
                     if again is None:  # a newer version was installed meanwhile: read the job again
                         self.open_model(holder, m, reply)
                     else:
@@ -1485,7 +1484,7 @@ class Agent:
                 else:
                     self._set_replica(m.job, run, seg.key, j.version, holder)
                     self.metrics.replicas.labels("checkpoint").inc()
-                again = self._open_local(holder, run, j.version, part=m.part if split else None)
+                again = self._open_local(holder, run, j.version, part=which)
                 assert again is not None
                 reply(*again)
 
@@ -2466,7 +2465,7 @@ class Agent:
         its deadline may have come (round events settle it as soon as its round changes)."""
         now = time.monotonic()
         due = [j for j, r in self.jobs.items() if r.spec.round_deadline_s and self._deadline_at.get(j, 0.0) <= now]
-        jobs = list(dict.fromkeys(list(self.trees.rounds) + due))
+        jobs = list(dict.fromkeys(list(self.trees.rounds) + due + list(self._split_installing)))
         if not jobs:
             return
 
