@@ -258,3 +258,20 @@ def test_ending_a_sharded_round_cancels_every_lane() -> None:
     t.accepted("j", 0, 0, 2, update(0), shards=2)
     assert kinds(t.end("j", "gone")) == ["C:3", "C:1", "C:4", "C:2", "Rel:0"]
     assert t.tasks == {}
+
+
+def test_a_split_round_has_its_tops_on_every_node_fed_by_that_node_alone() -> None:
+    """A job split across nodes (lifl.shards.split_record): each node's lanes are its own shards,
+    its tops are here whatever the shard names, each of fan-in 1, and nothing is forwarded."""
+    t = Trees("b")
+    for i in range(2):
+        t.accepted("j", 0, 0, 2, update(i), shards=2)
+    counts = {"a": 2, "b": 2, "c": 2}  # every node took its part of both updates
+    assert kinds(t.sync("j", shard(counts=counts), own_top=True)) == ["R:1=1", "R:2=1", "S:top5", "S:top6", "R:5=1", "R:6=1"]
+    assert kinds(t.sync("j", shard(counts=counts, top="a"), own_top=True)) == []  # a top elsewhere is not this job's
+    for middle, top in ((1, 5), (2, 6)):
+        leaf = t.producers(middle)[0]
+        assert kinds(t.result(leaf, Input(key(100 + leaf), 2, 2, True))) == [f"D:{middle}"]
+        assert kinds(t.result(middle, Input(key(200 + middle), 2, 2, True))) == [f"D:{top}"]  # here, never forwarded
+    model = Input(key(999), 2, 2, False)
+    assert t.result(5, model) == [] and kinds(t.result(6, model)) == ["I:2"]
