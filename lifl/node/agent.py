@@ -212,14 +212,16 @@ class JobRun:
 
     @cached_property
     def leaf_fan_in(self) -> int:
-        return self.spec.fan_in_for(self.blob_spec)
+        """Of the whole model's updates, on every node of a split job too: a part's accumulators
+        are as many times its bytes as the whole model's are, so it refolds as the whole would."""
+        return self.spec.fan_in_for(self.model_spec)
 
     @cached_property
     def sizes(self) -> JobSizes:
         """What aggregating its updates allocates (computed once: it encodes the model's header)."""
         spec = self.blob_spec
         assert spec is not None
-        return job_sizes(self.spec, spec, self.shard_plan)
+        return job_sizes(self.spec, spec, self.shard_plan, self.leaf_fan_in)
 
     @cached_property
     def shard_plan(self) -> shards.ShardPlan | None:
@@ -246,28 +248,35 @@ def shard_accumulator_bytes(shard: shards.TensorShard, spec: JobSpec) -> int:
     return JobSizes.of(shard.spec, 1, 0, spec.fixed_point_spec, spec.float_accumulator).accumulator
 
 
-def job_sizes(spec: JobSpec, model_spec: fmt.ModelSpec, plan: shards.ShardPlan | None = None) -> JobSizes:
+def job_sizes(spec: JobSpec, model_spec: fmt.ModelSpec, plan: shards.ShardPlan | None = None,
+              fan_in: int | None = None) -> JobSizes:
     """What aggregating a job's updates allocates; with shards, one accumulator of each shard
-    stands for one of the whole model (a task of each shard has one at a time)."""
-    sizes = JobSizes.of(model_spec, spec.fan_in_for(model_spec), strategy_bytes(spec.strategy_spec, model_spec),
+    stands for one of the whole model (a task of each shard has one at a time). ``fan_in``:
+    the leaf fan-in, when it is not ``model_spec``'s (a node's part of a split job: the whole
+    model's)."""
+    fan_in = fan_in or spec.fan_in_for(model_spec)
+    sizes = JobSizes.of(model_spec, fan_in, strategy_bytes(spec.strategy_spec, model_spec),
                         spec.fixed_point_spec, spec.float_accumulator, spec.max_inflight)
     if plan is None:
         return sizes
     return replace(sizes, accumulator=sum(shard_accumulator_bytes(s, spec) for s in plan.shards))
 
 
-def check_round_fits(spec: JobSpec, model_spec: fmt.ModelSpec, update_bytes: int, for_jobs: list[int]) -> None:
+def check_round_fits(spec: JobSpec, model_spec: fmt.ModelSpec, update_bytes: int, for_jobs: list[int],
+                     fan_in: int | None = None) -> None:
     """Refuse a model whose job's round can never complete in the nodes' shared memory
     (``for_jobs``: what each live node has for rounds once the model is there): better now than
     after its first update was acknowledged. A round completes with its goal, or, with a
-    deadline, with ``min_updates`` (it closes then with what arrived, all of it reserved)."""
+    deadline, with ``min_updates`` (it closes then with what arrived, all of it reserved).
+    ``fan_in``: as ``job_sizes``'."""
     needed_updates = min(spec.goal, spec.min_updates) if spec.round_deadline_s else spec.goal
-    fits, needed = round_fit(job_sizes(spec, model_spec), update_bytes, needed_updates, for_jobs)
+    fan_in = fan_in or spec.fan_in_for(model_spec)
+    fits, needed = round_fit(job_sizes(spec, model_spec, fan_in=fan_in), update_bytes, needed_updates, for_jobs)
     if not fits:
         available = max(for_jobs, default=0)
         raise Unprocessable(
             f"a round of job {spec.job!r} can never complete: it needs {needed} bytes of shared memory at once on a "
-            f"node ({needed_updates} updates of {update_bytes} bytes, leaf fan-in {spec.fan_in_for(model_spec)}, "
+            f"node ({needed_updates} updates of {update_bytes} bytes, leaf fan-in {fan_in}, "
             f"spread over up to {len(for_jobs)} node(s)) and the largest has {available} bytes for its tenant's rounds; "
             "raise --shm-limit (or the tenant's shm_bytes quota), lower the job's goal (or min_updates, with a deadline) "
             "or add nodes", code="round_too_large", extra={"needed": needed, "available": available})
@@ -1349,7 +1358,8 @@ class Agent:
                 check_split(run.spec, split)
                 largest = max(split, key=lambda p: p.nbytes, default=None)
                 check_round_fits(run.spec, largest.spec if largest else spec,
-                                 size - spec.data_bytes + largest.nbytes if largest else size, [here, *others])
+                                 size - spec.data_bytes + largest.nbytes if largest else size, [here, *others],
+                                 run.spec.fan_in_for(spec))
                 mine = next((p for p in split if p.node == self.node), None)
                 own = None
                 if mine is not None:
