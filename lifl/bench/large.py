@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import mmap
 import os
@@ -127,10 +128,12 @@ def memcpy_gbps(nbytes: int) -> float:
 
 
 class Peaks:
-    """The node's memory, sampled on a thread until stopped."""
+    """Nodes' memory, sampled on a thread until stopped: the largest peaks of any one of them.
+    ``nodes`` maps each node to what gives its processes (``{"aggregators": [...], other roles}``
+    of ``Node.pids``), ``shm_used`` to its store's bytes in use."""
 
-    def __init__(self, node: Any, shm_used: Callable[[], float]) -> None:
-        self.node, self.shm_used = node, shm_used
+    def __init__(self, nodes: dict[str, Callable[[], dict[str, list[int]]]], shm_used: Callable[[str], float]) -> None:
+        self.nodes, self.shm_used = nodes, shm_used
         self.shm = self.rss = self.aggregator = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -147,43 +150,41 @@ class Peaks:
         from lifl.procstat import pss_mb
 
         while not self._stop.is_set():
-            groups = self.node.pids()
-            self.rss = max(self.rss, pss_mb([pid for pids in groups.values() for pid in pids]) * (1 << 20))
-            self.aggregator = max([self.aggregator, *(pss_mb([pid]) * (1 << 20) for pid in groups["aggregators"])])
-            self.shm = max(self.shm, self.shm_used())
-            self._stop.wait(SAMPLE_INTERVAL_S)
-
-
-class ClusterPeaks:
-    """Each node's memory in a cluster of network namespaces, sampled on a thread until stopped:
-    the largest node's peaks (a node's processes are those of its namespace but its supervisor)."""
-
-    def __init__(self, namespaces: dict[str, tuple[str, int]], shm_used: Callable[[str], float]) -> None:
-        self.namespaces, self.shm_used = namespaces, shm_used  # node -> (namespace, supervisor pid)
-        self.shm = self.rss = self.aggregator = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> ClusterPeaks:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        from lifl.node.netns import namespace_pids
-        from lifl.procstat import children, pss_mb
-
-        while not self._stop.is_set():
-            for node, (namespace, supervisor) in self.namespaces.items():
-                pids = [pid for pid in namespace_pids(namespace) if pid != supervisor]
-                self.rss = max(self.rss, pss_mb(pids) * (1 << 20))
-                runtimes = [pid for parent in children(supervisor) for pid in children(parent)]
-                self.aggregator = max([self.aggregator, *(pss_mb([pid]) * (1 << 20) for pid in runtimes)])
+            for node, pids in self.nodes.items():
+                groups = pids()
+                self.rss = max(self.rss, pss_mb([pid for group in groups.values() for pid in group]) * (1 << 20))
+                self.aggregator = max([self.aggregator, *(pss_mb([pid]) * (1 << 20) for pid in groups["aggregators"])])
                 self.shm = max(self.shm, self.shm_used(node))
             self._stop.wait(SAMPLE_INTERVAL_S)
+
+
+def namespace_pids_of(namespace: str, supervisor: int) -> dict[str, list[int]]:
+    """A cluster node's processes: those of its network namespace but its supervisor, the
+    aggregators being its agent's children."""
+    from lifl.node.netns import namespace_pids
+    from lifl.procstat import children
+
+    aggregators = [pid for parent in children(supervisor) for pid in children(parent)]
+    others = [pid for pid in namespace_pids(namespace) if pid != supervisor and pid not in aggregators]
+    return {"aggregators": aggregators, "node": others}
+
+
+def _timed_round(push: Callable[[int], None], clients: int, errors: list[BaseException], version: Callable[[], int]
+                 ) -> tuple[float, float]:
+    """Every client pushing its update at once (``push(i)``, which records a failure in
+    ``errors``): seconds until every push was acknowledged, and until version 1 was installed."""
+    t0 = time.perf_counter()
+    pushers = [threading.Thread(target=push, args=(i,)) for i in range(clients)]
+    for t in pushers:
+        t.start()
+    for t in pushers:
+        t.join()
+    ingested = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    while version() < 1:
+        time.sleep(0.02)
+    return ingested, time.perf_counter() - t0
 
 
 def _shm_used(metrics: str) -> float:
@@ -302,19 +303,8 @@ def run_system(name: str, files: list[Path], model_file: Path, samples: list[int
                     client.close()
 
             watcher = Gateway(http, token=node.operator_token)  # its own connection: a client is not shared by threads
-            with Peaks(node, lambda: _shm_used(watcher.metrics())) as peaks:
-                t0 = time.perf_counter()
-                pushers = [threading.Thread(target=push, args=(i,)) for i in range(len(files))]
-                for t in pushers:
-                    t.start()
-                for t in pushers:
-                    t.join()
-                ingested = time.perf_counter() - t0
-                if errors:
-                    raise errors[0]
-                while gw.job("large")["version"] < 1:
-                    time.sleep(0.02)
-                round_s = time.perf_counter() - t0
+            with Peaks({"node": node.pids}, lambda _: _shm_used(watcher.metrics())) as peaks:
+                ingested, round_s = _timed_round(push, len(files), errors, lambda: gw.job("large")["version"])
             watcher.close()
             agent = Client.connect(str(root / "run" / "agent.sock"), Hello("gateway"))
             tasks = [t.stats for t in agent.call(GetRecent())[0].tasks if t.job == "large"]
@@ -372,20 +362,10 @@ def split_system(nodes: int, shards: int, files: list[Path], model_file: Path, s
                     errors.append(e)
 
             watchers = {node: Gateway(address, token=token) for node, address in http.items()}
-            namespaces = {node: (cluster.network.namespace(node), cluster.nodes[node].proc.pid) for node in http}
-            with ClusterPeaks(namespaces, lambda node: _shm_used(watchers[node].metrics())) as peaks:
-                t0 = time.perf_counter()
-                pushers = [threading.Thread(target=push, args=(i,)) for i in range(len(files))]
-                for t in pushers:
-                    t.start()
-                for t in pushers:
-                    t.join()
-                ingested = time.perf_counter() - t0
-                if errors:
-                    raise errors[0]
-                while gw.job("large")["version"] < 1:
-                    time.sleep(0.02)
-                round_s = time.perf_counter() - t0
+            processes = {node: functools.partial(namespace_pids_of, cluster.network.namespace(node),
+                                                 cluster.nodes[node].proc.pid) for node in http}
+            with Peaks(processes, lambda node: _shm_used(watchers[node].metrics())) as peaks:
+                ingested, round_s = _timed_round(push, len(files), errors, lambda: gw.job("large")["version"])
             for watcher in watchers.values():
                 watcher.close()
             with SplitJob(gw, "large") as job:
