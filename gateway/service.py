@@ -1373,11 +1373,9 @@ def _copy_own_part(service: GatewayService, job_name: str, version: int, nbytes:
         start = fmt.PREFIX_BYTES + fmt.header_length(prefix)
         if ref.size - start != nbytes:
             raise Internal(f"this node's part of {job_name!r} holds {ref.size - start} bytes, not {nbytes}")
-        done = 0
-        while done < nbytes:
-            chunk = os.pread(ref.fd, min(PART_CHUNK, nbytes - done), start + done)
-            out.write(chunk)
-            done += len(chunk)
+        with os.fdopen(os.dup(ref.fd), "rb", buffering=0) as part:
+            part.seek(start)
+            _copy_exactly(part, nbytes, out, f"this node's part of {job_name!r}")
     finally:
         ref.retire()
 
@@ -1400,16 +1398,20 @@ def _copy_peer_part(service: GatewayService, job_name: str, version: int, node: 
             raise _moved(job_name, version, got, node)
         prefix = response.read(fmt.PREFIX_BYTES)
         response.read(fmt.header_length(prefix))
-        done = 0
-        while done < nbytes:
-            chunk = response.read(min(PART_CHUNK, nbytes - done))
-            if not chunk:
-                raise Overloaded(f"node {node}'s part of {job_name!r} ended after {done} of {nbytes} bytes",
-                                 code="model_unreachable")
-            out.write(chunk)
-            done += len(chunk)
+        _copy_exactly(response, nbytes, out, f"node {node}'s part of {job_name!r}")
     finally:
         conn.close()
+
+
+def _copy_exactly(source: Any, nbytes: int, out: Any, what: str) -> None:
+    """``nbytes`` read from ``source`` written to ``out``, ``PART_CHUNK`` at a time."""
+    done = 0
+    while done < nbytes:
+        chunk = source.read(min(PART_CHUNK, nbytes - done))
+        if not chunk:
+            raise Overloaded(f"{what} ended after {done} of {nbytes} bytes", code="model_unreachable")
+        out.write(chunk)
+        done += len(chunk)
 
 
 def _error_text(body: bytes) -> str:

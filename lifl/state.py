@@ -225,7 +225,9 @@ return out
 # KEYS: job, shard, updates. ARGV: node, then (token, round, counter ('' for none)) for each upload
 # that gives its slot back (refused, aborted, lost): the slot goes, once, and the refusal is
 # counted then. A token names its slot (tokens live as long as their round: the round given is not
-# needed); an upload without one gives back a slot of its round on that node. -> how many went back.
+# needed); an upload without one gives back a slot of its round on that node. A part of a split
+# job's update gives back its update's slot if no other part of it was acknowledged, else marks
+# the round lost (``parts_lost``: the round duties abandon it). -> how many went back.
 _UNRESERVE = """
 local given = 0
 for i = 2, #ARGV, 3 do
