@@ -54,25 +54,30 @@ class RedisProxy:
     def close(self) -> None:
         self._closed = True
         self._released.set()
-        self._listener.close()
+        _shut(self._listener)  # its thread closes it: never a socket under a thread about to use it
 
     def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                server.connect(self._target)
-            except OSError:  # Redis is gone (the session ends): so is this connection
-                _close(client, server)
-                continue
-            fault: dict[str, str] = {}  # this connection's fault, once one fired on it
-            threading.Thread(target=self._upstream, args=(client, server, fault), daemon=True).start()
-            threading.Thread(target=self._downstream, args=(server, client, fault), daemon=True).start()
+        try:
+            while not self._closed:
+                try:
+                    client, _ = self._listener.accept()
+                except OSError:
+                    return
+                server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    server.connect(self._target)
+                except OSError:  # Redis is gone (the session ends): so is this connection
+                    client.close()
+                    server.close()
+                    continue
+                fault: dict[str, str] = {}  # this connection's fault, once one fired on it
+                pair = PumpedPair(client, server)
+                threading.Thread(target=self._upstream, args=(client, server, fault, pair), daemon=True).start()
+                threading.Thread(target=self._downstream, args=(server, client, fault, pair), daemon=True).start()
+        finally:
+            self._listener.close()
 
-    def _upstream(self, client: socket.socket, server: socket.socket, fault: dict[str, str]) -> None:
+    def _upstream(self, client: socket.socket, server: socket.socket, fault: dict[str, str], pair: PumpedPair) -> None:
         tail = b""  # a SHA-1 may arrive split over two reads
         try:
             while data := client.recv(1 << 16):
@@ -86,9 +91,9 @@ class RedisProxy:
                 tail = data[-40:]
         except OSError:
             pass
-        _close(client, server)
+        pair.pump_ended()
 
-    def _downstream(self, server: socket.socket, client: socket.socket, fault: dict[str, str]) -> None:
+    def _downstream(self, server: socket.socket, client: socket.socket, fault: dict[str, str], pair: PumpedPair) -> None:
         try:
             while data := server.recv(1 << 16):
                 kind = fault.get("kind")
@@ -99,13 +104,37 @@ class RedisProxy:
                 client.sendall(data)
         except OSError:
             pass
-        _close(client, server)
+        pair.pump_ended()
 
 
-def _close(*socks: socket.socket) -> None:
-    for sock in socks:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        sock.close()
+class PumpedPair:
+    """Two connections whose bytes two threads pump across, one each way: the first to end
+    shuts both down (waking the other), the last closes them (``shut`` wakes both from outside). A socket closed under a thread
+    about to read it would free its descriptor number for the next socket the process opens,
+    which that thread would then read from."""
+
+    def __init__(self, client: socket.socket, server: socket.socket) -> None:
+        self._socks = (client, server)
+        self._running = 2
+        self._lock = threading.Lock()
+
+    def pump_ended(self) -> None:
+        for sock in self._socks:
+            _shut(sock)
+        with self._lock:
+            self._running -= 1
+            last = self._running == 0
+        if last:
+            for sock in self._socks:
+                sock.close()
+
+    def shut(self) -> None:
+        for sock in self._socks:
+            _shut(sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

@@ -24,29 +24,39 @@ from lifl.rpc import Connection, error_reply, reply_frame
 
 class ScriptedAgent:
     """Accepts gateway connections; answers Hello at once and holds every other request until
-    the test answers it (``answer``), in any order, or drops the connection (``drop``)."""
+    the test answers it (``answer``), in any order, or drops the connection (``drop``).
+
+    Each socket is closed by the thread that reads it, and ``drop``/``close`` wait for those
+    threads: a socket closed under a thread about to read it frees its descriptor number for
+    the next socket the process opens (a later test's Redis connection), which that thread
+    would then read from."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(path))
         self.listener.listen(16)
-        self.connections: list[Connection] = []
+        self.connections: list[tuple[Connection, threading.Thread]] = []
         self.hellos: list[Hello] = []
         self.requests: list[tuple[Connection, int, Any]] = []  # (connection, id, message), in arrival order
         self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._accepting = threading.Thread(target=self._accept, daemon=True)
+        self._accepting.start()
 
     def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self.listener.accept()
-            except OSError:
-                return
-            conn = Connection(sock)
-            with self._lock:
-                self.connections.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        try:
+            while True:
+                try:
+                    sock, _ = self.listener.accept()
+                except OSError:  # close() shut the listener down
+                    return
+                conn = Connection(sock)
+                serving = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+                with self._lock:
+                    self.connections.append((conn, serving))
+                serving.start()
+        finally:
+            self.listener.close()
 
     def _serve(self, conn: Connection) -> None:
         try:
@@ -64,6 +74,8 @@ class ScriptedAgent:
                     self.requests.append((conn, request_id, message))
         except (EOFError, OSError):
             pass
+        finally:
+            conn.close()
 
     def answer(self, index: int, reply: Any, fds: list[int] = ()) -> None:
         conn, request_id, _ = self.requests[index]
@@ -74,15 +86,29 @@ class ScriptedAgent:
         conn.send(error_reply(request_id, error))
 
     def drop(self) -> None:
+        """End every connection: each one's thread sees it end, closes it, and is waited for."""
         with self._lock:
-            for conn in self.connections:
-                conn.close()
-            self.connections.clear()
+            connections, self.connections = self.connections, []
             self.requests.clear()
+        for conn, _ in connections:
+            _shut(conn.sock)
+        for _, serving in connections:
+            serving.join(30)
+            assert not serving.is_alive(), "a connection's thread did not end"
 
     def close(self) -> None:
+        _shut(self.listener)
+        self._accepting.join(30)
+        assert not self._accepting.is_alive(), "the accepting thread did not end"
         self.drop()
-        self.listener.close()
+
+
+def _shut(sock: socket.socket) -> None:
+    """Wake the thread blocked on ``sock`` (its read or accept ends) without closing it under that thread."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from conftest import RunningNode, wait_for
+from redis_proxy import PumpedPair
 from lifl import errors
 from lifl.client import NO_RETRY, ConnectionLost, Gateway, Participant, RetryPolicy, to_blob
 from lifl.net import lifl_pb2 as pb
@@ -416,7 +417,7 @@ class CuttableProxy:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = "{}:{}".format(*self.listener.getsockname())
         self.clients: list[socket.socket] = []
-        self.sockets: list[socket.socket] = []
+        self.pairs: list[PumpedPair] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -426,27 +427,27 @@ class CuttableProxy:
             except OSError:
                 return
             server = socket.create_connection((self.upstream[0], int(self.upstream[1])))
+            pair = PumpedPair(client, server)
             self.clients.append(client)
-            self.sockets += [client, server]
+            self.pairs.append(pair)
             for source, sink in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+                threading.Thread(target=self._pump, args=(source, sink, pair), daemon=True).start()
 
     @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket) -> None:
+    def _pump(source: socket.socket, sink: socket.socket, pair: PumpedPair) -> None:
         with contextlib.suppress(OSError):
             while data := source.recv(1 << 16):
                 sink.sendall(data)
+        pair.pump_ended()
 
     def cut(self) -> None:
         """Close every connection; return once the clients' kernels have seen it."""
         for client in self.clients:
             end_acknowledged(client)
-        for sock in self.sockets:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
+        for pair in self.pairs:
+            pair.shut()  # its pumps close it: never a socket under a thread about to use it
         self.clients.clear()
-        self.sockets.clear()
+        self.pairs.clear()
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # wakes the accepting thread
