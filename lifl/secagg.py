@@ -1,0 +1,336 @@
+"""Secure aggregation, SecAgg+ (Bell et al., CCS 2020, over Bonawitz et al., CCS 2017): the
+math of one round, no I/O. The server learns the sum of the surviving clients' inputs and
+nothing about any one of them.
+
+A round's clients are laid on a ring in an order drawn from the round's public seed; each is
+joined to the k/2 before and after it (a Harary graph, k-regular, and random because the order
+is). Each client u
+
+- has two X25519 key pairs: one agrees pairwise *mask seeds* s_uv with its neighbours, the
+  other the keys that encrypt what it sends them through the server (its shares);
+- draws a *self-mask seed* b_u, and sends each neighbour, encrypted, one Shamir share of b_u
+  and one of its mask private key (threshold t);
+- sends y_u = x_u + PRG(b_u) + sum over neighbours v of sign(u, v) * PRG(s_uv) modulo
+  2^width, where sign(u, v) is +1 if u sorts before v and -1 otherwise, so that in a sum over
+  every client each pair's masks cancel.
+
+The server sums the y_u of the survivors, then, from t shares each, reconstructs b_u of every
+survivor and the mask private key of every client that dropped after sharing, and removes what
+does not cancel: the survivors' self masks and their pair masks with dropped neighbours. An
+honest client gives a neighbour's b share only if it survived and its key share only if it
+dropped, never both (``ShareRequest``), and t > k/2, so the server never holds enough of both
+for one client.
+
+k and t are chosen (``choose_params``) for the population n, the fraction of clients that may
+drop out (delta) and that may be corrupt (gamma): t = k/2 + 1, and k the smallest even degree
+for which, over every client (a union bound) and the hypergeometric law of a client's random
+neighbourhood, the chance that a survivor or a dropped client keeps fewer than t surviving
+neighbours is below 2^-CORRECTNESS_BITS and the chance that t of a client's neighbours are
+corrupt is below 2^-SECURITY_BITS (the statistical parameters of Bell et al., eta and sigma).
+A survivor with t > k/2 surviving neighbours rules out a run of k/2 dropped clients beside it
+on the ring, so the survivors' graph stays connected and no partial sum of theirs is exposed.
+When no degree below n - 1 satisfies both, every client is every other's neighbour (SecAgg).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from lifl.errors import BadRequest, Unprocessable
+
+SEED_BYTES = 32  # self-mask seeds, pair seeds, share keys, X25519 keys
+SECURITY_BITS = 40  # sigma: the chance that corrupt clients hold t shares of one client
+CORRECTNESS_BITS = 30  # eta: the chance that a round cannot unmask for want of shares
+MIN_CLIENTS = 3  # with 2, each learns the other's input from the sum
+FIELD_PRIME = (1 << 521) - 1  # a Mersenne prime above 2^256: one share carries a whole secret
+SHARE_BYTES = 66  # a field element, big-endian
+WIDTHS = {32: np.uint32, 64: np.uint64}
+NONCE_BYTES = 12
+
+KIND_SELF = "self"  # a share of the client's self-mask seed: asked for survivors
+KIND_KEY = "key"  # a share of the client's mask private key: asked for clients that dropped
+
+
+# -- the graph ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Params:
+    """A round's graph degree ``k`` (each client's neighbour count) and share ``threshold``."""
+
+    clients: int
+    k: int
+    threshold: int
+
+
+def choose_params(clients: int, dropout: float, corruption: float) -> Params:
+    """The smallest even degree (and t = k/2 + 1) that keeps the round correct and secure for
+    ``clients`` of which a fraction ``dropout`` may drop and ``corruption`` may be corrupt."""
+    if type(clients) is not int or clients < MIN_CLIENTS:
+        raise BadRequest(f"secure aggregation needs at least {MIN_CLIENTS} clients in a round, got {clients!r}",
+                         code="bad_secure_aggregation")
+    for name, fraction in (("dropout", dropout), ("corruption", corruption)):
+        if not (isinstance(fraction, (int, float)) and 0 <= fraction < 0.5):
+            raise BadRequest(f"secure aggregation's {name} must be a fraction in [0, 0.5), got {fraction!r}",
+                             code="bad_secure_aggregation")
+    return _choose(clients, math.floor(dropout * clients), math.floor(corruption * clients))
+
+
+@lru_cache(maxsize=256)
+def _choose(n: int, dropped: int, corrupt: int) -> Params:
+    others = n - 1
+    correctness, security = 2.0 ** -CORRECTNESS_BITS / n, 2.0 ** -SECURITY_BITS / n  # union bound over clients
+    for k in range(2, others, 2):
+        t = k // 2 + 1
+        # a client's k neighbours are a uniform k-subset of the n - 1 others (the ring's order is random)
+        if (_hypergeometric_below(others, others - dropped, k, t) <= correctness
+                and _hypergeometric_at_least(others, corrupt, k, t) <= security):
+            return Params(n, k, t)
+    # everyone is everyone's neighbour: the counts are certain (fewer than half corrupt stay below t)
+    t = others // 2 + 1
+    if others - dropped < t:
+        raise Unprocessable(f"{n} clients cannot tolerate {dropped} dropping out: a client needs {t} surviving neighbours "
+                            f"of {others}", code="secure_population_too_small")
+    return Params(n, others, t)
+
+
+def _hypergeometric(population: int, marked: int, draws: int, hits: int) -> float:
+    return math.comb(marked, hits) * math.comb(population - marked, draws - hits) / math.comb(population, draws)
+
+
+def _hypergeometric_below(population: int, marked: int, draws: int, limit: int) -> float:
+    return sum(_hypergeometric(population, marked, draws, h) for h in range(max(0, limit)) if h <= marked)
+
+
+def _hypergeometric_at_least(population: int, marked: int, draws: int, limit: int) -> float:
+    return sum(_hypergeometric(population, marked, draws, h) for h in range(limit, min(draws, marked) + 1))
+
+
+def neighbours(clients: Sequence[str], k: int, round_seed: bytes) -> dict[str, tuple[str, ...]]:
+    """Each client's neighbours (sorted) in the round's graph: the ring's order is the clients
+    sorted by a hash of the round's public seed and their name, so every party derives it."""
+    if len(set(clients)) != len(clients):
+        raise BadRequest("a round's clients must be distinct", code="bad_secure_aggregation")
+    ring = sorted(clients, key=lambda c: hashlib.sha256(round_seed + c.encode()).digest())
+    n = len(ring)
+    if k >= n - 1:
+        return {c: tuple(sorted(o for o in ring if o != c)) for c in ring}
+    if k % 2:
+        raise BadRequest(f"a ring graph's degree must be even, got {k}", code="bad_secure_aggregation")
+    return {c: tuple(sorted(ring[(i + d) % n] for d in range(-k // 2, k // 2 + 1) if d)) for i, c in enumerate(ring)}
+
+
+# -- Shamir's secret sharing over GF(FIELD_PRIME) ---------------------------------------------------
+def split_secret(secret: bytes, xs: Sequence[int], threshold: int) -> dict[int, bytes]:
+    """One share of ``secret`` for each nonzero point in ``xs``; any ``threshold`` of them
+    rebuild it, fewer tell nothing."""
+    if not 1 <= threshold <= len(xs):
+        raise BadRequest(f"a threshold of {threshold} out of {len(xs)} shares", code="bad_secure_aggregation")
+    if len(set(xs)) != len(xs) or not all(0 < x < FIELD_PRIME for x in xs):
+        raise BadRequest("share points must be distinct and nonzero", code="bad_secure_aggregation")
+    value = int.from_bytes(secret, "big")
+    if len(secret) > SEED_BYTES:
+        raise BadRequest(f"a secret of {len(secret)} bytes (at most {SEED_BYTES})", code="bad_secure_aggregation")
+    coefficients = [value] + [secrets.randbelow(FIELD_PRIME) for _ in range(threshold - 1)]
+    return {x: _evaluate(coefficients, x).to_bytes(SHARE_BYTES, "big") for x in xs}
+
+
+def _evaluate(coefficients: Sequence[int], x: int) -> int:
+    acc = 0
+    for c in reversed(coefficients):
+        acc = (acc * x + c) % FIELD_PRIME
+    return acc
+
+
+def reconstruct(shares: Mapping[int, bytes], threshold: int, secret_bytes: int = SEED_BYTES) -> bytes:
+    """The secret from ``threshold`` shares (point -> share); fewer are refused."""
+    if len(shares) < threshold:
+        raise Unprocessable(f"{len(shares)} shares, {threshold} needed to reconstruct", code="below_threshold")
+    points = sorted(shares)[:threshold]
+    ys = {}
+    for x in points:
+        y = shares[x]
+        if len(y) != SHARE_BYTES or not 0 < x < FIELD_PRIME:
+            raise BadRequest(f"a malformed share at point {x!r}", code="bad_share")
+        ys[x] = int.from_bytes(y, "big")
+    value = 0
+    for x in points:
+        numerator, denominator = 1, 1
+        for other in points:
+            if other != x:
+                numerator = numerator * other % FIELD_PRIME
+                denominator = denominator * (other - x) % FIELD_PRIME
+        value = (value + ys[x] * numerator * pow(denominator, -1, FIELD_PRIME)) % FIELD_PRIME
+    if value >= 1 << (8 * secret_bytes):
+        raise Unprocessable("the shares do not agree on a secret (one is from another secret, or forged)",
+                            code="bad_share")
+    return value.to_bytes(secret_bytes, "big")
+
+
+# -- keys -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KeyPair:
+    private: bytes
+    public: bytes
+
+    @classmethod
+    def generate(cls) -> KeyPair:
+        key = X25519PrivateKey.generate()
+        return cls(key.private_bytes_raw(), key.public_key().public_bytes_raw())
+
+    @classmethod
+    def from_private(cls, private: bytes) -> KeyPair:
+        key = _private_key(private)
+        return cls(private, key.public_key().public_bytes_raw())
+
+
+def _private_key(private: bytes) -> X25519PrivateKey:
+    if len(private) != SEED_BYTES:
+        raise BadRequest(f"an X25519 private key is {SEED_BYTES} bytes, got {len(private)}", code="bad_key")
+    return X25519PrivateKey.from_private_bytes(private)
+
+
+def agree(private: bytes, peer_public: bytes, purpose: bytes, context: bytes) -> bytes:
+    """The 32-byte secret two clients derive alike from their keys: a pair's mask seed or share
+    key (``purpose``), bound to the round (``context``) so no round reuses another's."""
+    if len(peer_public) != SEED_BYTES:
+        raise BadRequest(f"an X25519 public key is {SEED_BYTES} bytes, got {len(peer_public)}", code="bad_key")
+    try:
+        shared = _private_key(private).exchange(X25519PublicKey.from_public_bytes(peer_public))
+    except ValueError as e:  # a low-order point: the shared secret would be all zeros
+        raise BadRequest(f"an unusable public key: {e}", code="bad_key") from None
+    return HKDF(hashes.SHA256(), SEED_BYTES, salt=None, info=b"lifl secagg " + purpose + b"\0" + context).derive(shared)
+
+
+# -- what a client sends a neighbour through the server -----------------------------------------------
+def _associated(sender: str, receiver: str, context: bytes) -> bytes:
+    return b"\0".join((b"lifl secagg shares", sender.encode(), receiver.encode(), context))
+
+
+def seal_shares(key: bytes, sender: str, receiver: str, context: bytes, self_share: bytes, key_share: bytes) -> bytes:
+    """``sender``'s two shares for ``receiver``, encrypted and bound to both names and the round
+    (the server cannot swap, redirect or replay them into another round)."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    return nonce + ChaCha20Poly1305(key).encrypt(nonce, self_share + key_share, _associated(sender, receiver, context))
+
+
+def open_shares(key: bytes, sender: str, receiver: str, context: bytes, sealed: bytes) -> tuple[bytes, bytes]:
+    """(self share, key share) from ``seal_shares``; anything altered, redirected or from
+    another round is refused."""
+    try:
+        plain = ChaCha20Poly1305(key).decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], _associated(sender, receiver, context))
+    except (InvalidTag, ValueError):
+        raise BadRequest(f"the shares {sender!r} sent {receiver!r} do not open (altered, misrouted or from another round)",
+                         code="bad_share") from None
+    if len(plain) != 2 * SHARE_BYTES:
+        raise BadRequest(f"the shares {sender!r} sent {receiver!r} are {len(plain)} bytes", code="bad_share")
+    return plain[:SHARE_BYTES], plain[SHARE_BYTES:]
+
+
+# -- masks ------------------------------------------------------------------------------------------
+def expand(seed: bytes, count: int, width: int) -> np.ndarray:
+    """``count`` integers modulo 2^width from ``seed``: the AES-256-CTR keystream (a zero nonce;
+    every seed is used for one expansion)."""
+    dtype = WIDTHS[width]
+    size = count * np.dtype(dtype).itemsize
+    keystream = np.empty(size + _CIPHER_SLACK, np.uint8)  # update_into wants this room past the input
+    encryptor = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
+    encryptor.update_into(np.zeros(size, np.uint8), keystream)  # zeros in (pages mapped lazily), keystream out
+    return keystream[:size].view(dtype)
+
+
+_CIPHER_SLACK = 15  # AES's block size less one
+
+
+def pair_sign(me: str, peer: str) -> int:
+    return 1 if me < peer else -1
+
+
+def mask(update: np.ndarray, me: str, self_seed: bytes, pair_seeds: Mapping[str, bytes], width: int) -> np.ndarray:
+    """``update`` (integers modulo 2^width) masked: plus PRG(self seed), plus or minus each
+    pair's PRG(seed). The masks are folded into one buffer, then added: a client's work is the
+    expansions and as many additions."""
+    dtype = WIDTHS[width]
+    if update.dtype != dtype or update.ndim != 1:
+        raise BadRequest(f"a masked input is a flat vector of {np.dtype(dtype).name}", code="bad_secure_input")
+    masked = update + expand(self_seed, update.size, width)
+    for peer, seed in pair_seeds.items():
+        if pair_sign(me, peer) > 0:
+            masked += expand(seed, update.size, width)
+        else:
+            masked -= expand(seed, update.size, width)
+    return masked
+
+
+def unmask(total: np.ndarray, self_seeds: Sequence[bytes], dropped_pairs: Sequence[tuple[int, bytes]],
+           width: int) -> np.ndarray:
+    """The survivors' sum from the sum of their masked inputs: minus each survivor's self mask,
+    minus each (sign, seed) pair mask a survivor shared with a client that dropped."""
+    plain = total.astype(WIDTHS[width], copy=True)
+    for seed in self_seeds:
+        plain -= expand(seed, plain.size, width)
+    for sign, seed in dropped_pairs:
+        if sign > 0:
+            plain -= expand(seed, plain.size, width)
+        else:
+            plain += expand(seed, plain.size, width)
+    return plain
+
+
+def round_context(job: str, round_id: int, round_seed: bytes) -> bytes:
+    """What binds a round's secrets to it: every pair seed and share key is derived with it."""
+    return job.encode() + b"\0" + struct.pack(">Q", round_id) + round_seed
+
+
+# -- unmasking: what the server asks, what a client answers ---------------------------------------------
+@dataclass(frozen=True)
+class ShareRequest:
+    """The server's ask after masked input collection: a share of the self-mask seed of every
+    ``survivor`` (its masked input is in the sum) and of the mask key of every client ``dropped``
+    after sharing (its pair masks must be removed)."""
+
+    survivors: frozenset[str]
+    dropped: frozenset[str]
+
+
+def share_request(shared: Sequence[str], masked: Sequence[str], threshold: int) -> ShareRequest:
+    """What to ask for, from the clients that shared their keys and those of them whose masked
+    input arrived; fewer survivors than the threshold cannot be unmasked (the round is abandoned)."""
+    survivors = frozenset(masked)
+    if not survivors <= set(shared):
+        raise BadRequest("a masked input from a client that did not share its keys", code="bad_secure_input")
+    if len(survivors) < threshold:
+        raise Unprocessable(f"{len(survivors)} clients sent masked inputs, fewer than the threshold of {threshold}",
+                            code="below_threshold")
+    return ShareRequest(survivors, frozenset(shared) - survivors)
+
+
+def answer_request(me: str, held: Mapping[str, tuple[bytes, bytes]], request: ShareRequest) -> dict[str, tuple[str, bytes]]:
+    """A client's answer: for each neighbour whose shares it holds (``held``: sender -> (self
+    share, key share)), the one share the request calls for. Refused whole if the request names
+    a client both survived and dropped, or names this client as dropped (it is answering)."""
+    both = request.survivors & request.dropped
+    if both:
+        raise BadRequest(f"the request names {sorted(both)[0]!r} both survived and dropped: that would reveal its input",
+                         code="both_shares_asked")
+    if me in request.dropped:
+        raise BadRequest(f"the request says {me!r} dropped, yet asks it for shares", code="inconsistent_request")
+    answer = {}
+    for sender, (self_share, key_share) in held.items():
+        if sender in request.survivors:
+            answer[sender] = (KIND_SELF, self_share)
+        elif sender in request.dropped:
+            answer[sender] = (KIND_KEY, key_share)
+    return answer

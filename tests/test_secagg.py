@@ -1,0 +1,307 @@
+"""SecAgg+'s math (lifl.secagg), no I/O: the graph and its parameters, Shamir's sharing at and
+below the threshold, key agreement, sealed shares, masks, and whole rounds with clients dropping
+out at every stage, whose unmasked sum is exactly the survivors' plaintext sum."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import secrets
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from lifl import secagg
+from lifl.errors import BadRequest, Unprocessable
+from lifl.secagg import KIND_KEY, KIND_SELF, KeyPair, ShareRequest
+
+CONTEXT = secagg.round_context("job", 7, b"seed")
+
+
+# -- parameters and graph ---------------------------------------------------------------------------
+@pytest.mark.parametrize("clients, dropout, corruption, k, threshold", [
+    (3, 0.0, 0.0, 2, 2),  # n - 1 = 2: everyone is everyone's neighbour
+    (20, 0.0, 0.0, 2, 2),  # nobody may drop: a ring
+    (20, 0.1, 0.0, 6, 4),
+    (20, 0.3, 0.3, 14, 8),
+    (100, 0.1, 0.1, 22, 12),
+    (100, 0.3, 0.1, 62, 32),
+    (500, 0.1, 0.1, 48, 25),
+    (1000, 0.1, 0.1, 54, 28),  # the degree grows as the log of the population
+    (10000, 0.1, 0.1, 64, 33),
+    (8, 0.49, 0.0, 7, 4),  # 3 of 8 may drop: only the complete graph keeps 4 neighbours
+])
+def test_parameters(clients: int, dropout: float, corruption: float, k: int, threshold: int) -> None:
+    params = secagg.choose_params(clients, dropout, corruption)
+    assert (params.k, params.threshold) == (k, threshold)
+    assert params.threshold > params.k / 2  # the server never gathers both shares of one client
+
+
+@pytest.mark.parametrize("clients, dropout, corruption", [(20, 0.1, 0.1), (100, 0.3, 0.1), (500, 0.1, 0.0)])
+def test_the_degree_is_the_smallest_that_meets_both_bounds(clients: int, dropout: float, corruption: float) -> None:
+    params = secagg.choose_params(clients, dropout, corruption)
+    others, dropped, corrupt = clients - 1, math.floor(dropout * clients), math.floor(corruption * clients)
+
+    def holds(k: int) -> bool:
+        t = k // 2 + 1
+        return (secagg._hypergeometric_below(others, others - dropped, k, t) <= 2.0 ** -secagg.CORRECTNESS_BITS / clients
+                and secagg._hypergeometric_at_least(others, corrupt, k, t) <= 2.0 ** -secagg.SECURITY_BITS / clients)
+
+    assert holds(params.k) and not holds(params.k - 2)
+
+
+@pytest.mark.parametrize("clients, dropout, corruption, code", [
+    (2, 0.0, 0.0, "bad_secure_aggregation"),
+    (True, 0.0, 0.0, "bad_secure_aggregation"),
+    (10, 0.5, 0.0, "bad_secure_aggregation"),
+    (10, -0.1, 0.0, "bad_secure_aggregation"),
+    (10, 0.0, "0.1", "bad_secure_aggregation"),
+    (3, 0.45, 0.0, "secure_population_too_small"),  # 1 of 3 drops: the other 2 would need 2 surviving neighbours
+    (7, 0.49, 0.0, "secure_population_too_small"),  # 3 of 7 drop: 3 of 6 neighbours left, 4 needed
+])
+def test_parameters_refused(clients: object, dropout: object, corruption: object, code: str) -> None:
+    with pytest.raises((BadRequest, Unprocessable)) as info:
+        secagg.choose_params(clients, dropout, corruption)  # type: ignore[arg-type]
+    assert info.value.code == code
+
+
+@pytest.mark.parametrize("clients, k", [(10, 2), (10, 4), (11, 6), (30, 8), (7, 6), (7, 10)])
+def test_the_graph_is_k_regular_symmetric_and_the_same_for_everyone(clients: int, k: int) -> None:
+    names = [f"c{i}" for i in range(clients)]
+    graph = secagg.neighbours(names, k, b"round seed")
+    degree = min(k, clients - 1)
+    assert set(graph) == set(names)
+    for c, peers in graph.items():
+        assert len(peers) == degree and c not in peers and list(peers) == sorted(peers)
+        assert all(c in graph[p] for p in peers)
+    assert secagg.neighbours(list(reversed(names)), k, b"round seed") == graph  # the order given does not matter
+    if degree < clients - 1:
+        assert secagg.neighbours(names, k, b"another round") != graph  # the ring is drawn anew each round
+
+
+def test_graph_refusals() -> None:
+    with pytest.raises(BadRequest):
+        secagg.neighbours(["a", "b", "a", "c"], 2, b"s")
+    with pytest.raises(BadRequest):
+        secagg.neighbours([f"c{i}" for i in range(10)], 3, b"s")
+
+
+# -- Shamir ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shares, threshold", [(1, 1), (3, 2), (5, 3), (6, 4), (12, 7)])
+def test_any_threshold_shares_rebuild_the_secret_and_fewer_do_not(shares: int, threshold: int) -> None:
+    secret = secrets.token_bytes(secagg.SEED_BYTES)
+    xs = [3 * i + 1 for i in range(shares)]
+    split = secagg.split_secret(secret, xs, threshold)
+    assert set(split) == set(xs) and all(len(y) == secagg.SHARE_BYTES for y in split.values())
+    for subset in itertools.islice(itertools.combinations(xs, threshold), 20):
+        assert secagg.reconstruct({x: split[x] for x in subset}, threshold) == secret
+    below = {x: split[x] for x in xs[: threshold - 1]}
+    with pytest.raises(Unprocessable) as info:
+        secagg.reconstruct(below, threshold)
+    assert info.value.code == "below_threshold"
+    if threshold > 1:  # interpolated as if t - 1 sufficed, they land on a random field element, not the secret
+        with pytest.raises(Unprocessable) as info:
+            secagg.reconstruct(below, threshold - 1)
+        assert info.value.code == "bad_share"
+
+
+def test_a_share_of_another_secret_is_detected() -> None:
+    """Shares travel sealed (no one alters them on the way); one from another secret -- or random --
+    moves the interpolated value to a random field element, above every 32-byte secret."""
+    secret = secrets.token_bytes(secagg.SEED_BYTES)
+    split = secagg.split_secret(secret, [1, 2, 3], 3)
+    split[2] = secagg.split_secret(secrets.token_bytes(secagg.SEED_BYTES), [1, 2, 3], 3)[2]
+    with pytest.raises(Unprocessable) as info:
+        secagg.reconstruct(split, 3)
+    assert info.value.code == "bad_share"
+    with pytest.raises(BadRequest) as info2:
+        secagg.reconstruct({1: b"short", 2: split[2], 3: split[3]}, 3)
+    assert info2.value.code == "bad_share"
+
+
+@pytest.mark.parametrize("xs, threshold, secret", [
+    ([1, 2], 3, bytes(32)),  # more needed than given
+    ([1, 1, 2], 2, bytes(32)),  # a point twice
+    ([0, 1, 2], 2, bytes(32)),  # the secret's own point
+    ([1, 2, 3], 0, bytes(32)),
+    ([1, 2, 3], 2, bytes(33)),  # longer than a seed
+])
+def test_splitting_refusals(xs: list[int], threshold: int, secret: bytes) -> None:
+    with pytest.raises(BadRequest):
+        secagg.split_secret(secret, xs, threshold)
+
+
+# -- keys and sealed shares ---------------------------------------------------------------------------
+def test_both_ends_agree_on_each_purpose_and_round_and_nothing_else() -> None:
+    a, b, c = KeyPair.generate(), KeyPair.generate(), KeyPair.generate()
+    ab = secagg.agree(a.private, b.public, b"mask", CONTEXT)
+    assert ab == secagg.agree(b.private, a.public, b"mask", CONTEXT)
+    assert ab != secagg.agree(a.private, c.public, b"mask", CONTEXT)
+    assert ab != secagg.agree(a.private, b.public, b"share", CONTEXT)
+    assert ab != secagg.agree(a.private, b.public, b"mask", secagg.round_context("job", 8, b"seed"))
+    assert KeyPair.from_private(a.private) == a
+    for private, public in ((a.private[:31], b.public), (a.private, b.public + b"x"), (a.private, bytes(32))):
+        with pytest.raises(BadRequest) as info:
+            secagg.agree(private, public, b"mask", CONTEXT)  # bytes(32): a low-order point
+        assert info.value.code == "bad_key"
+
+
+def test_sealed_shares_open_only_for_their_pair_and_round() -> None:
+    key = secrets.token_bytes(32)
+    one, two = secrets.token_bytes(secagg.SHARE_BYTES), secrets.token_bytes(secagg.SHARE_BYTES)
+    sealed = secagg.seal_shares(key, "u", "v", CONTEXT, one, two)
+    assert secagg.open_shares(key, "u", "v", CONTEXT, sealed) == (one, two)
+    flipped = bytes([sealed[0]]) + bytes([sealed[1] ^ 1]) + sealed[2:]
+    for args in ((key, "v", "u", CONTEXT, sealed),  # redirected
+                 (key, "u", "w", CONTEXT, sealed),
+                 (key, "u", "v", secagg.round_context("job", 8, b"seed"), sealed),  # replayed into another round
+                 (key, "u", "v", CONTEXT, flipped),
+                 (key, "u", "v", CONTEXT, sealed[:-1]),
+                 (key, "u", "v", CONTEXT, b""),
+                 (secrets.token_bytes(32), "u", "v", CONTEXT, sealed)):
+        with pytest.raises(BadRequest) as info:
+            secagg.open_shares(*args)
+        assert info.value.code == "bad_share"
+
+
+# -- masks --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("width", [32, 64])
+def test_expansion_is_deterministic_per_seed_and_exactly_long(width: int) -> None:
+    seed = secrets.token_bytes(32)
+    for count in (0, 1, 3, 1000, 4097):
+        out = secagg.expand(seed, count, width)
+        assert out.dtype == secagg.WIDTHS[width] and out.shape == (count,)
+        np.testing.assert_array_equal(out, secagg.expand(seed, count, width))
+    assert not np.array_equal(secagg.expand(seed, 64, width), secagg.expand(secrets.token_bytes(32), 64, width))
+    np.testing.assert_array_equal(secagg.expand(seed, 1000, width)[:10], secagg.expand(seed, 10, width))  # one stream
+
+
+def test_a_masked_input_looks_uniform() -> None:
+    """A chi-square test of a masked update's bytes (each of 256 values, 2^20 draws) against the
+    uniform law, whatever the update: here all zeros, then a constant."""
+    seeds = {"b": secrets.token_bytes(32), "c": secrets.token_bytes(32)}
+    for update in (np.zeros(1 << 18, np.uint32), np.full(1 << 18, 12345, np.uint32)):
+        masked = secagg.mask(update, "a", secrets.token_bytes(32), seeds, 32)
+        counts = np.bincount(masked.view(np.uint8), minlength=256)
+        expected = masked.nbytes / 256
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 340  # 255 degrees of freedom: p < 1e-4 beyond 340
+
+
+def test_mask_refuses_what_is_not_a_flat_vector_of_its_width() -> None:
+    for update in (np.zeros(4, np.int32), np.zeros((2, 2), np.uint32), np.zeros(4, np.uint64)):
+        with pytest.raises(BadRequest):
+            secagg.mask(update, "a", bytes(32), {}, 32)
+
+
+# -- whole rounds --------------------------------------------------------------------------------------
+@dataclass
+class Client:
+    """One client's side of a round, driven by the test in the protocol's order."""
+
+    name: str
+    update: np.ndarray
+    mask_keys: KeyPair = field(default_factory=KeyPair.generate)
+    share_keys: KeyPair = field(default_factory=KeyPair.generate)
+    self_seed: bytes = field(default_factory=lambda: secrets.token_bytes(32))
+    held: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)
+
+
+def run_round(clients: int, width: int, drops: tuple[int, int, int], rng: np.random.Generator,
+              dropout: float = 0.3) -> tuple[np.ndarray, np.ndarray]:
+    """A round of ``clients``; ``drops``: how many leave after advertising keys (before sharing),
+    after sharing (before their masked input), and after sending it (before unmasking).
+    Returns (the unmasked sum, the survivors' plaintext sum)."""
+    dtype = secagg.WIDTHS[width]
+    names = [f"client-{i:03d}" for i in range(clients)]
+    params = secagg.choose_params(clients, dropout, 0.0)
+    round_seed = secrets.token_bytes(16)
+    context = secagg.round_context("job", 1, round_seed)
+    graph = secagg.neighbours(names, params.k, round_seed)
+    point = {n: i + 1 for i, n in enumerate(names)}
+    parties = {n: Client(n, rng.integers(0, np.iinfo(dtype).max, 1000, dtype=dtype, endpoint=True)) for n in names}
+    order = list(names)
+    rng.shuffle(order)
+    before_sharing = set(order[: drops[0]])
+    after_sharing = set(order[drops[0]: drops[0] + drops[1]])
+    after_input = set(order[drops[0] + drops[1]: sum(drops)])
+
+    # stage 2: each client that is still there shares its secrets with its neighbours
+    shared = [n for n in names if n not in before_sharing]
+    for n in shared:
+        me = parties[n]
+        peers = [p for p in graph[n] if p in shared]  # those that advertised and shared (the server's list)
+        selfs = secagg.split_secret(me.self_seed, [point[p] for p in peers], params.threshold)
+        keys = secagg.split_secret(me.mask_keys.private, [point[p] for p in peers], params.threshold)
+        for p in peers:
+            key = secagg.agree(me.share_keys.private, parties[p].share_keys.public, b"share", context)
+            sealed = secagg.seal_shares(key, n, p, context, selfs[point[p]], keys[point[p]])
+            their_key = secagg.agree(parties[p].share_keys.private, me.share_keys.public, b"share", context)
+            parties[p].held[n] = secagg.open_shares(their_key, n, p, context, sealed)
+
+    # stage 3: masked inputs, masked with the neighbours that shared
+    masked_in = [n for n in shared if n not in after_sharing]
+    total = np.zeros(1000, dtype)
+    for n in masked_in:
+        me = parties[n]
+        pairs = {p: secagg.agree(me.mask_keys.private, parties[p].mask_keys.public, b"mask", context)
+                 for p in graph[n] if p in shared}
+        total += secagg.mask(me.update, n, me.self_seed, pairs, width)
+
+    # stage 4: unmasking, from the clients still there
+    request = secagg.share_request(shared, masked_in, params.threshold)
+    answering = [n for n in masked_in if n not in after_input]
+    got: dict[str, dict[int, bytes]] = {}
+    for n in answering:
+        for sender, (kind, share) in secagg.answer_request(n, parties[n].held, request).items():
+            assert kind == (KIND_SELF if sender in request.survivors else KIND_KEY)
+            got.setdefault(sender, {})[point[n]] = share
+    self_seeds = [secagg.reconstruct(got[s], params.threshold) for s in sorted(request.survivors)]
+    dropped_pairs = []
+    for d in sorted(request.dropped):
+        private = secagg.reconstruct(got[d], params.threshold)
+        for s in graph[d]:
+            if s in request.survivors:
+                seed = secagg.agree(private, parties[s].mask_keys.public, b"mask", context)
+                dropped_pairs.append((secagg.pair_sign(s, d), seed))
+    unmasked = secagg.unmask(total, self_seeds, dropped_pairs, width)
+    plain = np.zeros(1000, dtype)
+    for n in masked_in:
+        plain += parties[n].update
+    return unmasked, plain
+
+
+@pytest.mark.parametrize("width", [32, 64])
+@pytest.mark.parametrize("clients, drops", [
+    (20, (0, 0, 0)),
+    (20, (2, 0, 0)),  # 10 % before sharing
+    (20, (0, 2, 0)),  # 10 % after sharing, before the masked input
+    (20, (0, 0, 2)),  # 10 % after the masked input
+    (20, (2, 2, 2)),  # 30 %: a tenth at each stage
+    (30, (0, 9, 0)),  # 30 % after sharing
+    (30, (0, 0, 9)),
+    (30, (9, 0, 0)),
+])
+def test_the_unmasked_sum_is_exactly_the_survivors_sum(clients: int, drops: tuple[int, int, int], width: int) -> None:
+    unmasked, plain = run_round(clients, width, drops, np.random.default_rng(sum(drops) + width))
+    np.testing.assert_array_equal(unmasked, plain)
+
+
+def test_too_few_masked_inputs_cannot_be_unmasked() -> None:
+    with pytest.raises(Unprocessable) as info:
+        secagg.share_request(["a", "b", "c", "d"], ["a"], 2)
+    assert info.value.code == "below_threshold"
+    with pytest.raises(BadRequest):
+        secagg.share_request(["a", "b"], ["a", "z"], 1)  # z never shared its keys
+
+
+def test_a_client_never_gives_both_shares_of_one_neighbour() -> None:
+    held = {"b": (b"S" * 66, b"K" * 66), "c": (b"s" * 66, b"k" * 66)}
+    assert secagg.answer_request("a", held, ShareRequest(frozenset({"b"}), frozenset({"c"}))) == {
+        "b": (KIND_SELF, b"S" * 66), "c": (KIND_KEY, b"k" * 66)}
+    for request, code in ((ShareRequest(frozenset({"b", "c"}), frozenset({"c"})), "both_shares_asked"),
+                          (ShareRequest(frozenset({"b"}), frozenset({"a"})), "inconsistent_request")):
+        with pytest.raises(BadRequest) as info:
+            secagg.answer_request("a", held, request)
+        assert info.value.code == code
