@@ -1,13 +1,12 @@
 """SecAgg+'s math (lifl.secagg), no I/O: the graph and its parameters, Shamir's sharing at and
-below the threshold, key agreement, sealed shares, masks, and whole rounds with clients dropping
-out at every stage, whose unmasked sum is exactly the survivors' plaintext sum."""
+below the threshold, key agreement, sealed shares, masks and unmasking requests. Whole rounds
+are in tests/test_secagg_round.py."""
 
 from __future__ import annotations
 
 import itertools
 import math
 import secrets
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -195,99 +194,7 @@ def test_mask_refuses_what_is_not_a_flat_vector_of_its_width() -> None:
             secagg.mask(update, "a", bytes(32), {}, 32)
 
 
-# -- whole rounds --------------------------------------------------------------------------------------
-@dataclass
-class Client:
-    """One client's side of a round, driven by the test in the protocol's order."""
-
-    name: str
-    update: np.ndarray
-    mask_keys: KeyPair = field(default_factory=KeyPair.generate)
-    share_keys: KeyPair = field(default_factory=KeyPair.generate)
-    self_seed: bytes = field(default_factory=lambda: secrets.token_bytes(32))
-    held: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)
-
-
-def run_round(clients: int, width: int, drops: tuple[int, int, int], rng: np.random.Generator,
-              dropout: float = 0.3) -> tuple[np.ndarray, np.ndarray]:
-    """A round of ``clients``; ``drops``: how many leave after advertising keys (before sharing),
-    after sharing (before their masked input), and after sending it (before unmasking).
-    Returns (the unmasked sum, the survivors' plaintext sum)."""
-    dtype = secagg.WIDTHS[width]
-    names = [f"client-{i:03d}" for i in range(clients)]
-    params = secagg.choose_params(clients, dropout, 0.0)
-    round_seed = secrets.token_bytes(16)
-    context = secagg.round_context("job", 1, round_seed)
-    graph = secagg.neighbours(names, params.k, round_seed)
-    point = {n: i + 1 for i, n in enumerate(names)}
-    parties = {n: Client(n, rng.integers(0, np.iinfo(dtype).max, 1000, dtype=dtype, endpoint=True)) for n in names}
-    order = list(names)
-    rng.shuffle(order)
-    before_sharing = set(order[: drops[0]])
-    after_sharing = set(order[drops[0]: drops[0] + drops[1]])
-    after_input = set(order[drops[0] + drops[1]: sum(drops)])
-
-    # stage 2: each client that is still there shares its secrets with its neighbours
-    shared = [n for n in names if n not in before_sharing]
-    for n in shared:
-        me = parties[n]
-        peers = [p for p in graph[n] if p in shared]  # those that advertised and shared (the server's list)
-        selfs = secagg.split_secret(me.self_seed, [point[p] for p in peers], params.threshold)
-        keys = secagg.split_secret(me.mask_keys.private, [point[p] for p in peers], params.threshold)
-        for p in peers:
-            key = secagg.agree(me.share_keys.private, parties[p].share_keys.public, b"share", context)
-            sealed = secagg.seal_shares(key, n, p, context, selfs[point[p]], keys[point[p]])
-            their_key = secagg.agree(parties[p].share_keys.private, me.share_keys.public, b"share", context)
-            parties[p].held[n] = secagg.open_shares(their_key, n, p, context, sealed)
-
-    # stage 3: masked inputs, masked with the neighbours that shared
-    masked_in = [n for n in shared if n not in after_sharing]
-    total = np.zeros(1000, dtype)
-    for n in masked_in:
-        me = parties[n]
-        pairs = {p: secagg.agree(me.mask_keys.private, parties[p].mask_keys.public, b"mask", context)
-                 for p in graph[n] if p in shared}
-        total += secagg.mask(me.update, n, me.self_seed, pairs, width)
-
-    # stage 4: unmasking, from the clients still there
-    request = secagg.share_request(shared, masked_in, params.threshold)
-    answering = [n for n in masked_in if n not in after_input]
-    got: dict[str, dict[int, bytes]] = {}
-    for n in answering:
-        for sender, (kind, share) in secagg.answer_request(n, parties[n].held, request).items():
-            assert kind == (KIND_SELF if sender in request.survivors else KIND_KEY)
-            got.setdefault(sender, {})[point[n]] = share
-    self_seeds = [secagg.reconstruct(got[s], params.threshold) for s in sorted(request.survivors)]
-    dropped_pairs = []
-    for d in sorted(request.dropped):
-        private = secagg.reconstruct(got[d], params.threshold)
-        for s in graph[d]:
-            if s in request.survivors:
-                seed = secagg.agree(private, parties[s].mask_keys.public, b"mask", context)
-                dropped_pairs.append((secagg.pair_sign(s, d), seed))
-    unmasked = secagg.unmask(total, self_seeds, dropped_pairs, width)
-    plain = np.zeros(1000, dtype)
-    for n in masked_in:
-        plain += parties[n].update
-    return unmasked, plain
-
-
-@pytest.mark.parametrize("width", [32, 64])
-@pytest.mark.parametrize("clients, drops", [
-    (20, (0, 0, 0)),
-    (20, (2, 0, 0)),  # 10 % before sharing
-    (20, (0, 2, 0)),  # 10 % after sharing, before the masked input
-    (20, (0, 0, 2)),  # 10 % after the masked input
-    (20, (2, 2, 2)),  # 30 %: a tenth at each stage
-    (30, (0, 9, 0)),  # 30 % after sharing
-    (30, (0, 0, 9)),
-    (30, (9, 0, 0)),
-])
-def test_the_unmasked_sum_is_exactly_the_survivors_sum(clients: int, drops: tuple[int, int, int], width: int) -> None:
-    unmasked, plain = run_round(clients, width, drops, np.random.default_rng(sum(drops) + width))
-    np.testing.assert_array_equal(unmasked, plain)
-
-
+# -- unmasking requests ----------------------------------------------------------------------------
 def test_too_few_masked_inputs_cannot_be_unmasked() -> None:
     with pytest.raises(Unprocessable) as info:
         secagg.share_request(["a", "b", "c", "d"], ["a"], 2)
