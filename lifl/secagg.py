@@ -240,18 +240,37 @@ def open_shares(key: bytes, sender: str, receiver: str, context: bytes, sealed: 
 
 
 # -- masks ------------------------------------------------------------------------------------------
-def expand(seed: bytes, count: int, width: int) -> np.ndarray:
-    """``count`` integers modulo 2^width from ``seed``: the AES-256-CTR keystream (a zero nonce;
-    every seed is used for one expansion)."""
-    dtype = WIDTHS[width]
-    size = count * np.dtype(dtype).itemsize
-    keystream = np.empty(size + _CIPHER_SLACK, np.uint8)  # update_into wants this room past the input
-    encryptor = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
-    encryptor.update_into(np.zeros(size, np.uint8), keystream)  # zeros in (pages mapped lazily), keystream out
-    return keystream[:size].view(dtype)
+def add_masks(target: np.ndarray, signed_seeds: Sequence[tuple[int, bytes]]) -> None:
+    """``target`` (integers modulo 2^width) plus, in place, each sign * PRG(seed): the
+    AES-256-CTR keystream of the seed (a zero nonce; each seed serves one stream). A chunk at a
+    time, every stream's keystream of a chunk added while the chunk is in cache: masking costs
+    little more than the expansions themselves."""
+    if target.dtype not in _DTYPES or target.ndim != 1:
+        raise BadRequest(f"masks apply to a flat vector of {' or '.join(np.dtype(d).name for d in WIDTHS.values())}",
+                         code="bad_secure_input")
+    streams = [(sign, Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()) for sign, seed in signed_seeds]
+    step = MASK_CHUNK_BYTES // target.itemsize
+    zeros = np.zeros(MASK_CHUNK_BYTES, np.uint8)
+    keystream = np.empty(MASK_CHUNK_BYTES + _CIPHER_SLACK, np.uint8)  # update_into wants this room past its input
+    for start in range(0, target.size, step):
+        chunk = target[start:start + step]
+        size = chunk.nbytes
+        words = keystream[:size].view(target.dtype)
+        for sign, stream in streams:
+            stream.update_into(zeros[:size], keystream)
+            (np.add if sign > 0 else np.subtract)(chunk, words, out=chunk)
 
 
+MASK_CHUNK_BYTES = 1 << 18  # a chunk of every stream stays in L2 while it is added
 _CIPHER_SLACK = 15  # AES's block size less one
+_DTYPES = tuple(np.dtype(d) for d in WIDTHS.values())
+
+
+def expand(seed: bytes, count: int, width: int) -> np.ndarray:
+    """``count`` integers modulo 2^width: PRG(seed), the mask ``add_masks`` adds for it."""
+    out = np.zeros(count, WIDTHS[width])
+    add_masks(out, [(1, seed)])
+    return out
 
 
 def pair_sign(me: str, peer: str) -> int:
@@ -260,17 +279,11 @@ def pair_sign(me: str, peer: str) -> int:
 
 def mask(update: np.ndarray, me: str, self_seed: bytes, pair_seeds: Mapping[str, bytes], width: int) -> np.ndarray:
     """``update`` (integers modulo 2^width) masked: plus PRG(self seed), plus or minus each
-    pair's PRG(seed). The masks are folded into one buffer, then added: a client's work is the
-    expansions and as many additions."""
-    dtype = WIDTHS[width]
-    if update.dtype != dtype or update.ndim != 1:
-        raise BadRequest(f"a masked input is a flat vector of {np.dtype(dtype).name}", code="bad_secure_input")
-    masked = update + expand(self_seed, update.size, width)
-    for peer, seed in pair_seeds.items():
-        if pair_sign(me, peer) > 0:
-            masked += expand(seed, update.size, width)
-        else:
-            masked -= expand(seed, update.size, width)
+    pair's PRG(seed)."""
+    if update.dtype != WIDTHS[width]:
+        raise BadRequest(f"a masked input is a flat vector of {np.dtype(WIDTHS[width]).name}", code="bad_secure_input")
+    masked = update.copy()
+    add_masks(masked, [(1, self_seed), *((pair_sign(me, peer), seed) for peer, seed in pair_seeds.items())])
     return masked
 
 
@@ -279,13 +292,7 @@ def unmask(total: np.ndarray, self_seeds: Sequence[bytes], dropped_pairs: Sequen
     """The survivors' sum from the sum of their masked inputs: minus each survivor's self mask,
     minus each (sign, seed) pair mask a survivor shared with a client that dropped."""
     plain = total.astype(WIDTHS[width], copy=True)
-    for seed in self_seeds:
-        plain -= expand(seed, plain.size, width)
-    for sign, seed in dropped_pairs:
-        if sign > 0:
-            plain -= expand(seed, plain.size, width)
-        else:
-            plain += expand(seed, plain.size, width)
+    add_masks(plain, [*((-1, seed) for seed in self_seeds), *((-sign, seed) for sign, seed in dropped_pairs)])
     return plain
 
 
