@@ -140,10 +140,9 @@ def split_secret(secret: bytes, xs: Sequence[int], threshold: int) -> dict[int, 
         raise BadRequest(f"a threshold of {threshold} out of {len(xs)} shares", code="bad_secure_aggregation")
     if len(set(xs)) != len(xs) or not all(0 < x < FIELD_PRIME for x in xs):
         raise BadRequest("share points must be distinct and nonzero", code="bad_secure_aggregation")
-    value = int.from_bytes(secret, "big")
     if len(secret) > SEED_BYTES:
         raise BadRequest(f"a secret of {len(secret)} bytes (at most {SEED_BYTES})", code="bad_secure_aggregation")
-    coefficients = [value] + [secrets.randbelow(FIELD_PRIME) for _ in range(threshold - 1)]
+    coefficients = [int.from_bytes(secret, "big")] + [secrets.randbelow(FIELD_PRIME) for _ in range(threshold - 1)]
     return {x: _evaluate(coefficients, x).to_bytes(SHARE_BYTES, "big") for x in xs}
 
 
@@ -162,7 +161,7 @@ def reconstruct(shares: Mapping[int, bytes], threshold: int, secret_bytes: int =
     ys = {}
     for x in points:
         y = shares[x]
-        if len(y) != SHARE_BYTES or not 0 < x < FIELD_PRIME:
+        if len(y) != SHARE_BYTES or not 0 < x < FIELD_PRIME or int.from_bytes(y, "big") >= FIELD_PRIME:
             raise BadRequest(f"a malformed share at point {x!r}", code="bad_share")
         ys[x] = int.from_bytes(y, "big")
     value = 0

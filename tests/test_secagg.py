@@ -117,6 +117,9 @@ def test_a_share_of_another_secret_is_detected() -> None:
     with pytest.raises(BadRequest) as info2:
         secagg.reconstruct({1: b"short", 2: split[2], 3: split[3]}, 3)
     assert info2.value.code == "bad_share"
+    with pytest.raises(BadRequest) as info2:
+        secagg.reconstruct({1: b"\xff" * secagg.SHARE_BYTES, 2: split[2], 3: split[3]}, 3)  # not a field element
+    assert info2.value.code == "bad_share"
 
 
 @pytest.mark.parametrize("xs, threshold, secret", [
