@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from lifl import shards
+from lifl import secagg, shards
 from lifl.errors import Unprocessable
 from lifl.format import ModelSpec
 from lifl.jobs import JobSpec
@@ -69,6 +69,33 @@ class Job:
     def leaf_fan_in(self) -> int:
         """Updates per leaf for the job's current model (``JobSpec.fan_in_for``)."""
         return self.spec.fan_in_for(self.model_spec)
+
+
+@dataclass(frozen=True)
+class SecureRound:
+    """A secure job's round (``lifl.secure_state``): its stage, the stage's deadline, the graph's
+    degree and threshold once drawn, an abandoned round's reason."""
+
+    job: str
+    round: int
+    stage: str
+    seed: bytes
+    deadline_ms: int  # on the Redis clock
+    capacity: int
+    k: int
+    threshold: int
+    why: str
+
+    @classmethod
+    def parse(cls, job: str, h: dict[str, str]) -> SecureRound | None:
+        if not h:
+            return None
+        return cls(job, int(h["round"]), h["stage"], bytes.fromhex(h["seed"]), int(h["deadline"]), int(h["capacity"]),
+                   int(h.get("k", 0)), int(h.get("t", 0)), h.get("why", ""))
+
+    @property
+    def context(self) -> bytes:
+        return secagg.round_context(self.job, self.round, self.seed)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ from lifl.format import ACCUMULATORS, DType, ModelSpec
 from lifl.fixedpoint import FixedPoint
 from lifl.flstore.retention import RetentionPolicy
 from lifl.models import MODELS
+from lifl.secagg import choose_params
+from lifl.secagg_round import Settings as SecureSettings
 from lifl.shards import ELEMENT, check_request as check_shards
 from lifl.strategy import StrategySpec
 from lifl.strategy.spec import MAX_SHARDED_GRAM_UPDATES
@@ -57,6 +59,7 @@ class JobSpec:
     shards: int = 1  # tensor shards, each aggregated in a hierarchy of its own (lifl.shards); 0: "auto"
     shard_alignment: str = ELEMENT  # where shards are cut: between elements, or between tensors
     accumulator: str = "float64"  # what partial sums of float tensors are kept in (format.ACCUMULATORS)
+    secure_aggregation: dict[str, Any] = field(default_factory=dict, hash=False)  # lifl.secagg_round.Settings, filled in; {}: off
 
     @property
     def sample_cap(self) -> int:
@@ -159,7 +162,17 @@ class JobSpec:
                                  + ("fixed point sums in integers" if fixed_point is not None else
                                     f"strategy {strategy.name!r} computes in float64") + ": choose one", code="bad_job")
             values["accumulator"] = accumulator
+        if body.get("secure_aggregation") is not None:  # {}: secure, with the defaults
+            values["secure_aggregation"] = _secure_aggregation(body["secure_aggregation"], values, fixed_point).to_json()
         return cls(job=name, tenant=tenant, **values)
+
+    @property
+    def secure(self) -> SecureSettings | None:
+        """The secure-aggregation settings of a secure job (the server learns only each round's sum)."""
+        fixed_point = self.fixed_point_spec
+        if not self.secure_aggregation or fixed_point is None:
+            return None
+        return SecureSettings.from_request(self.secure_aggregation, width=fixed_point.width)
 
     @property
     def float_accumulator(self) -> DType:
@@ -181,7 +194,9 @@ class JobSpec:
     def retention_floor(self, policy: RetentionPolicy) -> RetentionPolicy:
         """``policy``, keeping at least what the strategy reads: a strategy that is not eager reads
         every update of the round at the top, and fedbuff also the models its stale updates
-        were trained from."""
+        were trained from. A secure job's policy may keep no update (BadRequest)."""
+        if self.secure_aggregation:
+            _no_update_retention(policy)
         strategy = self.strategy_spec
         if not strategy.needs_updates:
             return policy
@@ -223,3 +238,27 @@ def version_wait_params(after: int | str, wait_s: float | str) -> tuple[int, flo
     if not (math.isfinite(seconds) and 0 <= seconds <= MAX_VERSION_WAIT_S):
         raise BadRequest(f"wait_s must be in [0, {MAX_VERSION_WAIT_S:g}] seconds, got {seconds:g}", code="bad_version_wait")
     return version, seconds
+
+
+def _secure_aggregation(obj: Any, values: dict[str, Any], fixed_point: FixedPoint | None) -> SecureSettings:
+    """A secure job's settings, and what they rule out: masked inputs are fixed-point integers
+    summed in the hierarchy (so fixed point, and a strategy that needs only the sum: fixed point
+    already asks that), and no one update may be kept for queries."""
+    if fixed_point is None:
+        raise BadRequest("secure aggregation sums masked fixed-point integers: the job needs 'fixed_point' too",
+                         code="bad_job")
+    settings = SecureSettings.from_request(obj, width=fixed_point.width)
+    if values.get("round_deadline_s"):
+        raise BadRequest("a secure round ends by its stages' deadlines: set secure_aggregation's stage_timeout_s, not "
+                         "round_deadline_s", code="bad_job")
+    choose_params(values["goal"], settings.dropout, settings.corruption)  # the goal is the most clients a round enrols
+    _no_update_retention(RetentionPolicy.from_request(values.get("retention", {})))
+    if values.get("shards", 1) != 1:
+        raise BadRequest("a secure round's top unmasks the whole model: a secure job is not cut into shards", code="bad_job")
+    return settings
+
+
+def _no_update_retention(policy: RetentionPolicy) -> None:
+    if policy.update_rounds:
+        raise BadRequest("a secure job keeps no client's update (its server sees only masked inputs): drop the retention "
+                         "of updates ('updates', 'history', 'clients')", code="bad_job")

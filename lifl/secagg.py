@@ -41,6 +41,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
@@ -50,7 +51,9 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from lifl import format as fmt
 from lifl.errors import BadRequest, Unprocessable
+from lifl.fixedpoint import BOUND_TENSOR, ROUNDING_LIMIT, FixedPoint, partial_spec
 
 SEED_BYTES = 32  # self-mask seeds, pair seeds, share keys, X25519 keys
 SECURITY_BITS = 40  # sigma: the chance that corrupt clients hold t shares of one client
@@ -239,25 +242,28 @@ def open_shares(key: bytes, sender: str, receiver: str, context: bytes, sealed: 
 
 
 # -- masks ------------------------------------------------------------------------------------------
-def add_masks(target: np.ndarray, signed_seeds: Sequence[tuple[int, bytes]]) -> None:
-    """``target`` (integers modulo 2^width) plus, in place, each sign * PRG(seed): the
-    AES-256-CTR keystream of the seed (a zero nonce; each seed serves one stream). A chunk at a
-    time, every stream's keystream of a chunk added while the chunk is in cache: masking costs
-    little more than the expansions themselves."""
-    if target.dtype not in _DTYPES or target.ndim != 1:
-        raise BadRequest(f"masks apply to a flat vector of {' or '.join(np.dtype(d).name for d in WIDTHS.values())}",
-                         code="bad_secure_input")
+def add_masks(segments: Sequence[np.ndarray], signed_seeds: Sequence[tuple[int, bytes]]) -> None:
+    """Each of ``segments`` (flat vectors of unsigned integers, of 32 or 64 bits each, taken in
+    order as one masked vector) plus, in place, each sign * PRG(seed): the AES-256-CTR keystream
+    of the seed (a zero nonce; each seed serves one stream), read on from one segment to the
+    next. A chunk at a time, every stream's keystream of a chunk added while the chunk is in
+    cache: masking costs little more than the expansions themselves."""
+    for segment in segments:
+        if segment.dtype not in _DTYPES or segment.ndim != 1:
+            raise BadRequest(f"masks apply to flat vectors of {' or '.join(np.dtype(d).name for d in WIDTHS.values())}",
+                             code="bad_secure_input")
     streams = [(sign, Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()) for sign, seed in signed_seeds]
-    step = MASK_CHUNK_BYTES // target.itemsize
     zeros = np.zeros(MASK_CHUNK_BYTES, np.uint8)
     keystream = np.empty(MASK_CHUNK_BYTES + _CIPHER_SLACK, np.uint8)  # update_into wants this room past its input
-    for start in range(0, target.size, step):
-        chunk = target[start:start + step]
-        size = chunk.nbytes
-        words = keystream[:size].view(target.dtype)
-        for sign, stream in streams:
-            stream.update_into(zeros[:size], keystream)
-            (np.add if sign > 0 else np.subtract)(chunk, words, out=chunk)
+    for segment in segments:
+        step = MASK_CHUNK_BYTES // segment.itemsize
+        for start in range(0, segment.size, step):
+            chunk = segment[start:start + step]
+            size = chunk.nbytes
+            words = keystream[:size].view(segment.dtype)
+            for sign, stream in streams:
+                stream.update_into(zeros[:size], keystream)
+                (np.add if sign > 0 else np.subtract)(chunk, words, out=chunk)
 
 
 MASK_CHUNK_BYTES = 1 << 18  # a chunk of every stream stays in L2 while it is added
@@ -268,7 +274,7 @@ _DTYPES = tuple(np.dtype(d) for d in WIDTHS.values())
 def expand(seed: bytes, count: int, width: int) -> np.ndarray:
     """``count`` integers modulo 2^width: PRG(seed), the mask ``add_masks`` adds for it."""
     out = np.zeros(count, WIDTHS[width])
-    add_masks(out, [(1, seed)])
+    add_masks([out], [(1, seed)])
     return out
 
 
@@ -282,17 +288,72 @@ def mask(update: np.ndarray, me: str, self_seed: bytes, pair_seeds: Mapping[str,
     if update.dtype != WIDTHS[width]:
         raise BadRequest(f"a masked input is a flat vector of {np.dtype(WIDTHS[width]).name}", code="bad_secure_input")
     masked = update.copy()
-    add_masks(masked, [(1, self_seed), *((pair_sign(me, peer), seed) for peer, seed in pair_seeds.items())])
+    add_masks([masked], [(1, self_seed), *((pair_sign(me, peer), seed) for peer, seed in pair_seeds.items())])
     return masked
 
 
-def unmask(total: np.ndarray, self_seeds: Sequence[bytes], dropped_pairs: Sequence[tuple[int, bytes]],
-           width: int) -> np.ndarray:
-    """The survivors' sum from the sum of their masked inputs: minus each survivor's self mask,
-    minus each (sign, seed) pair mask a survivor shared with a client that dropped."""
-    plain = total.astype(WIDTHS[width], copy=True)
-    add_masks(plain, [*((-1, seed) for seed in self_seeds), *((-sign, seed) for sign, seed in dropped_pairs)])
-    return plain
+# -- a client's input ----------------------------------------------------------------------------------
+SAMPLES_SLOT = BOUND_TENSOR  # a masked input carries its sample count where a fixed-point partial sum carries its bound
+
+
+def plain_input(tensors: Mapping[str, np.ndarray], samples: int, spec: fmt.ModelSpec, fixed_point: FixedPoint,
+                clients: int) -> bytearray:
+    """A client's input to a secure round before it is masked: a blob laid out as the job's
+    fixed-point partial sums (``partial_spec``) holding what the hierarchy's fold would add for
+    the update -- each tensor ``samples`` x round(w x 2^F), half to even, modulo 2^width -- and
+    its sample count in the bound's slot, so that the sum of the round's inputs is a partial sum
+    of the round and its sample count. Masked sums carry no overflow bound: the input is refused
+    here unless ``clients`` such inputs cannot overflow."""
+    if type(samples) is not int or samples < 1:
+        raise BadRequest(f"a sample count is a positive integer, got {samples!r}", code="bad_secure_input")
+    for t in spec.tensors:
+        if t.dtype.kind != "f":
+            raise BadRequest(f"secure aggregation masks float tensors; {t.name!r} is {t.dtype.name}", code="bad_secure_input")
+        if t.name not in tensors or tuple(np.shape(tensors[t.name])) != t.shape:
+            raise BadRequest(f"the update's {t.name!r} must be of shape {t.shape}", code="bad_secure_input")
+    partial = partial_spec(spec, fixed_point)
+    blob = bytearray(fmt.spec_header(partial)) + bytearray(partial.data_bytes)
+    out = fmt.views(blob, fmt.parse_layout(blob, allow_partial=True))
+    limit = (1 << (fixed_point.width - 1)) // clients  # the sum of `clients` inputs stays below 2^(width-1)
+    scale = float(1 << fixed_point.frac_bits)
+    for t in spec.tensors:
+        q = np.rint(_as_float64(np.asarray(tensors[t.name]), t.dtype).ravel() * scale)
+        largest = float(np.abs(q).max()) if q.size else 0.0
+        if largest >= ROUNDING_LIMIT or samples * largest >= limit:
+            raise Unprocessable(f"tensor {t.name!r}: |value| x 2^{fixed_point.frac_bits} x {samples} samples reaches "
+                                f"{samples * largest:.3g}, beyond what {clients} inputs may sum to in {fixed_point.width} "
+                                "bits: clip the update, or use fewer frac_bits", code="secure_input_overflow")
+        out[t.name].reshape(-1)[:] = (q.astype(np.int64) * samples).astype(out[t.name].dtype)  # wraps modulo 2^width
+    out[SAMPLES_SLOT][0] = samples
+    return blob
+
+
+def _as_float64(values: np.ndarray, dtype: fmt.DType) -> np.ndarray:
+    if dtype is fmt.BF16:  # bfloat16 bits: the high half of a float32
+        return (values.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return values.astype(np.float64)
+
+
+def segments(blob: Any) -> list[np.ndarray]:
+    """The masked vector of an input (or of a sum of inputs): each tensor's elements, as unsigned
+    integers of its width, in the spec's order (the sample count last)."""
+    views = fmt.views(blob, fmt.parse_layout(blob, allow_partial=True))
+    return [v.reshape(-1).view(np.uint64 if v.dtype.itemsize == 8 else np.uint32) for v in views.values()]
+
+
+def unmasking_seeds(self_seeds: Mapping[str, bytes], dropped_keys: Mapping[str, bytes],
+                    graph: Mapping[str, Sequence[str]], mask_publics: Mapping[str, bytes],
+                    context: bytes) -> list[tuple[int, bytes]]:
+    """The (sign, seed) streams whose sum ``add_masks`` adds to the sum of the survivors' masked
+    inputs to leave their plain sum: minus each survivor's self mask, and minus the pair mask
+    each survivor added for each neighbour that dropped after sharing (its key, rebuilt from
+    shares, agrees the pair's seed with the survivor's public key)."""
+    streams = [(-1, seed) for _, seed in sorted(self_seeds.items())]
+    for dropped, private in sorted(dropped_keys.items()):
+        for survivor in graph[dropped]:
+            if survivor in self_seeds:
+                streams.append((-pair_sign(survivor, dropped), agree(private, mask_publics[survivor], b"mask", context)))
+    return streams
 
 
 def round_context(job: str, round_id: int, round_seed: bytes) -> bytes:

@@ -41,7 +41,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from lifl.cluster_types import NO_MODEL, Job, Loss, Shard
+from lifl.cluster_types import NO_MODEL, Job, Loss, SecureRound, Shard
 from lifl.errors import BadRequest, Conflict, Forbidden, NotFound, Overloaded, QuotaBusy, QuotaExceeded, Unavailable
 from lifl.format import ModelSpec
 from lifl.flstore.retention import RetentionPolicy
@@ -170,8 +170,9 @@ end
 # because its answer was lost (the connection broke after the script ran) finds what it did and
 # does nothing twice.
 
-# KEYS: job, leases, shard, lease owners, excluded, updates. ARGV: node, then (token, base version, lease
-# ('' for none), client ('' for any)) for each update arriving at that node. -> {status, version,
+# KEYS: job, leases, shard, lease owners, excluded, updates, then a secure job's round (lifl.secure_state):
+# its hash and its 'sharing' set. ARGV: node, then (token, base version, lease ('' for none), client
+# ('' for any)) for each update arriving at that node. -> {status, version,
 # round} for each, in order: a batch of admissions costs one call, each checked and counted as if
 # alone. A client whose update of the round was counted gets -6. A lease that is not the
 # client's is ignored. The slot is also counted against the node whose gateway receives the
@@ -188,6 +189,12 @@ local function reserve(token, base, lease, node, client)
   if client ~= '' and redis.call('HEXISTS', KEYS[6], 'client.' .. client) == 1 then return {-6, v, r} end
   if field(h, 'closed') == 1 then return {closed_status(h), v, r} end
   if client ~= '' and redis.call('SISMEMBER', KEYS[5], client) == 1 then return {-7, v, r} end
+  if field(h, 'secure') == 1 then  -- a masked input: from a client that shared its keys, while the round collects
+    if client == '' then return {-9, v, r} end
+    local sa = redis.call('HMGET', KEYS[7], 'round', 'stage')
+    if tonumber(sa[1]) ~= r or sa[2] ~= 'collect' then return {-11, v, r} end
+    if redis.call('SISMEMBER', KEYS[8], client) == 0 then return {-12, v, r} end
+  end
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms())
   if lease ~= '' and owns(KEYS[4], lease, client) then
     redis.call('ZREM', KEYS[2], lease)
@@ -326,12 +333,13 @@ end
 return counted
 """
 
-# KEYS: job, shard, leases, retention. A job as one snapshot: the Redis clock (ms), the job's
-# and its shard's fields, the live leases, the retention policy (false: the spec's).
+# KEYS: job, shard, leases, retention, secure round. A job as one snapshot: the Redis clock (ms), the
+# job's and its shard's fields, the live leases, the retention policy (false: the spec's), and a
+# secure job's round (lifl.secure_state).
 _JOB_VIEW = _NOW + """
 local now = now_ms()
 return {now, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]),
-        redis.call('ZCOUNT', KEYS[3], '(' .. now, '+inf'), redis.call('GET', KEYS[4])}
+        redis.call('ZCOUNT', KEYS[3], '(' .. now, '+inf'), redis.call('GET', KEYS[4]), redis.call('HGETALL', KEYS[5])}
 """
 
 # Freezes the round: no more updates; each node's count becomes final. (Lua, shared)
@@ -348,7 +356,8 @@ local function finalize(h, s)
 end
 """
 
-# KEYS: job, shard, updates. ARGV: node, job name, then (token, round, client ('' for any)) for each update
+# KEYS: job, shard, updates, then a secure job's round (lifl.secure_state): its hash, its 'sharing' and
+# 'masked' sets. ARGV: node, job name, then (token, round, client ('' for any)) for each update
 # that arrived whole at that node; one update per client and round. Each is an acknowledged
 # update, counted once for the whole round, on the node that took it; the one that meets the
 # goal closes the round (and the batch's later ones find it closed). -> {status, accepted} for
@@ -364,9 +373,15 @@ local function decided(token, status, accepted)
   end
   return status, accepted
 end
+local secure = field(h, 'secure') == 1
 local function count_update()  -- one more acknowledged update: the one that meets the goal closes the round
   local accepted = redis.call('HINCRBY', h, 'accepted', 1)
-  if accepted >= field(h, 'goal') then
+  -- a secure round's goal: a masked input from every client that shared; then it unmasks
+  local goal = secure and redis.call('SCARD', KEYS[5]) or field(h, 'goal')
+  if accepted >= goal then
+    if secure then
+      redis.call('HSET', KEYS[4], 'stage', 'unmask', 'deadline', now_ms() + tonumber(redis.call('HGET', KEYS[4], 'timeout')))
+    end
     finalize(h, s)
     redis.call('PUBLISH', '""" + EVENTS + """', ARGV[2])
     return 1, accepted
@@ -404,11 +419,16 @@ local function accept(token, round, client)
     redis.call('HSET', t, 'client.' .. client, node)
     return decided(token, count_update())
   end
+  if secure then  -- the stage moved on (its deadline): no masked input enters the sum after the unmask request
+    local sa = redis.call('HMGET', KEYS[4], 'round', 'stage')
+    if tonumber(sa[1]) ~= round or sa[2] ~= 'collect' or redis.call('SISMEMBER', KEYS[5], client) == 0 then return -5, 0 end
+  end
   if client ~= '' and redis.call('HSETNX', t, 'client.' .. client, node) == 0 then
     redis.call('HINCRBY', h, 'reserved', -1)
     redis.call('HINCRBY', s, 'inflight.' .. node, -1)
     return decided(token, -7, 0)
   end
+  if secure then redis.call('SADD', KEYS[6], client) end
   arrived()
   return decided(token, count_update())
 end
@@ -660,6 +680,8 @@ RESERVE_EXCLUDED = -7  # a query's filter excluded the client from the job's rou
 RESERVE_TENANT_ROUNDS = -8  # the tenant's other jobs have as many rounds in progress as its quota allows
 RESERVE_NO_CLIENT = -9  # a job split across nodes joins an update's parts by their client: it needs one
 RESERVE_UPDATE_GONE = -10  # another part of the client's update was given up: the update is out of the round
+RESERVE_NOT_COLLECTING = -11  # a secure round takes masked inputs at its collect stage only
+RESERVE_NOT_SHARED = -12  # a secure round takes masked inputs only from the clients that shared their keys
 QUOTA_RETRY_AFTER = 1.0  # seconds a client refused by a quota of what ends by itself is told to wait
 ACCEPT_CLOSED_ROUND, ACCEPT_COUNTED, ACCEPT_OTHER_ROUND, ACCEPT_ROUND_CLOSED, ACCEPT_FENCED = 1, 0, -1, -5, -6
 ACCEPT_DUPLICATE = -7  # another upload of the same client's update was counted first
@@ -697,10 +719,16 @@ def refusal(status: int, job: str, version: int, round_id: int, goal: int, *, ba
         return Forbidden(f"this client is excluded from the rounds of job {job!r} (a filter query flagged it)",
                          code="client_excluded")
     if status == RESERVE_NO_CLIENT:
-        return BadRequest(f"job {job!r} holds its model's shards on several nodes, and a client's parts of one update "
-                          "are joined by its client id: send X-Lifl-Client", code="client_required")
+        return BadRequest(f"job {job!r} must know which client sent an update (it joins a split update's parts, or counts "
+                          "a secure round's masked inputs, by client id): send X-Lifl-Client", code="client_required")
     if status == RESERVE_UPDATE_GONE:
         return part_given_up(job, round_id, version)
+    if status == RESERVE_NOT_COLLECTING:
+        return Conflict(f"the secure round {round_id} of job {job!r} is not collecting masked inputs (see GET "
+                        f"/v1/jobs/{job}/secure)", code="wrong_stage", extra={"version": version, "round": round_id})
+    if status == RESERVE_NOT_SHARED:
+        return Conflict(f"this client did not share its keys in secure round {round_id} of job {job!r}: a stage it skipped "
+                        "cannot be joined later", code="not_in_round", extra={"version": version, "round": round_id})
     return Conflict(f"round {round_id} (version {version}) is closed: its deadline passed", code="round_closed",
                     extra={"version": version})
 
@@ -740,6 +768,11 @@ def accept_refusal(status: int, job: str, round_id: int, version: int, node: str
 
 def job_key(name: str) -> str:
     return f"lifl:job:{name}"
+
+
+def secure_key(name: str, part: str = "") -> str:
+    """A secure job's round (lifl.secure_state): its hash, or one of its sets and hashes."""
+    return f"lifl:job:{name}:sa" + (f":{part}" if part else "")
 
 
 def leases_key(name: str) -> str:
@@ -821,6 +854,7 @@ class JobView:
     leases: int
     retention: RetentionPolicy
     now: float  # the Redis clock (s), the one deadlines are measured by
+    secure: SecureRound | None = None  # a secure job's round
 
 
 def _ms(t: list[int]) -> int:
@@ -946,6 +980,7 @@ class ClusterState:
             "spec": spec.to_json(), "goal": spec.goal, "version": NO_MODEL, "round": -1, "round_opened": 0, "closed": 0,
             "reserved": 0, "accepted": 0, "aggregated": 0, "model_key": "", "model_node": "", "checkpoint": -1,
             "max_staleness": spec.strategy_spec.max_staleness, "strategy_seed": secrets.randbits(62),
+            **({"secure": 1} if spec.secure_aggregation else {}),
         }
         flat = [str(x) for pair in fields.items() for x in pair]
         created = int(self.redis.eval(_CREATE_JOB, 4, job_key(spec.job), retention_key(spec.job), "lifl:jobs",
@@ -986,11 +1021,11 @@ class ClusterState:
     def job_view(self, name: str) -> JobView:
         """The job, its round's shard, its live leases, its retention policy and the clock: one
         snapshot, one call."""
-        now, job, shard, leases, retention = self._job_view(
-            keys=[job_key(name), shard_key(name), leases_key(name), retention_key(name)])
+        now, job, shard, leases, retention, secure = self._job_view(
+            keys=[job_key(name), shard_key(name), leases_key(name), retention_key(name), secure_key(name)])
         j = self._job(name, _pairs(job))
         policy = RetentionPolicy.from_json(retention) if retention else j.spec.retention_policy  # none: created before retention existed
-        return JobView(j, Shard.parse(_pairs(shard)), int(leases), policy, int(now) / 1000)
+        return JobView(j, Shard.parse(_pairs(shard)), int(leases), policy, int(now) / 1000, SecureRound.parse(name, _pairs(secure)))
 
     def _job(self, name: str, h: dict[str, str]) -> Job:
         if not h or "version" not in h:
@@ -1115,7 +1150,7 @@ class ClusterState:
 
     def reserve_call(self, name: str, node: str, items: list[tuple[str, int, str, str]]) -> ScriptCall:
         return ScriptCall(self._reserve, [job_key(name), leases_key(name), shard_key(name), lease_owners_key(name),
-                                          excluded_key(name), updates_key(name)],
+                                          excluded_key(name), updates_key(name), secure_key(name), secure_key(name, "sharing")],
                           [node, *[x for item in items for x in item], not_after_ms(self.timeout)])
 
     def unreserve(self, name: str, round_id: int, node: str, token: str = "") -> bool:
@@ -1198,7 +1233,8 @@ class ClusterState:
         return results
 
     def accept_call(self, name: str, node: str, items: list[tuple[str, int, str]]) -> ScriptCall:
-        return ScriptCall(self._accept, [job_key(name), shard_key(name), updates_key(name)],
+        return ScriptCall(self._accept, [job_key(name), shard_key(name), updates_key(name), secure_key(name),
+                                         secure_key(name, "sharing"), secure_key(name, "masked")],
                           [node, name, *[x for item in items for x in item], not_after_ms(self.timeout)])
 
     def close_round(self, name: str, round_id: int, min_updates: int) -> int:

@@ -8,10 +8,11 @@ import threading
 import pytest
 
 from lifl import shards
-from lifl.cluster_types import Job, Shard
-from lifl.control.rounds import AbandonRound, CloseAtDeadline, DeclareLost, PlaceTop, duties
+from lifl.cluster_types import Job, SecureRound, Shard
+from lifl.control.rounds import AbandonRound, AdvanceSecureStage, CloseAtDeadline, DeclareLost, PlaceTop, duties
 from lifl.format import F32, ModelSpec, TensorSpec
 from lifl.jobs import JobSpec
+from lifl.secagg_round import ABANDONED, ADVERTISE, COLLECT, DONE, SHARE, UNMASK
 from lifl.state import (
     ACCEPT_CLOSED_ROUND, ACCEPT_COUNTED, ACCEPT_FENCED, ACCEPT_ROUND_CLOSED, CLOSE_ABANDON, CLOSE_FINAL, RESERVE_FULL,
     RESERVE_OK, ClusterState,
@@ -56,6 +57,33 @@ def shard(**changes) -> Shard:
 ])
 def test_round_duties(j: Job, s: Shard, now: float, live: set[str], expected: list) -> None:
     assert duties(j, s, now, live) == expected
+
+
+SECURE = JobSpec("j", goal=8, fixed_point={"frac_bits": 16, "width": 64}, secure_aggregation={"stage_timeout_s": 5.0})
+
+
+def secure(stage: str, *, round_id: int = 7, deadline_s: float = 110.0, why: str = "") -> SecureRound:
+    return SecureRound("j", round_id, stage, b"seed", int(deadline_s * 1000), 8, 4, 3, why)
+
+
+@pytest.mark.parametrize("j,s,now,sa,expected", [
+    (job(spec=SECURE), shard(), 200.0, None, []),  # nobody advertised yet: no deadline runs
+    (job(spec=SECURE), shard(), 200.0, secure(SHARE, round_id=6), []),  # last round's
+    (job(spec=SECURE), shard(), 105.0, secure(ADVERTISE), []),
+    (job(spec=SECURE), shard(), 110.0, secure(ADVERTISE), [AdvanceSecureStage(7)]),
+    (job(spec=SECURE, reserved=2, accepted=2), shard(counts={"a": 2}), 110.0, secure(COLLECT), [AdvanceSecureStage(7)]),
+    (job(spec=SECURE, accepted=3), shard(counts={"a": 3}), 105.0, secure(UNMASK), [CloseAtDeadline(7, 3)]),
+    (job(spec=SECURE, accepted=3, closed=True), shard(finalized=True, counts={"a": 3}), 105.0, secure(UNMASK),
+     [PlaceTop(7, 0, "a")]),  # the top folds, then waits for the unmasking
+    (job(spec=SECURE, accepted=3, closed=True), shard(finalized=True, counts={"a": 3}, top="a"), 120.0, secure(DONE), []),
+    (job(spec=SECURE, accepted=2, closed=True), shard(counts={"a": 2}), 105.0, secure(UNMASK),
+     [AbandonRound(7, "abandoned", "2 masked inputs arrived, fewer than the threshold of 3")]),
+    (job(spec=SECURE, accepted=3, closed=True), shard(finalized=True, counts={"a": 3}, top="a"), 105.0,
+     secure(ABANDONED, why="2 clients' secrets have fewer than 3 shares"),
+     [AbandonRound(7, "abandoned", "2 clients' secrets have fewer than 3 shares")]),
+])
+def test_secure_round_duties(j: Job, s: Shard, now: float, sa: SecureRound | None, expected: list) -> None:
+    assert duties(j, s, now, {"a"}, sa) == expected
 
 
 MODEL = ModelSpec((TensorSpec("w", F32, (1000,)),))

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from lifl.errors import BadRequest
+from lifl.errors import BadRequest, Unprocessable
+from lifl.flstore.retention import RetentionPolicy
 from lifl.format import BF16, F32, F64, DType, ModelSpec, TensorSpec
 from lifl.jobs import AUTO_FAN_IN, AUTO_LEAF_BYTES, DEFAULT_MAX_UPDATE_BYTES, LARGE_UPDATE_BYTES, REFOLD_BOUND, JobSpec
+from lifl.secagg_round import Settings as SecureSettings
 
 
 def test_defaults_and_round_trip() -> None:
@@ -79,3 +81,54 @@ def flat(dtype: DType, nbytes: int) -> ModelSpec:
 ])
 def test_the_leaf_fan_in_in_use(leaf_fan_in: int, model: ModelSpec | None, accumulator: str, expected: int) -> None:
     assert JobSpec("a", goal=10, leaf_fan_in=leaf_fan_in, accumulator=accumulator).fan_in_for(model) == expected
+
+
+SECURE_BASE = {"job": "s", "goal": 20, "fixed_point": {"frac_bits": 20, "width": 32}}
+
+
+def test_a_secure_job_fills_in_its_settings_and_round_trips() -> None:
+    spec = JobSpec.from_request({**SECURE_BASE, "secure_aggregation": {}})  # {}: secure, with the defaults
+    assert spec.secure == SecureSettings(0.1, 0.1, 60.0, 32)
+    assert JobSpec.from_json(spec.to_json()).secure == spec.secure
+    tuned = JobSpec.from_request({**SECURE_BASE, "secure_aggregation": {"dropout": 0.3, "corruption": 0, "stage_timeout_s": 5}})
+    assert tuned.secure == SecureSettings(0.3, 0.0, 5.0, 32)
+    assert JobSpec.from_request({**SECURE_BASE}).secure is None
+    assert JobSpec.from_request({**SECURE_BASE, "secure_aggregation": None}).secure is None
+    assert JobSpec.from_request({**SECURE_BASE, "secure_aggregation": {}, "retention": {"models": 3}}).secure is not None
+
+
+@pytest.mark.parametrize("extra, code, needle", [
+    ({"secure_aggregation": {}, "fixed_point": None}, "bad_job", "needs 'fixed_point'"),
+    ({"secure_aggregation": []}, "bad_secure_aggregation", "must be an object"),
+    ({"secure_aggregation": {"dropout": 0.5}}, "bad_secure_aggregation", "dropout must be a number in [0, 0.5)"),
+    ({"secure_aggregation": {"corruption": -0.1}}, "bad_secure_aggregation", "corruption"),
+    ({"secure_aggregation": {"dropout": True}}, "bad_secure_aggregation", "dropout"),
+    ({"secure_aggregation": {"dropout": float("nan")}}, "bad_secure_aggregation", "dropout"),
+    ({"secure_aggregation": {"stage_timeout_s": 0}}, "bad_secure_aggregation", "stage_timeout_s must be a number in (0, 3600]"),
+    ({"secure_aggregation": {"stage_timeout_s": 3601}}, "bad_secure_aggregation", "stage_timeout_s"),
+    ({"secure_aggregation": {"width": 64}}, "bad_secure_aggregation", "unknown secure_aggregation field(s): width"),
+    ({"secure_aggregation": {}, "goal": 2}, "bad_secure_aggregation", "at least 3 clients"),
+    ({"secure_aggregation": {}, "retention": {"updates": 1}}, "bad_job", "keeps no client's update"),
+    ({"secure_aggregation": {}, "retention": {"clients": ["c1"], "client_rounds": 2}}, "bad_job", "keeps no client's update"),
+    ({"secure_aggregation": {}, "shards": 2}, "bad_job", "not cut into shards"),
+    ({"secure_aggregation": {}, "round_deadline_s": 30}, "bad_job", "stage_timeout_s, not round_deadline_s"),
+    ({"secure_aggregation": {}, "strategy": {"name": "median"}}, "bad_job", "fixed-point aggregation"),
+])
+def test_invalid_secure_jobs_say_why(extra: dict, code: str, needle: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        JobSpec.from_request({key: value for key, value in {**SECURE_BASE, **extra}.items() if value is not None})
+    assert info.value.code == code and needle in info.value.message, info.value.message
+
+
+def test_a_goal_too_small_for_its_dropout_is_refused() -> None:
+    with pytest.raises(Unprocessable) as info:
+        JobSpec.from_request({**SECURE_BASE, "goal": 7, "secure_aggregation": {"dropout": 0.49}})
+    assert info.value.code == "secure_population_too_small"
+
+
+def test_a_secure_jobs_retention_may_not_keep_updates_later_either() -> None:
+    spec = JobSpec.from_request({**SECURE_BASE, "secure_aggregation": {}})
+    with pytest.raises(BadRequest) as info:
+        spec.retention_floor(RetentionPolicy(history=2))
+    assert info.value.code == "bad_job"
+    assert spec.retention_floor(RetentionPolicy(models=2)) == RetentionPolicy(models=2)

@@ -11,8 +11,12 @@ import secrets
 import numpy as np
 import pytest
 
+from lifl import format as fmt
 from lifl import secagg
-from lifl.errors import BadRequest, Unprocessable
+from lifl.errors import BadRequest, LiflError, Unprocessable
+from lifl.fixedpoint import FixedPoint
+from lifl.kernels import fold
+from test_fixedpoint import Memory, memory_spec, random_update
 from lifl.secagg import KIND_KEY, KIND_SELF, KeyPair, ShareRequest
 
 CONTEXT = secagg.round_context("job", 7, b"seed")
@@ -191,6 +195,29 @@ def test_a_masked_input_looks_uniform() -> None:
         assert chi2 < 340  # 255 degrees of freedom: p < 1e-4 beyond 340
 
 
+def test_masks_run_on_across_segments_of_either_width_and_cancel_in_pairs() -> None:
+    """A masked input of several tensors (model tensors in the job's width, a 64-bit sample count):
+    one stream per seed reads on from segment to segment, so a pair's opposite masks cancel in
+    the sum, and the keystream a segment gets is where the segments before it left off."""
+    rng = np.random.default_rng(3)
+    seed = secrets.token_bytes(32)
+
+    def segments() -> list[np.ndarray]:
+        return [rng.integers(0, 1 << 32, 5, dtype=np.uint32), rng.integers(0, 1 << 63, 3, dtype=np.uint64),
+                rng.integers(0, 1 << 32, 70000, dtype=np.uint32)]  # longer than a chunk
+
+    a, b = segments(), segments()
+    plain = [x + y for x, y in zip(a, b)]
+    secagg.add_masks(a, [(1, seed)])
+    secagg.add_masks(b, [(-1, seed)])
+    for x, y, z in zip(a, b, plain):
+        np.testing.assert_array_equal(x + y, z)
+    zeros = [np.zeros(5, np.uint32), np.zeros(3, np.uint64)]
+    secagg.add_masks(zeros, [(1, seed)])
+    stream = secagg.expand(seed, 8, 32).view(np.uint8)  # 32 bytes: 20 for the first segment, 24 for the second
+    assert zeros[0].tobytes() == stream[:20].tobytes() and zeros[1].tobytes()[:12] == stream[20:].tobytes()
+
+
 def test_mask_refuses_what_is_not_a_flat_vector_of_its_width() -> None:
     for update in (np.zeros(4, np.int32), np.zeros((2, 2), np.uint32), np.zeros(4, np.uint64)):
         with pytest.raises(BadRequest):
@@ -215,3 +242,43 @@ def test_a_client_never_gives_both_shares_of_one_neighbour() -> None:
         with pytest.raises(BadRequest) as info:
             secagg.answer_request("a", held, request)
         assert info.value.code == code
+
+
+# -- a client's input ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["F16", "BF16", "F32", "F64"])
+@pytest.mark.parametrize("fp", [FixedPoint(24, 64), FixedPoint(12, 32)])
+def test_the_sum_of_plain_inputs_is_the_hierarchys_fixed_point_sum(dtype: str, fp: FixedPoint) -> None:
+    """What clients mask adds up, bit for bit, to what the node's kernel folds from the same
+    float updates and sample counts; the bound's slot sums the sample counts."""
+    rng = np.random.default_rng(7)
+    updates = [random_update(rng, dtype, 301) for _ in range(3)]
+    floats = [{k: v for k, v in tensors.items() if k != "k"} for tensors, _ in updates]  # float tensors only
+    weights = [3, 11, 40]
+    memory = Memory(memory_spec(floats[0]), fp)
+    acc, folded = memory.accumulator()
+    fold(acc, [(memory.update(t, w).tensors, w) for t, w in zip(floats, weights)], init=True, frac_bits=fp.frac_bits)
+
+    total = [np.zeros_like(s) for s in secagg.segments(folded)]
+    for tensors, w in zip(floats, weights):
+        for acc_segment, segment in zip(total, secagg.segments(secagg.plain_input(tensors, w, memory.spec, fp, 3))):
+            acc_segment += segment
+    expected = secagg.segments(folded)
+    for got, want in zip(total[:-1], expected[:-1]):
+        np.testing.assert_array_equal(got, want)
+    assert int(total[-1][0]) == sum(weights)
+
+
+def test_plain_inputs_refuse_what_could_overflow_or_is_not_float() -> None:
+    spec = fmt.ModelSpec((fmt.TensorSpec("w", fmt.F32, (2,)),))
+    fp = FixedPoint(24, 32)
+    secagg.plain_input({"w": np.array([1.0, -1.0], np.float32)}, 10, spec, fp, 10)  # 10 x 2^24 x 10 < 2^31
+    for tensors, samples, clients, code in (({"w": np.array([1.0, -1.0], np.float32)}, 10, 13, "secure_input_overflow"),
+                                            ({"w": np.array([1e9, 0.0], np.float32)}, 1, 2, "secure_input_overflow"),
+                                            ({"w": np.zeros(3, np.float32)}, 1, 2, "bad_secure_input"),
+                                            ({}, 1, 2, "bad_secure_input"),
+                                            ({"w": np.zeros(2, np.float32)}, 0, 2, "bad_secure_input")):
+        with pytest.raises(LiflError) as info:
+            secagg.plain_input(tensors, samples, spec, fp, clients)
+        assert info.value.code == code
+    with pytest.raises(BadRequest):
+        secagg.plain_input({"k": np.zeros(2, np.int32)}, 1, fmt.ModelSpec((fmt.TensorSpec("k", fmt.I32, (2,)),)), fp, 2)

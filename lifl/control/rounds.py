@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Set
 from dataclasses import dataclass
 
-from lifl.cluster_types import NO_MODEL, Job, Shard
+from lifl.cluster_types import NO_MODEL, Job, SecureRound, Shard
 from lifl.control.planner import choose_top
+from lifl.secagg_round import ABANDONED, DONE, UNMASK
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,20 @@ class PlaceTop:
     node: str
 
 
-Duty = CloseAtDeadline | AbandonRound | DeclareLost | PlaceTop
+@dataclass(frozen=True)
+class AdvanceSecureStage:
+    """A secure round's stage passed its deadline: it moves on with the clients that acted, or
+    is abandoned (``lifl.secure_state.SecureRounds.close_due``)."""
+
+    round: int
 
 
-def duties(job: Job, shard: Shard, now: float, live: Set[str]) -> list[Duty]:
-    """The duties round ``job.round`` needs now (``now`` on the Redis clock)."""
+Duty = CloseAtDeadline | AbandonRound | DeclareLost | PlaceTop | AdvanceSecureStage
+
+
+def duties(job: Job, shard: Shard, now: float, live: Set[str], secure: SecureRound | None = None) -> list[Duty]:
+    """The duties round ``job.round`` needs now (``now`` on the Redis clock); ``secure``: a
+    secure job's round (its stages close it, not ``round_deadline_s``)."""
     if job.version == NO_MODEL or shard.round != job.round:
         return []  # no model yet, or a next round is being opened
     if job.parts:
@@ -57,12 +67,25 @@ def duties(job: Job, shard: Shard, now: float, live: Set[str]) -> list[Duty]:
     lost = [DeclareLost(job.round, n) for n in sorted(involved - shard.dead) if n not in live]
     if lost:
         return list(lost)  # the rest is decided on the counts that remain
-    deadline = job.spec.round_deadline_s
-    if not job.closed and deadline and now >= job.round_opened + deadline:
-        return [CloseAtDeadline(job.round, job.spec.min_updates)]
-    if job.closed and not shard.finalized:
-        return [AbandonRound(job.round, "abandoned",
-                             f"deadline passed with {job.accepted} of the {job.spec.min_updates} updates needed")]
+    if job.spec.secure_aggregation:
+        if secure is None or secure.round != job.round:
+            return []  # nobody advertised keys for this round yet
+        if secure.stage == ABANDONED:
+            return [AbandonRound(job.round, "abandoned", secure.why)]
+        if secure.stage != DONE and now * 1000 >= secure.deadline_ms:
+            return [AdvanceSecureStage(job.round)]
+        if secure.stage in (UNMASK, DONE) and not job.closed:  # its collect stage ended at the deadline
+            return [CloseAtDeadline(job.round, secure.threshold)]
+        if job.closed and not shard.finalized:
+            return [AbandonRound(job.round, "abandoned", f"{job.accepted} masked inputs arrived, fewer than the "
+                                 f"threshold of {secure.threshold}")]
+    else:
+        deadline = job.spec.round_deadline_s
+        if not job.closed and deadline and now >= job.round_opened + deadline:
+            return [CloseAtDeadline(job.round, job.spec.min_updates)]
+        if job.closed and not shard.finalized:
+            return [AbandonRound(job.round, "abandoned",
+                                 f"deadline passed with {job.accepted} of the {job.spec.min_updates} updates needed")]
     if shard.finalized and shard.total == 0:
         return [AbandonRound(job.round, "abandoned", f"every update of the round was lost with node(s) {_names(shard.lost)}")]
     if shard.finalized and shard.top is None:
