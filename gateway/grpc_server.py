@@ -56,7 +56,7 @@ from lifl.net.loop import IO_POOL, SLOW_POOL
 SERVICE = "/lifl.v1.Gateway/"
 UNARY = ("CreateJob", "ListJobs", "GetJob", "WaitForVersion", "GetModel", "TakeLease", "Heartbeat", "ReleaseLease", "GetRounds", "GetAssignment",
          "CreateToken", "ListTokens", "RevokeToken", "Query", "GetRetention", "SetRetention",
-         "GetQuota", "SetQuota")
+         "GetQuota", "SetQuota", "Secure")
 SLOW_UNARY = ("Query",)  # on the slow pool
 BLOB_UPLOADS = ("SetModel", "PushUpdate")
 MODEL_CHUNK = 1 << 20  # data bytes per ModelChunk message of a download
@@ -579,10 +579,21 @@ class GrpcConnection(ConnectionProtocol):
                          "lease_ttl_s", "over_selection", "max_samples", "architecture"):
                 if getattr(req, name):  # proto3: 0 or "" means "use the default"
                     body[name] = getattr(req, name)
-            for name in ("retention", "strategy", "fixed_point"):
+            for name in ("retention", "strategy", "fixed_point", "secure_aggregation"):
                 if text := getattr(req, f"{name}_json"):
                     body[name] = _json_field(text, f"{name}_json")
             return _job_status(service.create_job(caller, body))
+        if method == "Secure":
+            req = pb.SecureRequest.FromString(request)
+            if req.call == "status":
+                return _json_reply(service.secure_status(caller, req.job, req.client or None))
+            calls = {"keys": service.secure_advertise, "shares": service.secure_share, "answer": service.secure_answer}
+            if req.call not in calls:
+                raise BadRequest(f"a secure call is status, keys, shares or answer, not {req.call!r}", code="bad_secure_call")
+            body = _json_field(req.body_json or "{}", "body_json")
+            if isinstance(body, dict) and req.client:
+                body = {**body, "client": req.client}
+            return _json_reply(calls[req.call](caller, req.job, body))
         if method == "ListJobs":
             return pb.JobList(jobs=service.job_names(caller))
         if method == "Query":

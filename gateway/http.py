@@ -441,6 +441,10 @@ class HttpServer(LoopServer):
             Route("PUT", re.compile(r"/v1/jobs/([^/]+)/retention"), BLOCKING, self.put_retention, MAX_JSON_BODY),
             Route("GET", re.compile(r"/v1/jobs/([^/]+)/rounds"), BLOCKING, self.get_rounds),
             Route("POST", re.compile(r"/v1/jobs/([^/]+)/leases"), BLOCKING, self.take_lease, MAX_JSON_BODY),
+            Route("GET", re.compile(r"/v1/jobs/([^/]+)/secure"), BLOCKING, self.get_secure),
+            Route("POST", re.compile(r"/v1/jobs/([^/]+)/secure/keys"), BLOCKING, self.post_secure_keys, MAX_JSON_BODY),
+            Route("POST", re.compile(r"/v1/jobs/([^/]+)/secure/shares"), BLOCKING, self.post_secure_shares, MAX_JSON_BODY),
+            Route("POST", re.compile(r"/v1/jobs/([^/]+)/secure/answer"), BLOCKING, self.post_secure_answer, MAX_JSON_BODY),
             Route("GET", re.compile(r"/v1/jobs/([^/]+)/assignment"), BLOCKING, self.get_assignment),
             Route("POST", re.compile(r"/v1/internal/jobs/([^/]+)/rounds/([0-9]{1,18})/partials"), UPLOAD, self.post_partial,
                   status=202, internal=True),
@@ -542,6 +546,21 @@ class HttpServer(LoopServer):
         body = self._json_body(req, "lease request")
         client = body.get("client") if isinstance(body, dict) else None
         return json_response(201, self.service.take_lease(caller, job, client))
+
+    def get_secure(self, req: Request, caller: Principal, job: str) -> Response:
+        clients = urllib.parse.parse_qs(req.query).get("client", [])
+        if len(clients) > 1:
+            raise BadRequest("give at most one client: ?client=ID", code="bad_query")
+        return json_response(200, self.service.secure_status(caller, job, clients[0] if clients else None))
+
+    def post_secure_keys(self, req: Request, caller: Principal, job: str) -> Response:
+        return json_response(201, self.service.secure_advertise(caller, job, self._json_body(req, "secure advertisement")))
+
+    def post_secure_shares(self, req: Request, caller: Principal, job: str) -> Response:
+        return json_response(200, self.service.secure_share(caller, job, self._json_body(req, "secure shares")))
+
+    def post_secure_answer(self, req: Request, caller: Principal, job: str) -> Response:
+        return json_response(200, self.service.secure_answer(caller, job, self._json_body(req, "secure answer")))
 
     def heartbeat(self, req: Request, caller: Principal, job: str, lease: str) -> Response:
         return json_response(200, self.service.heartbeat(caller, job, lease))

@@ -21,6 +21,7 @@ once per version so that any node's gateway serves any job's model.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.client
 import json
@@ -44,7 +45,7 @@ from lifl.auth import (
     CLIENT, OPERATOR, REFRESH_SECONDS, TENANT, Action, Principal, TokenSpec, Tokens, acting_client, authorize, bearer,
     certificate_principal, job_tenant, may_issue,
 )
-from lifl.cluster_types import NO_MODEL, Job
+from lifl.cluster_types import NO_MODEL, Job, SecureRound
 from lifl.control.controller import DEFAULT_CAPACITY
 from lifl.control.planner import BESTFIT, NodeLoad, plan_round
 from lifl.errors import (
@@ -61,6 +62,8 @@ from lifl.net.io import sendfile_all
 from lifl.net.loop import IO_POOL, SLOW_POOL, Loop, Timer
 from lifl.net.tls import peer_connection, peer_http_connection
 from lifl.quotas import Quota
+from lifl.secagg_round import ABANDONED, COLLECT, SHARE, UNMASK, Settings as SecureSettings
+from lifl.secure_state import SecureRounds
 from lifl.protocol import (
     ROLES, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Forwarded, ForwardPartial, GetMetrics, InstallModel,
     InstallReplica, Message, ModelOpened, OpenModel, Query, Submit, SubmitPartial,
@@ -142,6 +145,22 @@ def client_id(value: Any) -> str:
     return value
 
 
+def _object(body: Any, what: str) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise BadRequest(f"{what} must be a JSON object", code="bad_json")
+    return body
+
+
+def _hex(obj: dict[str, Any], name: str, code: str) -> bytes:
+    value = obj.get(name)
+    try:
+        if not isinstance(value, str):
+            raise ValueError
+        return bytes.fromhex(value)
+    except ValueError:
+        raise BadRequest(f"{name!r} must be a hex string", code=code) from None
+
+
 def lease_id(value: Any) -> str:
     if not isinstance(value, str) or len(value) > 64 or any(c not in "0123456789abcdef" for c in value):
         raise BadRequest("a lease id is at most 64 lowercase hex digits", code="bad_lease")
@@ -179,7 +198,7 @@ class Ingest:
 
     def __init__(self, service: GatewayService, kind: str, job: str, protocol: str, spec: fmt.ModelSpec | None,
                  limit: int, expected_size: int | None, *, meta: UpdateMeta | None = None,
-                 partial: PartialMeta | None = None) -> None:
+                 partial: PartialMeta | None = None, masked: bool = False) -> None:
         self.service, self.kind, self.job, self.protocol = service, kind, job, protocol
         self.meta, self.partial, self.version = meta, partial, NO_MODEL
         self.agent = service.agent
@@ -191,7 +210,7 @@ class Ingest:
         self._abort_reason = ""
         self._then: Callable[[], None] = _nothing  # what waits for an abort that waits for the admission's answer
         self.sink = BlobSink(limit=limit, spec=spec, admit=self._admit, mappings=service.mappings, layouts=service.layouts,
-                             expected_size=expected_size, partial=bool(partial and partial.partial))
+                             expected_size=expected_size, partial=bool(partial and partial.partial) or masked)
 
     @property
     def lost(self) -> bool:
@@ -486,6 +505,7 @@ class GatewayService:
                  capacity: float = DEFAULT_CAPACITY, *, open_metrics: bool = False, loop: Loop | None = None) -> None:
         self.node = node
         self.state = state
+        self.secure = SecureRounds(state)  # a secure job's stages
         self.loop = loop or Loop(f"lifl gateway {node}", pools=POOLS)
         self.tokens = Tokens(state.redis, outage=state.outage)
         self.open_metrics = open_metrics  # GET /metrics without a token (it names jobs of every tenant)
@@ -953,6 +973,74 @@ class GatewayService:
         if not self.state.release_lease(name, lease_id(lease), principal.client):
             raise NotFound(f"lease {lease} of job {name!r} has lapsed or does not exist", code="no_such_lease")
 
+    # -- secure rounds (lifl.secure_state): the stages before and after a masked input ------------------
+    def _secure_job(self, principal: Principal, name: str, client: Any) -> tuple[JobSpec, SecureSettings, str]:
+        """The secure job ``name``'s spec and settings, and the client the call acts as."""
+        spec = self.authorized_job(principal, Action.LEASE, name).spec
+        settings = spec.secure
+        if settings is None:
+            raise Conflict(f"job {name!r} is not a secure job", code="not_secure")
+        return spec, settings, client_id(acting_client(principal, client))
+
+    def secure_advertise(self, principal: Principal, name: str, body: Any) -> dict[str, Any]:
+        """A client's two public keys for the job's current secure round (the first starts it)."""
+        body = _object(body, "a secure advertisement")
+        spec, settings, client = self._secure_job(principal, name, body.get("client"))
+        r = self.secure.advertise(name, settings, spec.goal, client, _hex(body, "mask_key", "bad_key"),
+                                  _hex(body, "share_key", "bad_key"))
+        return self._secure_view(r, client, spec)
+
+    def secure_status(self, principal: Principal, name: str, client: Any) -> dict[str, Any]:
+        """The secure round's stage, and what ``client`` needs at it: its neighbours' keys (share),
+        the shares sent to it (collect), the unmask request (unmask)."""
+        spec, _, client = self._secure_job(principal, name, client)
+        r = self.secure.round(name)
+        if r is None:
+            return {"job": name, "client": client, "round": None, "stage": None}
+        return self._secure_view(r, client, spec)
+
+    def secure_share(self, principal: Principal, name: str, body: Any) -> dict[str, Any]:
+        body = _object(body, "secure shares")
+        spec, settings, client = self._secure_job(principal, name, body.get("client"))
+        shares = body.get("shares")
+        if not isinstance(shares, dict):
+            raise BadRequest("'shares' must be an object: neighbour -> sealed shares (hex)", code="bad_shares")
+        r = self.secure.share(name, settings, client, {str(peer): _hex(shares, peer, "bad_shares") for peer in shares})
+        return self._secure_view(r, client, spec)
+
+    def secure_answer(self, principal: Principal, name: str, body: Any) -> dict[str, Any]:
+        body = _object(body, "a secure answer")
+        spec, _, client = self._secure_job(principal, name, body.get("client"))
+        shares = body.get("shares")
+        if not isinstance(shares, dict) or not all(isinstance(v, dict) for v in shares.values()):
+            raise BadRequest("'shares' must be an object: client -> {\"kind\": \"self\" or \"key\", \"share\": hex}",
+                             code="bad_answer")
+        r = self.secure.answer(name, client, {str(t): (str(v.get("kind")), _hex(v, "share", "bad_answer"))
+                                              for t, v in shares.items()})
+        return self._secure_view(r, client, spec)
+
+    def _secure_view(self, r: SecureRound, client: str, spec: JobSpec) -> dict[str, Any]:
+        settings = spec.secure
+        assert settings is not None
+        view: dict[str, Any] = {"job": r.job, "client": client, "round": r.round, "stage": r.stage, "seed": r.seed.hex(),
+                                "clients": r.capacity, "k": r.k, "threshold": r.threshold, "deadline_ms": r.deadline_ms,
+                                "stage_timeout_s": settings.stage_timeout_s, "fixed_point": spec.fixed_point}
+        if r.stage == ABANDONED:
+            view["why"] = r.why
+        elif r.stage == SHARE:
+            with contextlib.suppress(LiflError):  # a client not in the round sees the stage only
+                _, peers = self.secure.peers(r.job, client)
+                view["peers"] = {p: {"point": point, "mask_key": mask.hex(), "share_key": share.hex()}
+                                 for p, (point, mask, share) in peers.items()}
+        elif r.stage == COLLECT:
+            with contextlib.suppress(LiflError):
+                _, inbox = self.secure.inbox(r.job, client)
+                view["inbox"] = {p: blob.hex() for p, blob in inbox.items()}
+        elif r.stage == UNMASK:
+            _, request = self.secure.request(r.job)
+            view["request"] = {"survivors": sorted(request.survivors), "dropped": sorted(request.dropped)}
+        return view
+
     def assignment(self, principal: Principal, name: str, client: Any) -> dict[str, Any]:
         """The node whose gateway ``client`` should send this round's update to (paper §5.1):
         the round's placement plan, made once per round by whichever gateway is asked first."""
@@ -1011,8 +1099,12 @@ class GatewayService:
                 if not fresh:
                     raise _Recheck(job_name)
                 raise stale(meta.base_version, job.version, allowed)
-            return Ingest(self, "update", meta.job, protocol, job.blob_spec(self.node), job.spec.max_update_bytes,
-                          expected_size, meta=meta)
+            spec, fixed_point = job.blob_spec(self.node), job.spec.fixed_point_spec
+            if job.spec.secure_aggregation and spec is not None and fixed_point is not None:
+                # a masked input (lifl.secagg.plain_input): laid out as the round's fixed-point partial sums
+                return Ingest(self, "update", meta.job, protocol, partial_spec(spec, fixed_point), job.spec.max_update_bytes,
+                              expected_size, meta=meta, masked=True)
+            return Ingest(self, "update", meta.job, protocol, spec, job.spec.max_update_bytes, expected_size, meta=meta)
 
         def checked(ingest: Ingest | None, error: BaseException | None) -> None:
             if authorized and isinstance(error, LiflError):  # the job's refusal: counted in its round first

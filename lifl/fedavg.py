@@ -53,13 +53,18 @@ class Contribution:
 class StreamingFedAvg:
     """``fan_in`` None: not known yet (``resize`` tells it once the round has closed).
     ``fixed_point``: sum float tensors in integers (the accumulators must be of
-    ``partial_spec(spec, fixed_point)``; partial inputs must say their ``bound``)."""
+    ``partial_spec(spec, fixed_point)``; partial inputs must say their ``bound``). ``masked``:
+    every input is a secure round's masked input or a sum of them (``lifl.secagg``), whose bound
+    slot holds a masked sample count: it sums modulo 2^64, and no bound can be checked."""
 
-    def __init__(self, fan_in: int | None, fixed_point: FixedPoint | None = None) -> None:
+    def __init__(self, fan_in: int | None, fixed_point: FixedPoint | None = None, *, masked: bool = False) -> None:
         if fan_in is not None and fan_in < 1:
             raise ValueError(f"fan-in must be at least 1, got {fan_in}")
+        if masked and fixed_point is None:
+            raise ValueError("masked inputs are fixed-point sums")
         self.fan_in = fan_in
         self.fixed_point = fixed_point
+        self.masked = masked
         self.received = 0
         self._held: Contribution | None = None
         self._acc: Contribution | None = None
@@ -109,6 +114,9 @@ class StreamingFedAvg:
         fp = self.fixed_point
         if fp is None:
             return 0
+        if self.masked:  # as int64 two's complement, as the slot holds it
+            total = sum(c.bound for c in folded) % (1 << 64)
+            return total - (1 << 64) if total >= 1 << 63 else total
         bound = sum(c.bound if c.partial else c.samples * fp.quantised_max(float(m)) for c, m in zip(folded, max_abs))
         fp.check_bound(bound, float(max_abs.max()))
         return bound

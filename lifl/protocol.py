@@ -721,6 +721,24 @@ class StepPartials(Message):
     partials: bytes
 
 
+@message("secure_streams")
+@dataclass(frozen=True)
+class SecureStreams(Message):
+    """The answer to ``SecureSeeds``: the (sign, seed hex) streams whose sum takes the masks off
+    the round's sum (``lifl.secagg.unmasking_seeds``)."""
+
+    streams: list[list[Any]]
+
+
+@message("secure_seeds", SecureStreams)
+@dataclass(frozen=True)
+class SecureSeeds(Message):
+    """The top of a secure round has the sum of its masked inputs: it asks what takes the masks
+    off, answered once the round's secrets are rebuilt (an error if the round is abandoned)."""
+
+    task: int
+
+
 @message("folded", Allocated)
 @dataclass(frozen=True)
 class Folded(Message):

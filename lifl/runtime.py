@@ -44,7 +44,7 @@ from lifl.errors import LiflError
 from lifl.fixedpoint import FixedPoint
 from lifl.protocol import (
     QUERY_ROLE, Alloc, Attach, CancelTask, Done, Failed, Finished, Folded, InstallResult, Invoke, NextModel, Ready,
-    StepPartials, StrategyInputs, StrategyWork, input_fields,
+    SecureSeeds, StepPartials, StrategyInputs, StrategyWork, input_fields,
 )
 from lifl.shards import ShardPlan, TensorShard, part_of, plan as shard_plan
 from lifl.net.io import ready
@@ -72,6 +72,7 @@ class Invocation:
     shard: TensorShard | None = None  # the slice of the model it aggregates (lifl.shards); None: all of it
     accumulator: fmt.DType = fmt.F64  # what partial sums of float tensors are kept in (without fixed point)
     shards: ShardPlan | None = None  # every slice of the round (a top may step them all)
+    secure: bool = False  # inputs are masked (lifl.secagg): summed as partial sums, unmasked by the top
 
 
 class Context:
@@ -194,6 +195,12 @@ class Context:
         reply, _ = self.client.call(StepPartials(task=inv.task, partials=values.tobytes()))
         return np.frombuffer(reply.sums, np.float64).reshape(values.shape) if reply.sums else None
 
+    def unmasking_seeds(self, inv: Invocation) -> list[tuple[int, bytes]]:
+        """A secure round's top: the streams that take the masks off its sum (``SecureSeeds``),
+        once the round's secrets are rebuilt."""
+        reply, _ = self.client.call(SecureSeeds(task=inv.task))
+        return [(int(sign), bytes.fromhex(seed)) for sign, seed in reply.streams]
+
     def _mapped(self, fds: list[int]) -> mmap.mmap:
         try:
             return self.mappings.map_fd(fds[0], writable=True)
@@ -308,11 +315,11 @@ def serve(ctx: Context, handler: Handler, finished: Callable[[Invocation, dict[s
                 model_spec, plan = part.spec, part.plan
             specs[push.job] = (model_spec, StrategySpec.from_json(strategy) if strategy else StrategySpec(),
                                FixedPoint.from_request(options.get("fixed_point")), plan,
-                               fmt.ACCUMULATORS[options.get("accumulator", "float64")])
-        model_spec, strategy_spec, fixed_point, plan, accumulator = specs[push.job]
+                               fmt.ACCUMULATORS[options.get("accumulator", "float64")], bool(options.get("secure")))
+        model_spec, strategy_spec, fixed_point, plan, accumulator, secure = specs[push.job]
         inv = Invocation(push.task, push.job, push.version, push.role, push.fan_in, push.lazy, model_spec,
                          (push.parent_instance, push.parent_task), strategy_spec, fixed_point,
-                         plan[push.shard] if plan is not None else None, accumulator, plan)
+                         plan[push.shard] if plan is not None else None, accumulator, plan, secure)
         try:
             stats = handler(inv, ctx)
             ctx.finish(inv, stats)

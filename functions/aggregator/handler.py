@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from lifl import format as fmt
+from lifl import secagg
 from lifl.keys.record import KIND_CLOSE, KIND_PREPARE, now_ns
 from lifl.fedavg import Contribution, StreamingFedAvg, average_into
 from lifl.fixedpoint import FixedPoint, partial_spec, read_bound, write_bound
@@ -67,13 +68,36 @@ def _mapped(ctx: Context, mm: Any, spec: fmt.ModelSpec | TensorShard) -> Tensors
     return Tensors(mm, _table(ctx.layout(mm), spec))
 
 
+def _unmasked(inv: Invocation, ctx: Context, total: Contribution, accumulator: Any, header: bytes, data_bytes: int,
+              spec: fmt.ModelSpec, live: list[Tensors]) -> Contribution:
+    """A secure round's sum with its masks taken off, once the round's secrets are rebuilt: the
+    survivors' plain fixed-point sum, and their sample count from the bound's slot. ``accumulator``:
+    the mapping the sum is in (None: the round's lone masked input, unmasked in a copy: its
+    object is the client's)."""
+    streams = ctx.unmasking_seeds(inv)
+    key, mm = total.token, accumulator
+    if mm is None:
+        key, mm = ctx.accumulator(inv, header, data_bytes)
+        out = _mapped(ctx, mm, spec)
+        live.append(out)
+        copy(out, total.tensors)
+        write_bound(mm, ctx.layout(mm), total.bound)
+    segments = secagg.segments(mm)
+    secagg.add_masks(segments, streams)
+    samples = int(segments[-1][0])
+    del segments  # views of the mapping: it closes with the task
+    tensors = _mapped(ctx, mm, spec)
+    live.append(tensors)
+    return Contribution(tensors, samples, total.updates, True, key)
+
+
 def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
     shard = inv.shard
     spec = shard.spec if shard else inv.spec  # what its partial sums hold
     whole: fmt.ModelSpec | TensorShard = shard or spec  # what it reads of a client update
     fixed_point = inv.fixed_point
     model_header, partial_header, partial_bytes = _spec_headers(spec, fixed_point, inv.accumulator)
-    agg = StreamingFedAvg(inv.fan_in or None, fixed_point)
+    agg = StreamingFedAvg(inv.fan_in or None, fixed_point, masked=inv.secure)
     delivery_us: list[float] = []  # sent -> the message in hand (the channel, and waking up)
     handoff_us: list[float] = []  # sent -> a readable view of the object (delivery, then mapping it)
     recv_s = agg_s = agg_cpu_s = alloc_s = 0.0
@@ -127,8 +151,9 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
                 mm, tensors = open_input(msg.key)
                 delivery_us.append((received_ns - msg.sent_ns) / 1e3)
                 handoff_us.append((now_ns() - msg.sent_ns) / 1e3)
-                bound = read_bound(mm, ctx.layout(mm)) if fixed_point and msg.partial else 0
-                queued.append(Contribution(tensors, msg.samples, msg.count, msg.partial, msg.key, bound))
+                partial = msg.partial or inv.secure  # a masked input is laid out as a partial sum (lifl.secagg)
+                bound = read_bound(mm, ctx.layout(mm)) if fixed_point and partial else 0
+                queued.append(Contribution(tensors, msg.samples, msg.count, partial, msg.key, bound))
             batch = [] if inv.lazy and not agg.complete_with(len(queued)) else queued
             t1, c1 = time.perf_counter(), time.thread_time()
             folded = agg.offer(batch, new_accumulator)
@@ -159,6 +184,10 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
         if inv.role != TOP:
             ctx.forward(inv, result.token, result.samples, result.updates, result.partial, agg_s, folded=last_fold)
         else:
+            if inv.secure:
+                result = _unmasked(inv, ctx, result, latest if agg.state is not None else None, partial_header,
+                                   partial_bytes, spec, live)
+
             def write_mean(mm: Any, out_spec: fmt.ModelSpec | TensorShard, total: Contribution) -> None:
                 out = _mapped(ctx, mm, out_spec)
                 live.append(out)

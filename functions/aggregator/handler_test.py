@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import mmap
+import secrets
 from collections import deque
 from typing import Any
 
@@ -17,6 +18,8 @@ import numpy as np
 import pytest
 
 from lifl import format as fmt
+from lifl import secagg
+from lifl.fixedpoint import FixedPoint
 from lifl.keys.record import KIND_CLOSE, KIND_PREPARE, KeyMessage
 from lifl.errors import NotFound
 from lifl.runtime import Context, Invocation
@@ -193,3 +196,58 @@ def test_an_announced_input_is_mapped_once_and_a_bad_hint_is_ignored() -> None:
     assert ctx.installed is not None
     for name, tensor in ctx.installed["tensors"].items():
         np.testing.assert_allclose(tensor, expected[name], rtol=1e-6, atol=1e-6)
+
+
+class SecureContext(MemoryContext):
+    """A secure round's top is told the streams that take the masks off (here, each client's
+    self mask: the pair masks cancel, no client dropped)."""
+
+    def __init__(self, streams: list[tuple[int, bytes]]) -> None:
+        super().__init__([])
+        self.streams = streams
+
+    def unmasking_seeds(self, inv: Invocation) -> list[tuple[int, bytes]]:
+        return self.streams
+
+
+@pytest.mark.parametrize("clients, fan_in", [(3, 3), (1, 1), (4, 2)])
+def test_a_secure_round_installs_the_fixed_point_average_of_its_masked_inputs(clients: int, fan_in: int) -> None:
+    """Masked inputs fold as partial sums through leaves and the top; the top takes the masks off
+    and installs, bit for bit, the model a plain fixed-point round of the same updates installs."""
+    fp = FixedPoint(20, 64)
+    models, samples = updates(clients, seed=9), [3, 8, 1, 5][:clients]
+    spec = fmt.parse_layout(fmt.encode(models[0])).spec()
+    self_seeds = [secrets.token_bytes(32) for _ in models]
+    pair = secrets.token_bytes(32)  # one pair mask between the first two clients, + and -
+    ctx = SecureContext([(-1, seed) for seed in self_seeds])
+    keys = []
+    for i, (model, s, seed) in enumerate(zip(models, samples, self_seeds)):
+        blob = secagg.plain_input(model, s, spec, fp, clients)
+        streams = [(1, seed)] + ([(1 if i == 0 else -1, pair)] if clients > 1 and i < 2 else [])
+        secagg.add_masks(secagg.segments(blob), streams)
+        keys.append(ctx.put(blob))
+    groups = [keys[i:i + fan_in] for i in range(0, clients, fan_in)]
+    for group in groups:  # leaves forward their masked sums to the top
+        if len(groups) == 1:
+            ctx.inbox.extend(KeyMessage(dest=1, task=7, key=k, samples=1, count=1) for k in group)
+            continue
+        leaf = SecureContext([])
+        leaf.objects, leaf._keys = ctx.objects, ctx._keys
+        leaf.inbox.extend(KeyMessage(dest=1, task=8, key=k, samples=1, count=1) for k in group)
+        handle(Invocation(8, "job", 3, "leaf", len(group), False, spec, fixed_point=fp, secure=True), leaf)
+        assert leaf.forwarded is not None and leaf.forwarded["partial"]
+        ctx.inbox.append(KeyMessage(dest=1, task=7, key=leaf.forwarded["key"], samples=len(group), count=len(group),
+                                    partial=True))
+    handle(Invocation(7, "job", 3, "top", len(groups) if len(groups) > 1 else clients, False, spec, fixed_point=fp,
+                      secure=True), ctx)
+    plain = MemoryContext([])
+    for model, s in zip(models, samples):
+        plain.inbox.append(KeyMessage(dest=1, task=7, key=plain.put(fmt.encode(model)), samples=s, count=1))
+    handle(Invocation(7, "job", 3, "top", clients, False, spec, fixed_point=fp), plain)
+    assert ctx.installed is not None and plain.installed is not None
+    assert ctx.installed["samples"] == sum(samples)
+    for name, tensor in plain.installed["tensors"].items():
+        if clients > 1:
+            np.testing.assert_array_equal(ctx.installed["tensors"][name], tensor)
+        else:  # a plain round of one update installs it untouched; a secure one its fixed-point rounding
+            np.testing.assert_allclose(ctx.installed["tensors"][name], tensor, atol=2.0 ** -fp.frac_bits)

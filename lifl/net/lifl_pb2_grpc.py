@@ -134,6 +134,11 @@ class GatewayStub:
                 request_serializer=lifl_dot_net_dot_lifl__pb2.SetQuotaRequest.SerializeToString,
                 response_deserializer=lifl_dot_net_dot_lifl__pb2.JsonReply.FromString,
                 _registered_method=True)
+        self.Secure = channel.unary_unary(
+                '/lifl.v1.Gateway/Secure',
+                request_serializer=lifl_dot_net_dot_lifl__pb2.SecureRequest.SerializeToString,
+                response_deserializer=lifl_dot_net_dot_lifl__pb2.JsonReply.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -270,6 +275,14 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Secure(self, request, context):
+        """A secure job's round (docs/secure-aggregation.md): `call` "status", "keys", "shares" or "answer",
+        the same JSON as HTTP's GET /v1/jobs/{job}/secure and POST .../secure/keys, .../shares, .../answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -371,6 +384,11 @@ def add_GatewayServicer_to_server(servicer, server):
             'SetQuota': grpc.unary_unary_rpc_method_handler(
                     servicer.SetQuota,
                     request_deserializer=lifl_dot_net_dot_lifl__pb2.SetQuotaRequest.FromString,
+                    response_serializer=lifl_dot_net_dot_lifl__pb2.JsonReply.SerializeToString,
+            ),
+            'Secure': grpc.unary_unary_rpc_method_handler(
+                    servicer.Secure,
+                    request_deserializer=lifl_dot_net_dot_lifl__pb2.SecureRequest.FromString,
                     response_serializer=lifl_dot_net_dot_lifl__pb2.JsonReply.SerializeToString,
             ),
     }
@@ -913,6 +931,33 @@ class Gateway:
             target,
             '/lifl.v1.Gateway/SetQuota',
             lifl_dot_net_dot_lifl__pb2.SetQuotaRequest.SerializeToString,
+            lifl_dot_net_dot_lifl__pb2.JsonReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Secure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lifl.v1.Gateway/Secure',
+            lifl_dot_net_dot_lifl__pb2.SecureRequest.SerializeToString,
             lifl_dot_net_dot_lifl__pb2.JsonReply.FromString,
             options,
             channel_credentials,

@@ -77,13 +77,16 @@ from lifl.node.metrics import Metrics
 from lifl.node.privilege import attach_refusal, current, peer_identity
 from lifl.node.retention import Retainer, query_holder, update_blob
 from lifl.quotas import Quota
+from lifl import secagg
+from lifl.secagg_round import ABANDONED, DONE
+from lifl.secure_state import SecureRounds
 from lifl import shards
 from lifl.procs import die_with_parent, on_signals
 from lifl.protocol import (
     PROTOCOL, QUERY_ROLE, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Admitted, Alloc, Allocated, Attach,
     Attached, CancelTask, Done, Failed, Finished, Folded, Forwarded, ForwardPartial, GetMetrics, GetRecent, GetStatus,
     Hello, InstallModel, InstallReplica, InstallResult, Installed, Invoke, Message, ModelOpened, NextModel, Ok, OpenModel,
-    Query, Ready, Release, StepPartials, StepSums, StrategyInputs, Submit, SubmitPartial, Submitted, TakeQuery, Text, Welcome, decode, input_record,
+    Query, Ready, Release, SecureSeeds, SecureStreams, StepPartials, StepSums, StrategyInputs, Submit, SubmitPartial, Submitted, TakeQuery, Text, Welcome, decode, input_record,
 )
 from lifl.protocol import (
     ROLES, TOP, InstanceCounts, JobActivity, NodeStatus, QueryAnswer, QueryData, QueryRound, QuerySeconds, QueryUpdate, QueryWork,
@@ -558,6 +561,7 @@ class Agent:
         self.config = config
         self.node = config.node
         self.state = state
+        self.secure = SecureRounds(state)
         self.loop = Loop(f"lifl agent {config.node}")
         self.resp = Resp(self.loop, config.redis_url, state.timeout)  # the hot path's Redis calls, from the loop
         self.store = ObjectStore(config.node, config.shm_capacity, config.pool_limit)
@@ -604,6 +608,8 @@ class Agent:
         self._parked_folds: dict[int, list[tuple[Callable[[], None], Callable[[LiflError], None], Any]]] = {}  # folds of keys not handed off yet
         self._settling: set[str] = set()  # jobs whose settle is in flight
         self._settle_again: set[str] = set()  # ...and asked for again meanwhile
+        self._secure_waits: dict[str, list[tuple[int, Reply]]] = {}  # tops waiting for a secure round's streams
+        self._secure_reading: set[str] = set()  # jobs whose secure round is being read for them
         self._deadline_at: dict[str, float] = {}  # a job's next round deadline to check (monotonic), from its last settle
         self._touched: dict[str, float] = {}  # when a gateway last asked about a job (monotonic): it is active a while
         # jobs whose model or replica is in memory here, by when it was last used, least recently first
@@ -900,6 +906,7 @@ class Agent:
             Alloc: lambda m, f, r: self.alloc(iid, m, r),
             NextModel: lambda m, f, r: self.next_model(iid, m, r),
             StepPartials: lambda m, f, r: self.step_partials(iid, m, r),
+            SecureSeeds: lambda m, f, r: self.secure_seeds(iid, m, r),
             Folded: lambda m, f, r: self.folded(iid, m, r),
             Finished: lambda m, f, r: self.finished(iid, m),
             InstallResult: lambda m, f, r: self.install(iid, m, r),
@@ -1905,6 +1912,51 @@ class Agent:
                              code="bad_partials")
         reply(StepSums(sums.total.tobytes() if sums.add(task.shard, values, run.lanes) else b""))
 
+    def secure_seeds(self, iid: int, m: SecureSeeds, reply: Reply) -> None:
+        """A secure round's top has its sum: it is told what takes the masks off once the round's
+        secrets are rebuilt (the unmask stage is done), or that the round was abandoned."""
+        task = self._task_of(iid, m.task)
+        if task.role != TOP or not self.jobs[task.job].spec.secure_aggregation:
+            raise BadRequest(f"task {task.id} is not the top of a secure round", code="not_secure")
+        self._secure_waits.setdefault(task.job, []).append((task.round, reply))
+        self._answer_secure(task.job)
+
+    def _answer_secure(self, job: str) -> None:
+        """Answer the tops waiting for a secure round's streams, if its unmask stage ended (off the
+        loop: the secrets are rebuilt from Redis); the others wait for the next round event."""
+        waits = self._secure_waits.get(job)
+        if not waits or job in self._secure_reading:
+            return
+        self._secure_reading.add(job)
+
+        def read() -> tuple[Any, list[tuple[int, bytes]]]:
+            r = self.secure.round(job)
+            if r is None or r.stage != DONE:
+                return r, []
+            _, self_seeds, dropped = self.secure.unmask_secrets(job)
+            publics = {c: mask for c, (mask, _) in self.secure.keys(job).items()}
+            return r, secagg.unmasking_seeds(self_seeds, dropped, self.secure.graph(r), publics, r.context)
+
+        def answered(got: tuple[Any, list[tuple[int, bytes]]] | None, error: BaseException | None) -> None:
+            self._secure_reading.discard(job)
+            if error is not None or got is None:
+                print(f"lifl agent: the secure round of {job!r} cannot be read yet: {error}", file=sys.stderr)
+                return
+            r, streams = got
+            keep = []
+            for round_id, reply in self._secure_waits.pop(job, []):
+                if r is None or r.round != round_id or r.stage == ABANDONED:
+                    reply.error(Conflict(f"secure round {round_id} of {job!r} was abandoned: {r.why if r else 'no round'}",
+                                         code="round_abandoned"))
+                elif r.stage == DONE:
+                    reply(SecureStreams([[sign, seed.hex()] for sign, seed in streams]))
+                else:
+                    keep.append((round_id, reply))
+            if keep:
+                self._secure_waits.setdefault(job, []).extend(keep)
+
+        self.loop.offload(read, answered)
+
     def folded(self, iid: int, m: Folded, reply: Reply) -> None:
         """Inputs (and the previous accumulator) are summed up in a new accumulator, ``m.state``:
         it is what the task runs again from if its instance dies; what it sums up may go. The
@@ -2335,6 +2387,8 @@ class Agent:
                 options["shards"] = [len(run.shard_plan), run.spec.shard_alignment]
             if run.spec.accumulator != "float64":
                 options["accumulator"] = run.spec.accumulator
+            if run.spec.secure_aggregation:
+                options["secure"] = True
         self.metrics.starts.labels("warm" if self.board.workers[e.instance].ready else "cold").inc()
         scratch, fds = b"", []
         if len(e.inputs) >= 2:
@@ -2421,6 +2475,7 @@ class Agent:
             elif view is not None:
                 j, shard = view
                 self._settle_split_install(j)
+                self._answer_secure(job)
                 try:
                     self._apply(self.trees.sync(job, shard, own_top=bool(j.parts)))
                 except ValueError as e:  # Redis and this node disagree: the round cannot finish here
@@ -2439,11 +2494,13 @@ class Agent:
         for _ in range(SETTLE_PASSES):
             view = self.state.job_view(job)
             j, shard = view.job, view.shard
-            todo = cluster_rounds.duties(j, shard, view.now, live if live is not None else _assume_live(shard))
+            todo = cluster_rounds.duties(j, shard, view.now, live if live is not None else _assume_live(shard), view.secure)
             if not todo:
                 deadline = j.spec.round_deadline_s
                 wait = (j.round_opened + deadline - view.now if deadline and not j.closed and j.version != NO_MODEL
                         else IDLE_SWEEP_S)
+                if view.secure is not None and view.secure.round == j.round:  # the secure round's stage ends then
+                    wait = min(wait, max(0.0, view.secure.deadline_ms / 1000 - view.now))
                 self.loop.post(lambda: self._deadline_at.__setitem__(job, time.monotonic() + wait))
                 return j, shard
             for duty in todo:
@@ -2455,6 +2512,10 @@ class Agent:
         """(off the loop)"""
         if isinstance(duty, cluster_rounds.CloseAtDeadline):
             self.state.close_round(job, duty.round, duty.min_updates)
+        elif isinstance(duty, cluster_rounds.AdvanceSecureStage):
+            settings = (j or self.state.job(job)).spec.secure
+            if settings is not None:
+                self.secure.close_due(job, settings)
         elif isinstance(duty, cluster_rounds.PlaceTop):
             self.state.set_top(job, duty.round, duty.epoch, duty.node)
         elif isinstance(duty, cluster_rounds.DeclareLost):
@@ -2474,7 +2535,8 @@ class Agent:
         (the controller sweeps every job). A job with a deadline and no round here is visited once
         its deadline may have come (round events settle it as soon as its round changes)."""
         now = time.monotonic()
-        due = [j for j, r in self.jobs.items() if r.spec.round_deadline_s and self._deadline_at.get(j, 0.0) <= now]
+        due = [j for j, r in self.jobs.items()
+               if (r.spec.round_deadline_s or r.spec.secure_aggregation) and self._deadline_at.get(j, 0.0) <= now]
         jobs = list(dict.fromkeys(list(self.trees.rounds) + due + list(self._split_installing)))
         if not jobs:
             return
