@@ -398,7 +398,7 @@ class Gateway:
     def create_job(self, job: str, goal: int, **options: Any) -> dict[str, Any]:
         if self.protocol == "http":
             return self._json("POST", "/v1/jobs", {"job": job, "goal": goal, **options}, idempotent=False)
-        for field in ("retention", "strategy", "fixed_point"):  # JSON-valued job fields
+        for field in ("retention", "strategy", "fixed_point", "secure_aggregation"):  # JSON-valued job fields
             if field in options:
                 options[f"{field}_json"] = json.dumps(options.pop(field))
         req = self._pb.CreateJobRequest(job=job, goal=goal, **options)
@@ -648,6 +648,35 @@ class Gateway:
     def _lease_rpc(self, method: str, request: Any) -> dict[str, Any]:
         lease = self._rpc(method, self._pb.Lease.FromString, request.SerializeToString(), idempotent=True)
         return {"lease": lease.lease, "version": lease.version, "round": lease.round, "ttl_s": lease.ttl_s}
+
+    # -- secure rounds (docs/secure-aggregation.md) ---------------------------------------------------
+    def secure(self, job: str, client: str | None = None) -> dict[str, Any]:
+        """The job's secure round: its stage, and what ``client`` needs at it."""
+        if self.protocol == "http":
+            query = f"?client={urllib.parse.quote(client, safe='')}" if client else ""
+            return self._json("GET", f"/v1/jobs/{job}/secure{query}", idempotent=True)
+        return self._secure_rpc(job, "status", client, None)
+
+    def secure_keys(self, job: str, mask_key: bytes, share_key: bytes, client: str | None = None) -> dict[str, Any]:
+        return self._secure_call(job, "keys", client, {"mask_key": mask_key.hex(), "share_key": share_key.hex()})
+
+    def secure_shares(self, job: str, shares: Mapping[str, bytes], client: str | None = None) -> dict[str, Any]:
+        return self._secure_call(job, "shares", client, {"shares": {p: blob.hex() for p, blob in shares.items()}})
+
+    def secure_answer(self, job: str, shares: Mapping[str, tuple[str, bytes]], client: str | None = None) -> dict[str, Any]:
+        return self._secure_call(job, "answer", client, {
+            "shares": {t: {"kind": kind, "share": share.hex()} for t, (kind, share) in shares.items()}})
+
+    def _secure_call(self, job: str, call: str, client: str | None, body: dict[str, Any]) -> dict[str, Any]:
+        """A stage's message (not retried: a second one is a replay, refused)."""
+        if self.protocol == "http":
+            return self._json("POST", f"/v1/jobs/{job}/secure/{call}", {**body, **({"client": client} if client else {})})
+        return self._secure_rpc(job, call, client, body)
+
+    def _secure_rpc(self, job: str, call: str, client: str | None, body: dict[str, Any] | None) -> dict[str, Any]:
+        request = self._pb.SecureRequest(job=job, call=call, client=client or "", body_json=json.dumps(body) if body else "")
+        return json.loads(self._rpc("Secure", self._pb.JsonReply.FromString, request.SerializeToString(),
+                                    idempotent=call == "status").json)
 
     def assignment(self, job: str, client: str | None = None) -> dict[str, Any]:
         """The node this client should send the current round's update to:

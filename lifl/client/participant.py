@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lifl import errors
+from lifl import format as fmt
 from lifl.client.blobs import from_blob, to_blob
 from lifl.client.gateway import DEFAULT_RETRY, Gateway, RetryPolicy
 from lifl.net.tls import ClientTls, client_settings
@@ -18,7 +19,7 @@ from lifl.net.tls import ClientTls, client_settings
 
 @dataclass
 class RoundResult:
-    outcome: str  # "accepted", "stale" (pull and retrain), or "no_slot" (the round is full or closed)
+    outcome: str  # "accepted", "stale" (pull and retrain), or "no_slot" (the round is full or closed); secure rounds' others: Participant._run_secure_round
     version: int  # the version trained from (accepted), or the current one
 
 
@@ -38,8 +39,9 @@ class Participant:
 
     def __init__(self, address: str, job: str, client: str | None = None, *, protocol: str = "http",
                  as_torch: bool = False, retry: RetryPolicy = DEFAULT_RETRY, token: str | None = None,
-                 tls: ClientTls | bool | None = None) -> None:
+                 tls: ClientTls | bool | None = None, secure: bool = False) -> None:
         self.address, self.job, self.client, self.protocol = address, job, client, protocol
+        self.secure = secure
         self.tls = client_settings(address, tls)[1]  # for every gateway it talks to: assigned ones too
         self.as_torch = as_torch
         self.retry = retry
@@ -70,6 +72,8 @@ class Participant:
             self.gateway_address = assigned
 
     def run_round(self, train: Callable[[dict[str, Any], int], tuple[Mapping[str, Any], int]]) -> RoundResult:
+        if self.secure:
+            return self._run_secure_round(train)
         self._follow_assignment()
         try:
             lease = self.gateway.take_lease(self.job, self.client)
@@ -89,6 +93,25 @@ class Participant:
         except Exception as e:
             self._give_back(lease, e)
             raise
+
+    def _run_secure_round(self, train: Callable[[dict[str, Any], int], tuple[Mapping[str, Any], int]]) -> RoundResult:
+        """A secure job's round (docs/secure-aggregation.md): pull, train, then every stage of the
+        round by itself; the update leaves this process masked. Its place in the round is its
+        advertisement (no lease). Outcomes beyond ``run_round``'s: "abandoned", "moved_on",
+        "left_out" (a stage closed without this client), "timeout"."""
+        from lifl.client.secure import RoundOver, run_secure_round  # the secure extra: cryptography
+
+        self._follow_assignment()
+        version, blob = self.gateway.model(self.job)
+        spec = fmt.parse_layout(blob).spec()
+        trained, samples = train(from_blob(blob, as_torch=self.as_torch), version)
+        try:
+            run_secure_round(self.gateway, self.job, self.client, from_blob(to_blob(trained)), samples, spec, version)
+        except RoundOver as e:
+            return RoundResult(e.outcome, version)
+        except errors.Conflict as e:  # the round enrolled its goal of clients, or moved on: the next one
+            return RoundResult("no_slot", e.extra.get("version", -1))
+        return RoundResult("accepted", version)
 
     def _give_back(self, lease: dict[str, Any], failure: Exception | None = None) -> None:
         """Release a lease this round will not use, so that its place goes to another client now

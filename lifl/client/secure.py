@@ -1,0 +1,132 @@
+"""A client's side of a secure round (SecAgg+, ``lifl.secagg``): ``SecureClient`` holds its keys
+and secrets and computes what it sends at each stage (no I/O; a new one per round: nothing of it
+may serve two rounds); ``run_secure_round`` takes it through the stages with a gateway.
+
+Needs the ``secure`` extra of the lifl-client wheel (the ``cryptography`` package).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from lifl import format as fmt
+from lifl import secagg
+from lifl.errors import BadRequest
+from lifl.fixedpoint import FixedPoint
+
+
+class SecureClient:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.mask_keys = secagg.KeyPair.generate()
+        self.share_keys = secagg.KeyPair.generate()
+        self.self_seed = secrets.token_bytes(secagg.SEED_BYTES)
+        self.peers: dict[str, tuple[int, bytes, bytes]] = {}  # neighbour -> (Shamir point, mask public, share public)
+        self.held: dict[str, tuple[bytes, bytes]] = {}  # neighbour -> the (self, key) shares it sent this client
+
+    def advertisement(self) -> tuple[bytes, bytes]:
+        """(mask public key, share public key): the advertise stage."""
+        return self.mask_keys.public, self.share_keys.public
+
+    def shares(self, context: bytes, threshold: int, peers: Mapping[str, tuple[int, bytes, bytes]]) -> dict[str, bytes]:
+        """The share stage: for each neighbour (its point and public keys, as the gateway lists
+        them), one share of this client's self-mask seed and one of its mask key, sealed to it."""
+        self.peers = dict(peers)
+        points = [point for point, _, _ in self.peers.values()]
+        selfs = secagg.split_secret(self.self_seed, points, threshold)
+        keys = secagg.split_secret(self.mask_keys.private, points, threshold)
+        return {peer: secagg.seal_shares(self._share_key(context, share_public), self.name, peer, context,
+                                         selfs[point], keys[point])
+                for peer, (point, _, share_public) in self.peers.items()}
+
+    def masked_input(self, context: bytes, inbox: Mapping[str, bytes], update: Mapping[str, np.ndarray], samples: int,
+                     spec: fmt.ModelSpec, fixed_point: FixedPoint, clients: int) -> bytearray:
+        """The collect stage: open the shares the neighbours that shared sent (``inbox``), and
+        mask the update (with its sample count) with them: the blob to push as this round's update."""
+        unknown = sorted(set(inbox) - set(self.peers))
+        if unknown:
+            raise BadRequest(f"shares from {unknown[0]!r}, not a neighbour of {self.name!r}", code="bad_shares")
+        self.held = {p: secagg.open_shares(self._share_key(context, self.peers[p][2]), p, self.name, context, blob)
+                     for p, blob in inbox.items()}
+        blob = secagg.plain_input(update, samples, spec, fixed_point, clients)
+        pairs = [(secagg.pair_sign(self.name, p), secagg.agree(self.mask_keys.private, self.peers[p][1], b"mask", context))
+                 for p in sorted(inbox)]
+        secagg.add_masks(secagg.segments(blob), [(1, self.self_seed), *pairs])
+        return blob
+
+    def answer(self, request: secagg.ShareRequest) -> dict[str, tuple[str, bytes]]:
+        """The unmask stage: one share per neighbour, the one the request may have."""
+        return secagg.answer_request(self.name, self.held, request)
+
+    def _share_key(self, context: bytes, public: bytes) -> bytes:
+        return secagg.agree(self.share_keys.private, public, b"share", context)
+
+
+STAGES = ("advertise", "share", "collect", "unmask", "done")
+POLL_FIRST_S, POLL_MAX_S = 0.05, 1.0  # how often a client asks for the stage: from this, doubling to that
+STAGE_GRACE_S = 30.0  # past a stage's timeout, how long a client still waits for the duties to end it
+
+
+class RoundOver(Exception):
+    """The secure round ended for this client before it could finish (abandoned, moved on, or it
+    was left out at a stage): ``outcome`` says which."""
+
+    def __init__(self, outcome: str, detail: str) -> None:
+        super().__init__(detail)
+        self.outcome = outcome
+
+
+def run_secure_round(gateway: Any, job: str, client: str | None, update: Mapping[str, np.ndarray], samples: int,
+                     spec: fmt.ModelSpec, base_version: int) -> None:
+    """Take part in the job's current secure round with ``update`` (trained from ``base_version``,
+    of ``samples`` samples): every stage by itself, through ``gateway`` (a ``lifl.client.Gateway``).
+    Raises RoundOver if the round ends without this client's input in it."""
+    me = SecureClient(client or "")
+    view = gateway.secure_keys(job, *me.advertisement(), client=client)
+    me.name, round_id = view["client"], view["round"]
+    context = secagg.round_context(job, round_id, bytes.fromhex(view["seed"]))
+    view = _await(gateway, job, client, round_id, "share", view)
+    if "peers" not in view:
+        raise RoundOver("left_out", "the advertise stage closed without this client's keys")
+    gateway.secure_shares(job, me.shares(context, view["threshold"], {
+        p: (v["point"], bytes.fromhex(v["mask_key"]), bytes.fromhex(v["share_key"])) for p, v in view["peers"].items()}),
+        client=client)
+    view = _await(gateway, job, client, round_id, "collect", view)
+    if "inbox" not in view:
+        raise RoundOver("left_out", "the share stage closed without this client's shares")
+    fixed_point = FixedPoint.from_request(view["fixed_point"])
+    assert fixed_point is not None
+    masked = me.masked_input(context, {p: bytes.fromhex(b) for p, b in view["inbox"].items()}, update, samples, spec,
+                             fixed_point, view["clients"])
+    gateway.push(job, masked, samples=1, base_version=base_version, client=client)  # its sample count is masked inside
+    view = _await(gateway, job, client, round_id, "unmask", view)
+    if view["stage"] == "unmask":
+        request = secagg.ShareRequest(frozenset(view["request"]["survivors"]), frozenset(view["request"]["dropped"]))
+        if me.name not in request.survivors:
+            raise RoundOver("left_out", "the collect stage closed without this client's masked input")
+        gateway.secure_answer(job, me.answer(request), client=client)
+
+
+def _await(gateway: Any, job: str, client: str | None, round_id: int, stage: str, view: dict[str, Any]) -> dict[str, Any]:
+    """The round's view once its stage is ``stage`` or later (polled); RoundOver if it was
+    abandoned or another round began."""
+    poll, waited = POLL_FIRST_S, 0.0
+    limit = view["stage_timeout_s"] + STAGE_GRACE_S
+    while True:
+        if view["round"] != round_id:
+            raise RoundOver("moved_on", f"secure round {round_id} ended; the job is at round {view['round']}")
+        if view["stage"] == "abandoned":
+            raise RoundOver("abandoned", view.get("why", ""))
+        if view["stage"] in STAGES and STAGES.index(view["stage"]) >= STAGES.index(stage):
+            return view
+        if waited > limit:
+            raise RoundOver("timeout", f"secure round {round_id} stayed at its {view['stage']} stage for {waited:.0f} s")
+        time.sleep(poll)
+        waited += poll
+        poll = min(poll * 2, POLL_MAX_S)
+        view = gateway.secure(job, client)

@@ -1,0 +1,232 @@
+"""Secure aggregation on a real node (docs/secure-aggregation.md): clients run every stage of a
+secure round with the SDK (Participant(secure=True)), their updates leave them masked, and the
+model installed is bit for bit the one a plain fixed-point round of the same updates installs;
+with clients dropping out after sharing, the survivors' model; what the node holds of an update
+is never the update."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import RunningNode, wait_for
+from lifl import format as fmt
+from lifl import secagg
+from lifl.client import Gateway, Participant
+from lifl.errors import BadRequest, Conflict
+from lifl.fixedpoint import FixedPoint
+from lifl.kernels import validate
+
+pytestmark = pytest.mark.slow
+
+SHAPES = {"w": (33, 17), "b": (17,)}
+FIXED_POINT = {"frac_bits": 20, "width": 64}
+
+
+def updates(n: int, seed: int = 5) -> tuple[list[dict[str, np.ndarray]], list[int]]:
+    rng = np.random.default_rng(seed)
+    return ([{k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()} for _ in range(n)],
+            [int(c) for c in rng.integers(1, 200, n)])
+
+
+def model_of(gw: Gateway, job: str) -> dict[str, np.ndarray]:
+    blob = bytes(gw.model(job)[1])
+    return {k: v.copy() for k, v in fmt.views(blob, validate(blob)).items()}
+
+
+def start(gw: Gateway, job: str, goal: int, **fields: Any) -> None:
+    """A fixed-point job with a zero model."""
+    gw.create_job(job, goal, fixed_point=FIXED_POINT, **fields)
+    gw.set_model(job, fmt.encode({k: np.zeros(s, np.float32) for k, s in SHAPES.items()}))
+
+
+def plain_model(gw: Gateway, job: str, models: list[dict[str, np.ndarray]], samples: list[int]) -> dict[str, np.ndarray]:
+    start(gw, job, len(models))
+    for i, (m, c) in enumerate(zip(models, samples)):
+        gw.push(job, fmt.encode(m), client=f"c{i}", samples=c, base_version=0)
+    wait_for(lambda: gw.model(job)[0] == 1, what=f"{job}'s round")
+    return model_of(gw, job)
+
+
+def secure_round(node: RunningNode, job: str, models: list[dict[str, np.ndarray]], samples: list[int],
+                 protocol: str = "http") -> dict[str, str]:
+    """Every client runs the round with the SDK, in its own thread; their outcomes."""
+    outcomes: dict[str, str] = {}
+
+    def client(i: int) -> None:
+        p = Participant(node.http if protocol == "http" else node.grpc, job, client=f"c{i}", secure=True, protocol=protocol)
+        try:
+            outcomes[f"c{i}"] = p.run_round(lambda state, version: (models[i], samples[i])).outcome
+        except Exception as e:  # the test reads what happened to each client
+            outcomes[f"c{i}"] = f"{type(e).__name__}: {e}"
+        finally:
+            p.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(models))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    return outcomes
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_secure_round_installs_the_plain_fixed_point_model(node: RunningNode, protocol: str) -> None:
+    gw = Gateway(node.http)
+    models, samples = updates(6)
+    plain = plain_model(gw, "plain", models, samples)
+    Gateway(node.grpc, "grpc").create_job("secure", 6, fixed_point=FIXED_POINT, secure_aggregation={"stage_timeout_s": 120})
+    gw.set_model("secure", fmt.encode({k: np.zeros(s, np.float32) for k, s in SHAPES.items()}))
+    outcomes = secure_round(node, "secure", models, samples, protocol)
+    assert set(outcomes.values()) == {"accepted"}, outcomes
+    wait_for(lambda: gw.model("secure")[0] == 1, what="the secure round's version")
+    secure = model_of(gw, "secure")
+    for k in SHAPES:
+        assert secure[k].tobytes() == plain[k].tobytes(), k
+    last = gw.rounds("secure")[-1]
+    assert last["outcome"] == "complete" and last["updates"] == 6
+
+
+def test_clients_dropping_after_sharing_leave_the_survivors_model(node: RunningNode) -> None:
+    """Two of eight share their keys, then go: at the collect stage's deadline the round goes on
+    with the six masked inputs; their pair masks come off with keys rebuilt from shares."""
+    gw = Gateway(node.http)
+    models, samples = updates(8, seed=6)
+    plain = plain_model(gw, "plain6", models[:6], samples[:6])
+    start(gw, "drops", 8, secure_aggregation={"stage_timeout_s": 20, "dropout": 0.3})
+    outcomes = _with_dropouts(node, "drops", models, samples, dropped={6, 7})
+    assert [outcomes[f"c{i}"] for i in range(6)] == ["accepted"] * 6, outcomes
+    wait_for(lambda: gw.model("drops")[0] == 1, timeout=120, what="the round with two dropouts")
+    got = model_of(gw, "drops")
+    for k in SHAPES:
+        assert got[k].tobytes() == plain[k].tobytes(), k
+
+
+def _with_dropouts(node: RunningNode, job: str, models: list[dict[str, np.ndarray]], samples: list[int],
+                   dropped: set[int]) -> dict[str, str]:
+    """Clients in ``dropped`` advertise and share with the SDK's SecureClient, then send nothing."""
+    from lifl.client.secure import SecureClient
+
+    gw = Gateway(node.http)
+    quitters = {i: SecureClient(f"c{i}") for i in dropped}
+    for i, me in quitters.items():
+        gw.secure_keys(job, *me.advertisement(), client=f"c{i}")
+    others = [i for i in range(len(models)) if i not in dropped]
+    result: dict[str, str] = {}
+
+    def share_then_go() -> None:
+        view = wait_for(lambda: (v := gw.secure(job, "c" + str(min(dropped)))) and v["stage"] != "advertise" and v,
+                        what="the share stage")
+        context = secagg.round_context(job, view["round"], bytes.fromhex(view["seed"]))
+        for i, me in quitters.items():
+            peers = gw.secure(job, f"c{i}")["peers"]
+            gw.secure_shares(job, me.shares(context, view["threshold"], {
+                p: (v["point"], bytes.fromhex(v["mask_key"]), bytes.fromhex(v["share_key"])) for p, v in peers.items()}),
+                client=f"c{i}")
+
+    quitter = threading.Thread(target=share_then_go)
+    quitter.start()
+    result.update(secure_round(node, job, [models[i] for i in others], [samples[i] for i in others]))
+    quitter.join(120)
+    return {f"c{others[int(k[1:])]}": v for k, v in result.items()}
+
+
+def test_the_stages_refuse_what_would_reveal_an_input_or_join_late(node: RunningNode) -> None:
+    gw = Gateway(node.http)
+    start(gw, "refusals", 4, secure_aggregation={"stage_timeout_s": 120})
+    models, samples = updates(1, seed=8)
+    spec = fmt.parse_layout(fmt.encode(models[0])).spec()
+    with pytest.raises(Conflict) as info:  # a masked input before the round collects
+        blob = secagg.plain_input(models[0], samples[0], spec, FixedPoint(**FIXED_POINT), 4)
+        gw.push("refusals", blob, client="c0", samples=1, base_version=0)
+    assert info.value.code == "wrong_stage"
+    with pytest.raises(Exception) as plain_info:  # a plain update of a secure job is not of its layout
+        gw.push("refusals", fmt.encode(models[0]), client="c0", samples=3, base_version=0)
+    assert getattr(plain_info.value, "status", 0) in (400, 422)
+    for body, code in (({"mask_key": "zz", "share_key": "00" * 32}, "bad_key"),
+                       ({"mask_key": "00" * 31, "share_key": "11" * 32}, "bad_key")):
+        status, _, reply = node.request("POST", "/v1/jobs/refusals/secure/keys", _json({**body, "client": "c1"}))
+        assert status == 400 and code in reply.decode(), reply
+    with pytest.raises(Conflict) as info2:
+        gw.secure_answer("refusals", {}, client="c1")
+    assert info2.value.code == "wrong_stage"
+    status, _, reply = node.request("POST", "/v1/jobs", _json({"job": "bad", "goal": 10, "fixed_point": FIXED_POINT,
+                                                                "secure_aggregation": {"dropout": 0.2},
+                                                                "retention": {"updates": 2}}))
+    assert status == 400 and b"keeps no client's update" in reply
+    with pytest.raises(BadRequest):
+        gw.create_job("nofp", 10, secure_aggregation={"dropout": 0.1})
+
+
+def _json(obj: Any) -> bytes:
+    import json
+
+    return json.dumps(obj).encode()
+
+
+def test_a_server_optimiser_steps_on_the_unmasked_sum(node: RunningNode) -> None:
+    """FedAdam needs only the round's sum: a secure job's version is the plain fixed-point job's."""
+    gw = Gateway(node.http)
+    models, samples = updates(4, seed=11)
+    strategy = {"name": "fedadam", "eta": 0.05}
+    start(gw, "adam-plain", 4, strategy=strategy)
+    for i, (m, c) in enumerate(zip(models, samples)):
+        gw.push("adam-plain", fmt.encode(m), client=f"c{i}", samples=c, base_version=0)
+    wait_for(lambda: gw.model("adam-plain")[0] == 1, what="the plain FedAdam round")
+    start(gw, "adam-secure", 4, strategy=strategy, secure_aggregation={"stage_timeout_s": 120})
+    outcomes = secure_round(node, "adam-secure", models, samples)
+    assert set(outcomes.values()) == {"accepted"}, outcomes
+    wait_for(lambda: gw.model("adam-secure")[0] == 1, what="the secure FedAdam round")
+    plain, secure = model_of(gw, "adam-plain"), model_of(gw, "adam-secure")
+    for k in SHAPES:
+        assert secure[k].tobytes() == plain[k].tobytes(), k
+
+
+def test_no_object_of_the_node_holds_a_clients_update(node: RunningNode) -> None:
+    """Clients driven stage by stage: once every masked input is in the node's shared memory (and
+    before the unmask stage), no object there holds any client's update or its plain fixed-point
+    input, and Redis holds neither; the round then completes."""
+    from lifl.client.secure import SecureClient
+
+    gw = Gateway(node.http)
+    models, samples = updates(4, seed=12)
+    spec = fmt.parse_layout(fmt.encode(models[0])).spec()
+    start(gw, "watched", 4, secure_aggregation={"stage_timeout_s": 120})
+    clients = {f"c{i}": SecureClient(f"c{i}") for i in range(4)}
+    for name, me in clients.items():
+        view = gw.secure_keys("watched", *me.advertisement(), client=name)
+    context = secagg.round_context("watched", view["round"], bytes.fromhex(view["seed"]))
+    for name, me in clients.items():
+        peers = gw.secure("watched", name)["peers"]
+        gw.secure_shares("watched", me.shares(context, view["threshold"], {
+            p: (v["point"], bytes.fromhex(v["mask_key"]), bytes.fromhex(v["share_key"])) for p, v in peers.items()}),
+            client=name)
+    secrets_of = []
+    for i, (name, me) in enumerate(clients.items()):
+        inbox = {p: bytes.fromhex(b) for p, b in gw.secure("watched", name)["inbox"].items()}
+        plain = secagg.plain_input(models[i], samples[i], spec, FixedPoint(**FIXED_POINT), 4)
+        data = fmt.parse_layout(plain, allow_partial=True).data_start
+        secrets_of += [bytes(plain[data:data + 64]), models[i]["w"].tobytes()[:64]]
+        gw.push("watched", me.masked_input(context, inbox, models[i], samples[i], spec, FixedPoint(**FIXED_POINT), 4),
+                samples=1, base_version=0, client=name)
+    assert gw.secure("watched", "c0")["stage"] == "unmask"
+    held = [p.read_bytes() for p in Path("/dev/shm").glob(f"lifl-{node.node.config.node}-*")]
+    assert held and not any(secret in blob for secret in secrets_of for blob in held)
+    redis_values = b"".join(str(v).encode() for key in node.state.redis.keys("lifl:job:watched*")
+                            for v in _values(node.state.redis, key))
+    assert not any(secret.hex().encode() in redis_values or secret in redis_values for secret in secrets_of)
+    request = secagg.ShareRequest(frozenset(clients), frozenset())
+    for name, me in clients.items():
+        if gw.secure("watched", name)["stage"] == "unmask":
+            gw.secure_answer("watched", me.answer(request), client=name)
+    wait_for(lambda: gw.model("watched")[0] == 1, what="the watched round")
+
+
+def _values(r: Any, key: str) -> list[Any]:
+    kind = r.type(key)
+    return {"string": lambda: [r.get(key)], "hash": lambda: list(r.hgetall(key).items()), "set": lambda: list(r.smembers(key)),
+            "zset": lambda: r.zrange(key, 0, -1), "list": lambda: r.lrange(key, 0, -1)}.get(kind, lambda: [])()
