@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import os
@@ -9,6 +10,7 @@ import secrets
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -304,3 +306,38 @@ def fill(disk: Path) -> Path:
             if e.errno != errno.ENOSPC:
                 raise
     return filler
+
+
+def outcomes_in_threads(names: list[str], run: Callable[[int], str]) -> dict[str, str]:
+    """``run(i)`` for every one of ``names`` at once, each in a thread of its own (clients of one
+    round): by name, what it returned, or the exception it raised."""
+    outcomes: dict[str, str] = {}
+
+    def one(i: int) -> None:
+        try:
+            outcomes[names[i]] = run(i)
+        except Exception as e:  # the test reads what happened to each
+            outcomes[names[i]] = f"{type(e).__name__}: {e}"
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(names))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    return outcomes
+
+
+@contextlib.contextmanager
+def namespaced_cluster(nodes: int, stem: str, prefix: str, subnet: str) -> Iterator[tuple[Any, Any]]:
+    """``nodes`` lifl nodes, each in a network namespace of its own (root), on a bridge of
+    ``subnet``; (the cluster, its addresses)."""
+    from lifl.node.cluster import Cluster, ClusterConfig
+
+    base = Path(tempfile.mkdtemp(prefix=f"lifl-{stem}-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    c = Cluster(ClusterConfig(nodes=nodes, node_stem=stem, prefix=prefix, subnet=subnet, run_dir=base / "run",
+                              data_dir=base / "data", shm_capacity=256 << 20, keep_warm=30))
+    try:
+        yield c, c.start()
+    finally:
+        c.stop()

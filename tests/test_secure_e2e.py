@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import RunningNode, wait_for
+from conftest import RunningNode, outcomes_in_threads, wait_for
 from lifl import format as fmt
 from lifl import secagg
 from lifl.client import Gateway, Participant
+from lifl.client.secure import SecureClient, context_of, share_with_peers
 from lifl.errors import BadRequest, Conflict
 from lifl.fixedpoint import FixedPoint
 from lifl.kernels import validate
@@ -55,23 +56,15 @@ def plain_model(gw: Gateway, job: str, models: list[dict[str, np.ndarray]], samp
 def secure_round(node: RunningNode, job: str, models: list[dict[str, np.ndarray]], samples: list[int],
                  protocol: str = "http") -> dict[str, str]:
     """Every client runs the round with the SDK, in its own thread; their outcomes."""
-    outcomes: dict[str, str] = {}
 
-    def client(i: int) -> None:
+    def client(i: int) -> str:
         p = Participant(node.http if protocol == "http" else node.grpc, job, client=f"c{i}", secure=True, protocol=protocol)
         try:
-            outcomes[f"c{i}"] = p.run_round(lambda state, version: (models[i], samples[i])).outcome
-        except Exception as e:  # the test reads what happened to each client
-            outcomes[f"c{i}"] = f"{type(e).__name__}: {e}"
+            return p.run_round(lambda state, version: (models[i], samples[i])).outcome
         finally:
             p.close()
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(models))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    return outcomes
+    return outcomes_in_threads([f"c{i}" for i in range(len(models))], client)
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
@@ -109,8 +102,6 @@ def test_clients_dropping_after_sharing_leave_the_survivors_model(node: RunningN
 def _with_dropouts(node: RunningNode, job: str, models: list[dict[str, np.ndarray]], samples: list[int],
                    dropped: set[int]) -> dict[str, str]:
     """Clients in ``dropped`` advertise and share with the SDK's SecureClient, then send nothing."""
-    from lifl.client.secure import SecureClient
-
     gw = Gateway(node.http)
     quitters = {i: SecureClient(f"c{i}") for i in dropped}
     for i, me in quitters.items():
@@ -119,14 +110,9 @@ def _with_dropouts(node: RunningNode, job: str, models: list[dict[str, np.ndarra
     result: dict[str, str] = {}
 
     def share_then_go() -> None:
-        view = wait_for(lambda: (v := gw.secure(job, "c" + str(min(dropped)))) and v["stage"] != "advertise" and v,
-                        what="the share stage")
-        context = secagg.round_context(job, view["round"], bytes.fromhex(view["seed"]))
+        wait_for(lambda: gw.secure(job, f"c{min(dropped)}")["stage"] != "advertise", what="the share stage")
         for i, me in quitters.items():
-            peers = gw.secure(job, f"c{i}")["peers"]
-            gw.secure_shares(job, me.shares(context, view["threshold"], {
-                p: (v["point"], bytes.fromhex(v["mask_key"]), bytes.fromhex(v["share_key"])) for p, v in peers.items()}),
-                client=f"c{i}")
+            share_with_peers(gw, job, me, gw.secure(job, f"c{i}"), f"c{i}")
 
     quitter = threading.Thread(target=share_then_go)
     quitter.start()
@@ -190,8 +176,6 @@ def test_no_object_of_the_node_holds_a_clients_update(node: RunningNode) -> None
     """Clients driven stage by stage: once every masked input is in the node's shared memory (and
     before the unmask stage), no object there holds any client's update or its plain fixed-point
     input, and Redis holds neither; the round then completes."""
-    from lifl.client.secure import SecureClient
-
     gw = Gateway(node.http)
     models, samples = updates(4, seed=12)
     spec = fmt.parse_layout(fmt.encode(models[0])).spec()
@@ -199,12 +183,9 @@ def test_no_object_of_the_node_holds_a_clients_update(node: RunningNode) -> None
     clients = {f"c{i}": SecureClient(f"c{i}") for i in range(4)}
     for name, me in clients.items():
         view = gw.secure_keys("watched", *me.advertisement(), client=name)
-    context = secagg.round_context("watched", view["round"], bytes.fromhex(view["seed"]))
+    context = context_of("watched", view)
     for name, me in clients.items():
-        peers = gw.secure("watched", name)["peers"]
-        gw.secure_shares("watched", me.shares(context, view["threshold"], {
-            p: (v["point"], bytes.fromhex(v["mask_key"]), bytes.fromhex(v["share_key"])) for p, v in peers.items()}),
-            client=name)
+        share_with_peers(gw, "watched", me, gw.secure("watched", name), name)
     secrets_of = []
     for i, (name, me) in enumerate(clients.items()):
         inbox = {p: bytes.fromhex(b) for p, b in gw.secure("watched", name)["inbox"].items()}

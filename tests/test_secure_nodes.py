@@ -6,21 +6,18 @@ bit for bit the plain fixed-point one, with clients dropping out after sharing t
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import wait_for
+from conftest import namespaced_cluster, outcomes_in_threads, wait_for
 from lifl import format as fmt
 from lifl.client import Gateway
-from lifl.client.secure import SecureClient, run_secure_round
-from lifl import secagg
+from lifl.client.secure import SecureClient, run_secure_round, share_with_peers
 from lifl.kernels import validate
-from lifl.node.cluster import Cluster, ClusterAddresses, ClusterConfig
+from lifl.node.cluster import Cluster, ClusterAddresses
 
 pytestmark = [
     pytest.mark.slow, pytest.mark.root,
@@ -33,14 +30,8 @@ FIXED_POINT = {"frac_bits": 20, "width": 64}
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[Cluster, ClusterAddresses]]:
-    base = Path(tempfile.mkdtemp(prefix="lifl-sa-", dir="/tmp"))
-    os.chmod(base, 0o755)
-    c = Cluster(ClusterConfig(nodes=3, node_stem=STEM, prefix=PREFIX, subnet=SUBNET, run_dir=base / "run",
-                              data_dir=base / "data", shm_capacity=256 << 20, keep_warm=30))
-    try:
-        yield c, c.start()
-    finally:
-        c.stop()
+    with namespaced_cluster(3, STEM, PREFIX, SUBNET) as running:
+        yield running
 
 
 def updates(n: int, seed: int) -> tuple[list[dict[str, np.ndarray]], list[int]]:
@@ -73,24 +64,16 @@ def run_clients(addresses: ClusterAddresses, job: str, models: list[dict[str, np
     turn, its masked input included (the cluster's placement would put them all on one node)."""
     gateways = [a.http for a in addresses.nodes.values()]
     spec = fmt.parse_layout(fmt.encode(models[0])).spec()
-    outcomes: dict[str, str] = {}
 
-    def client(i: int) -> None:
+    def client(i: int) -> str:
         gw = Gateway(gateways[i % len(gateways)])
         try:
             run_secure_round(gw, job, names[i], models[i], samples[i], spec, 0)
-            outcomes[names[i]] = "accepted"
-        except Exception as e:  # the test reads what happened to each client
-            outcomes[names[i]] = f"{type(e).__name__}: {e}"
+            return "accepted"
         finally:
             gw.close()
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(models))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    return outcomes
+    return outcomes_in_threads(names, client)
 
 
 def test_a_secure_round_across_three_nodes_installs_the_plain_model(cluster) -> None:
@@ -120,14 +103,9 @@ def test_clients_dropping_after_sharing_across_nodes(cluster) -> None:
         gw.secure_keys("drops", *me.advertisement(), client=name)
 
     def share_then_go() -> None:
-        view = wait_for(lambda: (v := gw.secure("drops", "q0"))["stage"] != "advertise" and v, timeout=120,
-                        what="the share stage")
-        context = secagg.round_context("drops", view["round"], bytes.fromhex(view["seed"]))
+        wait_for(lambda: gw.secure("drops", "q0")["stage"] != "advertise", timeout=120, what="the share stage")
         for name, me in quitters.items():
-            peers = gw.secure("drops", name)["peers"]
-            gw.secure_shares("drops", me.shares(context, view["threshold"], {
-                p: (v["point"], bytes.fromhex(v["mask_key"]), bytes.fromhex(v["share_key"])) for p, v in peers.items()}),
-                client=name)
+            share_with_peers(gw, "drops", me, gw.secure("drops", name), name)
 
     quitter = threading.Thread(target=share_then_go)
     quitter.start()

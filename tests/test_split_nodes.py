@@ -6,19 +6,18 @@ durable, the SDK reads the model back from the parts, and any gateway serves it 
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import wait_for
+from conftest import namespaced_cluster, wait_for
 from lifl import format as fmt
 from lifl import kernels, shards
 from lifl.client import Gateway, SplitJob
 from lifl.errors import LiflError
-from lifl.node.cluster import Cluster, ClusterAddresses, ClusterConfig
+from lifl.node.cluster import Cluster, ClusterAddresses
 from test_strategies_e2e import Reference
 
 pytestmark = [
@@ -32,14 +31,8 @@ GOAL = 4
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[Cluster, ClusterAddresses]]:
-    base = Path(tempfile.mkdtemp(prefix="lifl-sp-", dir="/tmp"))
-    os.chmod(base, 0o755)
-    c = Cluster(ClusterConfig(nodes=3, node_stem=STEM, prefix=PREFIX, subnet=SUBNET, run_dir=base / "run",
-                              data_dir=base / "data", shm_capacity=256 << 20, keep_warm=30))
-    try:
-        yield c, c.start()
-    finally:
-        c.stop()
+    with namespaced_cluster(3, STEM, PREFIX, SUBNET) as running:
+        yield running
 
 
 def model(rng: np.random.Generator) -> dict[str, np.ndarray]:

@@ -89,13 +89,11 @@ def run_secure_round(gateway: Any, job: str, client: str | None, update: Mapping
     me = SecureClient(client or "")
     view = gateway.secure_keys(job, *me.advertisement(), client=client)
     me.name, round_id = view["client"], view["round"]
-    context = secagg.round_context(job, round_id, bytes.fromhex(view["seed"]))
+    context = context_of(job, view)
     view = _await(gateway, job, client, round_id, "share", view)
     if "peers" not in view:
         raise RoundOver("left_out", "the advertise stage closed without this client's keys")
-    gateway.secure_shares(job, me.shares(context, view["threshold"], {
-        p: (v["point"], bytes.fromhex(v["mask_key"]), bytes.fromhex(v["share_key"])) for p, v in view["peers"].items()}),
-        client=client)
+    share_with_peers(gateway, job, me, view, client)
     view = _await(gateway, job, client, round_id, "collect", view)
     if "inbox" not in view:
         raise RoundOver("left_out", "the share stage closed without this client's shares")
@@ -110,6 +108,17 @@ def run_secure_round(gateway: Any, job: str, client: str | None, update: Mapping
         if me.name not in request.survivors:
             raise RoundOver("left_out", "the collect stage closed without this client's masked input")
         gateway.secure_answer(job, me.answer(request), client=client)
+
+
+def context_of(job: str, view: dict[str, Any]) -> bytes:
+    """What binds the secrets of the round a gateway's view is of (``lifl.secagg.round_context``)."""
+    return secagg.round_context(job, view["round"], bytes.fromhex(view["seed"]))
+
+
+def share_with_peers(gateway: Any, job: str, me: SecureClient, view: dict[str, Any], client: str | None) -> None:
+    """The share stage: ``me``'s shares for the neighbours the round's view lists (its ``peers``)."""
+    peers = {p: (v["point"], bytes.fromhex(v["mask_key"]), bytes.fromhex(v["share_key"])) for p, v in view["peers"].items()}
+    gateway.secure_shares(job, me.shares(context_of(job, view), view["threshold"], peers), client=client)
 
 
 def _await(gateway: Any, job: str, client: str | None, round_id: int, stage: str, view: dict[str, Any]) -> dict[str, Any]:
