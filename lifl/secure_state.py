@@ -158,6 +158,19 @@ class SecureRounds:
         """Each advertised client's (mask public, share public)."""
         return {c: (bytes.fromhex(v[:64]), bytes.fromhex(v[64:])) for c, v in self.redis.hgetall(_part(job, "keys")).items()}
 
+    def record(self, job: str) -> dict[str, Any]:
+        """What a round's record says of its secure round: its clients at each stage, the dropouts,
+        the graph's degree and threshold, and an abandoned one's reason."""
+        r = self.round(job)
+        if r is None:
+            return {}
+        pipe = self.redis.pipeline(transaction=False)
+        for part in ("keys", "sharing", "masked"):
+            (pipe.hlen if part == "keys" else pipe.scard)(_part(job, part))
+        advertised, shared, survivors = pipe.execute()
+        return {"round": r.round, "stage": r.stage, "advertised": advertised, "shared": shared, "survivors": survivors,
+                "dropped": advertised - survivors, "k": r.k, "threshold": r.threshold, **({"why": r.why} if r.why else {})}
+
     def graph(self, r: Round) -> dict[str, tuple[str, ...]]:
         """The round's graph over the clients that advertised (once the advertise stage closed)."""
         return _graph(tuple(sorted(self.redis.hkeys(_part(r.job, "keys")))), r.k, r.seed)

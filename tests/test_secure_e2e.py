@@ -82,6 +82,8 @@ def test_a_secure_round_installs_the_plain_fixed_point_model(node: RunningNode, 
         assert secure[k].tobytes() == plain[k].tobytes(), k
     last = gw.rounds("secure")[-1]
     assert last["outcome"] == "complete" and last["updates"] == 6
+    assert last["secure"] == {"round": 0, "stage": "done", "advertised": 6, "shared": 6, "survivors": 6, "dropped": 0,
+                              "k": 2, "threshold": 2}
 
 
 def test_clients_dropping_after_sharing_leave_the_survivors_model(node: RunningNode) -> None:
@@ -94,6 +96,8 @@ def test_clients_dropping_after_sharing_leave_the_survivors_model(node: RunningN
     outcomes = _with_dropouts(node, "drops", models, samples, dropped={6, 7})
     assert [outcomes[f"c{i}"] for i in range(6)] == ["accepted"] * 6, outcomes
     wait_for(lambda: gw.model("drops")[0] == 1, timeout=120, what="the round with two dropouts")
+    record = gw.rounds("drops")[-1]["secure"]
+    assert (record["advertised"], record["shared"], record["survivors"], record["dropped"]) == (8, 8, 6, 2), record
     got = model_of(gw, "drops")
     for k in SHAPES:
         assert got[k].tobytes() == plain[k].tobytes(), k

@@ -2684,9 +2684,11 @@ class Agent:
             self.loop.offload(lambda e=e: self.state.job(e.job).round, checked)
 
     def _summary(self, j: Job, shard: Shard, new_version: int | None, outcome: str, **extra: Any) -> dict[str, Any]:
+        """(Off the loop: a secure round's record is read from Redis.)"""
+        secure = {"secure": self.secure.record(j.spec.job)} if j.spec.secure_aggregation else {}
         return {"round": j.round, "version": j.version, "new_version": new_version, "outcome": outcome,
                 "updates": 0, "samples": 0, "seconds": None, "opened": j.round_opened, "closed": round(time.time(), 3),
-                "nodes": shard.counts, "top": shard.top, "lost": shard.lost, **extra}
+                "nodes": shard.counts, "top": shard.top, "lost": shard.lost, **secure, **extra}
 
     def _count_round(self, job: str, summary: dict[str, Any]) -> None:
         self.metrics.rounds.labels(job, summary["outcome"]).inc()
