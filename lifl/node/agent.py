@@ -2499,8 +2499,9 @@ class Agent:
                 deadline = j.spec.round_deadline_s
                 wait = (j.round_opened + deadline - view.now if deadline and not j.closed and j.version != NO_MODEL
                         else IDLE_SWEEP_S)
-                if view.secure is not None and view.secure.round == j.round:  # the secure round's stage ends then
-                    wait = min(wait, max(0.0, view.secure.deadline_ms / 1000 - view.now))
+                secure = view.secure
+                if secure is not None and secure.round == j.round and secure.stage not in (DONE, ABANDONED):  # its stage ends then
+                    wait = min(wait, max(0.0, secure.deadline_ms / 1000 - view.now))
                 self.loop.post(lambda: self._deadline_at.__setitem__(job, time.monotonic() + wait))
                 return j, shard
             for duty in todo:
