@@ -176,6 +176,36 @@ def test_a_server_optimiser_steps_on_the_unmasked_sum(node: RunningNode) -> None
         assert secure[k].tobytes() == plain[k].tobytes(), k
 
 
+def test_a_survivor_whose_answer_comes_after_the_sum_was_unmasked_is_accepted(node: RunningNode) -> None:
+    """Three survivors' answers unmask the sum of four (a complete graph, threshold 2) before the
+    fourth answers: its answer is refused, the round being done, and the SDK reports its input
+    accepted, as it is."""
+    gw = Gateway(node.http)
+    models, samples = updates(4, seed=14)
+    start(gw, "late", 4, secure_aggregation={"stage_timeout_s": 120, "dropout": 0.3})
+
+    class LateAnswer(Gateway):
+        def secure_answer(self, job: str, shares: dict[str, tuple[str, bytes]], client: str | None = None) -> Any:
+            wait_for(lambda: gw.secure(job, client)["stage"] == "done", what="the others' answers unmasking the sum")
+            return super().secure_answer(job, shares, client=client)
+
+    class LateParticipant(Participant):
+        def connect(self, address: str, retry: Any) -> Gateway:
+            return LateAnswer(address, self.protocol, retry=retry, token=self.token, tls=self.tls)
+
+    def client(i: int) -> str:
+        p = (LateParticipant if i == 3 else Participant)(node.http, "late", client=f"c{i}", secure=True)
+        try:
+            return p.run_round(lambda state, version: (models[i], samples[i])).outcome
+        finally:
+            p.close()
+
+    outcomes = outcomes_in_threads([f"c{i}" for i in range(4)], client)
+    assert outcomes == {f"c{i}": "accepted" for i in range(4)}, outcomes
+    wait_for(lambda: gw.model("late")[0] == 1, what="the round's version")
+    assert gw.rounds("late")[-1]["secure"]["survivors"] == 4
+
+
 def test_no_object_of_the_node_holds_a_clients_update(node: RunningNode) -> None:
     """Clients driven stage by stage: once every masked input is in the node's shared memory (and
     before the unmask stage), no object there holds any client's update or its plain fixed-point
