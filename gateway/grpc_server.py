@@ -45,7 +45,7 @@ from lifl.auth import Principal
 from lifl.errors import BadRequest, Internal, LiflError, Overloaded
 from lifl.gateway.service import GatewayService, Ingest, ModelView
 from lifl.gateway.stream import OPEN, READ_AHEAD, Conn, ConnectionProtocol, LoopServer, PeerGone, Wait
-from lifl.jobs import version_wait_params
+from lifl.jobs import stage_wait_params, version_wait_params
 from lifl.net import h2
 from lifl.net import lifl_pb2 as pb
 from lifl.net.grpc import CONTENT_TYPE, BlobTarget, MessageReader, chunk_messages, message_prefix, status_trailers
@@ -525,6 +525,14 @@ class GrpcConnection(ConnectionProtocol):
         if method == "WaitForVersion":
             self._wait_for_version(call, caller, pb.WaitForVersionRequest.FromString(request))
             return
+        if method == "Secure":
+            try:
+                secure = pb.SecureRequest.FromString(request)
+            except Exception as e:
+                raise BadRequest(f"bad request message: {e}") from None
+            if secure.call == "status":
+                self._secure_status(call, caller, secure)
+                return
         self._serving += 1
         pool = SLOW_POOL if method in SLOW_UNARY else IO_POOL
         self.server.loop.offload(lambda: self._unary(caller, method, request).SerializeToString(),
@@ -542,6 +550,23 @@ class GrpcConnection(ConnectionProtocol):
         self._serving += 1
         try:
             self.service.wait_for_version(caller, req.job, after, wait_s, answered)
+        except BaseException:
+            self._serving -= 1
+            raise
+
+    def _secure_status(self, call: Call, caller: Principal, req: Any) -> None:
+        """A secure round's status: ``body_json`` may hold ``round``, ``after`` and ``wait_s`` (a long poll)."""
+        body = _json_field(req.body_json or "{}", "body_json")
+        if not isinstance(body, dict) or sorted(set(body) - {"round", "after", "wait_s"}):
+            raise BadRequest("a secure status body is a JSON object of round, after and wait_s", code="bad_stage_wait")
+        after, wait_s = stage_wait_params(body.get("round"), body.get("after"), body.get("wait_s", 0))
+
+        def answered(view: dict[str, Any] | None, error: BaseException | None) -> None:
+            self._answered(call, None if view is None else _json_reply(view).SerializeToString(), error)
+
+        self._serving += 1
+        try:
+            self.service.secure_status(caller, req.job, req.client or None, after, wait_s, answered)
         except BaseException:
             self._serving -= 1
             raise
@@ -585,8 +610,6 @@ class GrpcConnection(ConnectionProtocol):
             return _job_status(service.create_job(caller, body))
         if method == "Secure":
             req = pb.SecureRequest.FromString(request)
-            if req.call == "status":
-                return _json_reply(service.secure_status(caller, req.job, req.client or None))
             calls = {"keys": service.secure_advertise, "shares": service.secure_share, "answer": service.secure_answer}
             if req.call not in calls:
                 raise BadRequest(f"a secure call is status, keys, shares or answer, not {req.call!r}", code="bad_secure_call")

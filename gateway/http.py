@@ -40,7 +40,7 @@ from lifl.gateway.resumable import Resumable
 from lifl.gateway.service import GatewayService, Ingest, ModelView, PartialMeta, update_fields
 from lifl.gateway.stream import BODY, BUSY, HEAD, IDLE, READ_AHEAD, Conn, ConnectionProtocol, LoopServer, PeerGone, Wait
 from lifl.gateway.tus import PatchWriter, ResumableUploads
-from lifl.jobs import version_wait_query
+from lifl.jobs import stage_wait_query, version_wait_query
 from lifl.net import tus
 from lifl.net.limits import ConnectionLimits
 from lifl.net.loop import IO_POOL, SLOW_POOL
@@ -441,7 +441,7 @@ class HttpServer(LoopServer):
             Route("PUT", re.compile(r"/v1/jobs/([^/]+)/retention"), BLOCKING, self.put_retention, MAX_JSON_BODY),
             Route("GET", re.compile(r"/v1/jobs/([^/]+)/rounds"), BLOCKING, self.get_rounds),
             Route("POST", re.compile(r"/v1/jobs/([^/]+)/leases"), BLOCKING, self.take_lease, MAX_JSON_BODY),
-            Route("GET", re.compile(r"/v1/jobs/([^/]+)/secure"), BLOCKING, self.get_secure),
+            Route("GET", re.compile(r"/v1/jobs/([^/]+)/secure"), DEFERRED, self.get_secure),
             Route("POST", re.compile(r"/v1/jobs/([^/]+)/secure/keys"), BLOCKING, self.post_secure_keys, MAX_JSON_BODY),
             Route("POST", re.compile(r"/v1/jobs/([^/]+)/secure/shares"), BLOCKING, self.post_secure_shares, MAX_JSON_BODY),
             Route("POST", re.compile(r"/v1/jobs/([^/]+)/secure/answer"), BLOCKING, self.post_secure_answer, MAX_JSON_BODY),
@@ -547,11 +547,15 @@ class HttpServer(LoopServer):
         client = body.get("client") if isinstance(body, dict) else None
         return json_response(201, self.service.take_lease(caller, job, client))
 
-    def get_secure(self, req: Request, caller: Principal, job: str) -> Response:
-        clients = urllib.parse.parse_qs(req.query).get("client", [])
-        if len(clients) > 1:
-            raise BadRequest("give at most one client: ?client=ID", code="bad_query")
-        return json_response(200, self.service.secure_status(caller, job, clients[0] if clients else None))
+    def get_secure(self, req: Request, caller: Principal, job: str, done: Callable[..., None]) -> None:
+        """The secure round's stage and what the client needs at it; with ``round`` and ``after``,
+        once the round moved past that stage (or when ``wait_s`` ends): a long poll."""
+        client, after, wait_s = stage_wait_query(req.query)
+
+        def answered(view: dict[str, Any] | None, error: BaseException | None) -> None:
+            done(json_response(200, view) if view is not None else None, error)
+
+        self.service.secure_status(caller, job, client, after, wait_s, answered)
 
     def post_secure_keys(self, req: Request, caller: Principal, job: str) -> Response:
         return json_response(201, self.service.secure_advertise(caller, job, self._json_body(req, "secure advertisement")))

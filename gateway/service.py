@@ -56,7 +56,7 @@ from lifl.flstore.retention import RetentionPolicy
 from lifl.gateway.agentlink import AgentLink, Reply, agent_unavailable
 from lifl.gateway.auth_backoff import AuthBackoff
 from lifl.gateway.ingest import BlobSink, LayoutCache
-from lifl.gateway.versions import VersionWatch
+from lifl.gateway.versions import StageWatch, VersionWatch
 from lifl.jobs import MAX_SAMPLES, TENANT_NAME, JobSpec
 from lifl.net.io import sendfile_all
 from lifl.net.loop import IO_POOL, SLOW_POOL, Loop, Timer
@@ -520,6 +520,8 @@ class GatewayService:
         self.versions = VersionWatch(self.loop, state)
         self._models: dict[str, ModelRef] = {}  # per job, the model reference its downloads share
         self.versions.on_change(lambda job: self._share(job, None))
+        self.stages = StageWatch(self.loop, self.secure.round)  # clients between a secure round's stages
+        self.versions.on_change(self.stages.changed)
         self._forwarder = AgentLink(self.loop, agent_socket, "forwarder", self._on_push)
         self._duties: list[Timer] = []
         self._token_refresh: Timer | None = None
@@ -554,6 +556,7 @@ class GatewayService:
         self._duties.append(self.loop.every("gateway registration", REGISTER_EVERY, register))
         self._duties.append(self.loop.every("idle model references", SHARED_MODEL_IDLE_S, self._retire_idle_models))
         self.versions.start()
+        self.stages.start()
         self._forwarder.connect()
         self.agent.connect()
 
@@ -563,6 +566,7 @@ class GatewayService:
         if self._token_refresh is not None:
             self._token_refresh.cancel()
         self.versions.stop()
+        self.stages.stop()
         for job in list(self._models):
             self._share(job, None)
         self._forwarder.close()
@@ -990,14 +994,35 @@ class GatewayService:
                                   _hex(body, "share_key", "bad_key"))
         return self._secure_view(r, client, spec)
 
-    def secure_status(self, principal: Principal, name: str, client: Any) -> dict[str, Any]:
-        """The secure round's stage, and what ``client`` needs at it: its neighbours' keys (share),
-        the shares sent to it (collect), the unmask request (unmask)."""
-        spec, _, client = self._secure_job(principal, name, client)
-        r = self.secure.round(name)
-        if r is None:
-            return {"job": name, "client": client, "round": None, "stage": None}
-        return self._secure_view(r, client, spec)
+    def secure_status(self, principal: Principal, name: str, client: Any, after: tuple[int, str] | None, wait_s: float,
+                      done: Callable[[dict[str, Any] | None, BaseException | None], None]) -> None:
+        """(On the loop.) The secure round's stage, and what ``client`` needs at it: its
+        neighbours' keys (share), the shares sent to it (collect), the unmask request (unmask);
+        with ``after`` (the round and stage the client saw), once the round moved past it or
+        ``wait_s`` ended (a long poll: one call per stage)."""
+        def checked(found: tuple[JobSpec, str, SecureRound | None] | None, error: BaseException | None) -> None:
+            if error is not None:
+                done(None, error)
+                return
+            assert found is not None
+            spec, acting, seen = found
+
+            def view(r: SecureRound | None, error: BaseException | None) -> None:
+                if error is not None:
+                    done(None, error)
+                else:
+                    self.loop.offload(lambda: self._secure_view(r, acting, spec), done)
+
+            if after is None:
+                view(seen, None)
+            else:
+                self.stages.wait(name, after, seen, wait_s, view)
+
+        def read() -> tuple[JobSpec, str, SecureRound | None]:
+            spec, _, acting = self._secure_job(principal, name, client)
+            return spec, acting, self.secure.round(name)
+
+        self.loop.offload(read, checked)
 
     def secure_share(self, principal: Principal, name: str, body: Any) -> dict[str, Any]:
         body = _object(body, "secure shares")
@@ -1019,9 +1044,11 @@ class GatewayService:
                                               for t, v in shares.items()})
         return self._secure_view(r, client, spec)
 
-    def _secure_view(self, r: SecureRound, client: str, spec: JobSpec) -> dict[str, Any]:
+    def _secure_view(self, r: SecureRound | None, client: str, spec: JobSpec) -> dict[str, Any]:
         settings = spec.secure
         assert settings is not None
+        if r is None:
+            return {"job": spec.job, "client": client, "round": None, "stage": None}
         view: dict[str, Any] = {"job": r.job, "client": client, "round": r.round, "stage": r.stage, "seed": r.seed.hex(),
                                 "clients": r.capacity, "k": r.k, "threshold": r.threshold, "deadline_ms": r.deadline_ms,
                                 "stage_timeout_s": settings.stage_timeout_s, "fixed_point": spec.fixed_point}

@@ -7,17 +7,23 @@ one of its rounds changes). On one for a job that has waiters it reads the job o
 every waiter the new version satisfies. A missed message only delays: waited jobs are read
 again every ``RECHECK_S`` seconds, and what was read is taken as current for that long at most.
 
-``VersionWaits`` is the registry, pure; ``VersionWatch`` is its shell on the gateway's loop.
+The same events end a secure round's stage waits (``GET /v1/jobs/{job}/secure?round=R&after=STAGE``,
+``StageWatch``): a client between two stages asks once per stage.
+
+``Waits`` is the registry, pure; ``RoundWatch`` its shell on the gateway's loop, of which
+``VersionWatch`` and ``StageWatch`` say what is read and what ends a wait.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from lifl.cluster_types import Job
+from lifl.cluster_types import Job, SecureRound
 from lifl.errors import NotFound, Overloaded
 from lifl.net.loop import Loop, Timer
 from lifl.state import ClusterState
@@ -27,19 +33,19 @@ RECHECK_S = 1.0  # waited jobs are read again this often, and a read is taken as
 MAX_FRESH_JOBS = 4096  # jobs whose current read (and round events) a gateway remembers
 WAITERS_PUSHBACK_S = 1.0  # what a client refused a wait is asked to wait before it tries again
 
-Answer = Callable[[Job | None, BaseException | None], None]
+Answer = Callable[[Any, BaseException | None], None]
 
 
 @dataclass(eq=False)
 class Waiter:
     job: str
-    after: int
+    after: Any  # what the waiter saw: a version, or a secure round's (round, stage)
     answer: Answer
     timer: Timer | None = field(default=None, repr=False)
 
 
-class VersionWaits:
-    """Who waits for which job's version to pass what; no I/O."""
+class Waits:
+    """Who waits for which job to move past what; no I/O."""
 
     def __init__(self, limit: int = MAX_VERSION_WAITERS) -> None:
         self.limit = limit
@@ -64,12 +70,12 @@ class VersionWaits:
         self.count -= 1
         return True
 
-    def passed(self, job: str, version: int) -> list[Waiter]:
-        """Take out and return the waiters of ``job`` that ``version`` satisfies."""
+    def take(self, job: str, moved: Callable[[Any], bool]) -> list[Waiter]:
+        """Take out and return the waiters of ``job`` whose ``after`` it ``moved`` past."""
         waiters = self._by_job.get(job, [])
-        done = [w for w in waiters if w.after < version]
+        done = [w for w in waiters if moved(w.after)]
         if done:
-            rest = [w for w in waiters if w.after >= version]
+            rest = [w for w in waiters if not moved(w.after)]
             if rest:
                 self._by_job[job] = rest
             else:
@@ -89,29 +95,113 @@ class VersionWaits:
         return job in self._by_job
 
 
-class VersionWatch:
-    """The waits of one gateway and what it knows to be current, on its loop (the loop's alone,
-    but for the events' thread, which only posts to it).
+class RoundWatch(ABC):
+    """Waits held on the gateway's loop until what a job's round events change moves them on:
+    ``_read`` says what is read of a job, ``_moved`` whether it moved a waiter's ``after``. One
+    read per job at a time; waited jobs are read again every RECHECK_S; a wait that reaches its
+    deadline is answered with what is then current."""
+
+    def __init__(self, loop: Loop, name: str, limit: int = MAX_VERSION_WAITERS) -> None:
+        self.loop, self.name = loop, name
+        self.waits = Waits(limit)
+        self._reading: set[str] = set()  # jobs with a refresh on the pool
+        self._again: set[str] = set()  # jobs that changed while their refresh was out
+        self._recheck: Timer | None = None
+
+    @abstractmethod
+    def _read(self, job: str, done: Answer) -> None:
+        """Read what the waits of ``job`` are about (on the pool), then ``done(found, error)`` on the loop."""
+
+    @abstractmethod
+    def _moved(self, after: Any, found: Any) -> bool:
+        """Whether ``found`` is past a waiter's ``after``."""
+
+    def _current(self, job: str, done: Answer) -> None:
+        """What a wait at its deadline is answered with (a watch may know it without reading)."""
+        self._read(job, done)
+
+    def start(self) -> None:
+        """(On the loop.) Read waited jobs again every RECHECK_S."""
+        self._recheck = self.loop.every(self.name, RECHECK_S, self._recheck_all)
+
+    def stop(self) -> None:
+        if self._recheck is not None:
+            self._recheck.cancel()
+
+    def changed(self, job: str) -> None:
+        """(On the loop.) A round event of ``job`` came."""
+        if job in self.waits:
+            self._refresh(job)
+
+    def _hold(self, job: str, after: Any, wait_s: float, answer: Answer) -> Waiter | None:
+        """Hold ``answer`` until ``job`` moves past ``after``, or for ``wait_s``; None if refused."""
+        waiter = Waiter(job, after, answer)
+        try:
+            self.waits.add(waiter)
+        except Overloaded as e:
+            answer(None, e)
+            return None
+        waiter.timer = self.loop.later(wait_s, lambda: self._expired(waiter))
+        return waiter
+
+    def _recheck_all(self) -> None:
+        for job in self.waits.jobs():
+            self._refresh(job)
+
+    def _refresh(self, job: str) -> None:
+        """Read ``job`` (one read however many wait for it) and answer whom it moved on."""
+        if job in self._reading:
+            self._again.add(job)
+            return
+        self._reading.add(job)
+
+        def read(found: Any, error: BaseException | None) -> None:
+            self._reading.discard(job)
+            if isinstance(error, NotFound):  # the job is gone: so is what its waiters wait for
+                for waiter in self.waits.take_all(job):
+                    self._answer(waiter, None, error)
+            elif error is None:
+                for waiter in self.waits.take(job, lambda after: self._moved(after, found)):
+                    self._answer(waiter, found, None)
+            # another error (Redis away): the next event, recheck or deadline tries again
+            if job in self._again:
+                self._again.discard(job)
+                if job in self.waits:
+                    self._refresh(job)
+
+        self._read(job, read)
+
+    def _expired(self, waiter: Waiter) -> None:
+        if self.waits.remove(waiter):
+            self._current(waiter.job, waiter.answer)
+
+    @staticmethod
+    def _answer(waiter: Waiter, found: Any, error: BaseException | None) -> None:
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+        waiter.answer(found, error)
+
+
+class VersionWatch(RoundWatch):
+    """The version waits of one gateway and what it knows to be current, on its loop (the loop's
+    alone, but for the events' thread, which only posts to it).
 
     A job read while no round event for it came is *fresh* for RECHECK_S: waits and version
     checks are answered from it without Redis, so an answer may lag an install by the event's
     delivery (milliseconds; RECHECK_S at most if the event is lost). ``on_change`` listeners
-    (the gateway's shared model references) hear of each event as it comes."""
+    (the gateway's shared model references, its stage waits) hear of each event as it comes."""
 
     def __init__(self, loop: Loop, state: ClusterState, limit: int = MAX_VERSION_WAITERS) -> None:
-        self.loop, self.state = loop, state
-        self.waits = VersionWaits(limit)
+        super().__init__(loop, "version waits", limit)
+        self.state = state
         self._generations: dict[str, int] = {}  # round events seen per job
         self._fresh: dict[str, tuple[Job, int, float]] = {}  # job -> (read, its generation, when the read began)
         self._listeners: list[Callable[[str], None]] = []
-        self._reading: set[str] = set()  # jobs with a refresh on the pool
-        self._again: set[str] = set()  # jobs that changed while their refresh was out
         self._stopping = False
-        self._recheck: Timer | None = None
 
     def start(self) -> None:
         """(On the loop.) Follow the round events, and read waited jobs again every RECHECK_S."""
-        self._recheck = self.loop.every("version waits", RECHECK_S, self._recheck_all)
+        super().start()
         threading.Thread(target=self.state.follow_events, name="gateway-events", daemon=True,
                          args=(lambda job: self.loop.post(lambda: self._changed(job)), lambda: self._stopping,
                                "lifl gateway")).start()
@@ -119,8 +209,7 @@ class VersionWatch:
     def stop(self) -> None:
         """(On the loop.) Stop following; a wait still held ends as its connection does."""
         self._stopping = True
-        if self._recheck is not None:
-            self._recheck.cancel()
+        super().stop()
 
     # -- what is current ------------------------------------------------------------------------
     def _generation(self, job: str) -> int:
@@ -154,6 +243,16 @@ class VersionWatch:
 
         self.loop.offload(lambda: self.state.job(job), read)
 
+    def _moved(self, after: int, found: Job) -> bool:
+        return found.version > after
+
+    def _current(self, job: str, done: Answer) -> None:
+        known = self.fresh(job)
+        if known is not None:
+            done(known, None)
+        else:
+            self._read(job, done)
+
     def _changed(self, job: str) -> None:
         if len(self._generations) >= MAX_FRESH_JOBS and job not in self._generations:
             self._generations.clear()  # every entry changes generation: nothing is taken as unchanged
@@ -162,84 +261,48 @@ class VersionWatch:
         self._fresh.pop(job, None)
         for listener in self._listeners:
             listener(job)
-        if job in self.waits:
-            self._refresh(job)
+        self.changed(job)
 
     # -- waits ------------------------------------------------------------------------------------
     def wait(self, job: str, after: int, wait_s: float, check: Callable[[Job], None], answer: Answer) -> None:
         """(On the loop.) ``answer(job)`` once its version is past ``after``, or after ``wait_s``
         with the version then; ``check(job)`` (authorization) runs first."""
-        known = self.fresh(job)
-        if known is not None:
-            self._begin(known, after, wait_s, check, answer)
-            return
-
-        def read(found: Job | None, error: BaseException | None) -> None:
+        def begin(found: Job | None, error: BaseException | None) -> None:
             if error is not None:
                 answer(None, error)
                 return
             assert found is not None
-            self._begin(found, after, wait_s, check, answer)
+            try:
+                check(found)
+            except Exception as e:
+                answer(None, e)
+                return
+            if found.version > after or wait_s <= 0:
+                answer(found, None)
+            elif self._hold(job, after, wait_s, answer) is not None and self.fresh(job) is None:
+                self._refresh(job)  # an event came while it was read: what was read may be older
 
-        self._read(job, read)
+        self._current(job, begin)
 
-    def _begin(self, job: Job, after: int, wait_s: float, check: Callable[[Job], None], answer: Answer) -> None:
-        try:
-            check(job)
-        except Exception as e:
-            answer(None, e)
-            return
-        if job.version > after or wait_s <= 0:
-            answer(job, None)
-            return
-        waiter = Waiter(job.spec.job, after, answer)
-        try:
-            self.waits.add(waiter)
-        except Overloaded as e:
-            answer(None, e)
-            return
-        waiter.timer = self.loop.later(wait_s, lambda: self._expired(waiter))
-        if self.fresh(waiter.job) is None:  # an event came while it was read: what was read may be older
-            self._refresh(waiter.job)
 
-    def _recheck_all(self) -> None:
-        for job in self.waits.jobs():
-            self._refresh(job)
+class StageWatch(RoundWatch):
+    """Clients waiting for a secure round to move past the stage they saw (``after`` is the
+    round and stage), on the gateway's loop; the version watch's events wake it (``changed``)."""
 
-    def _refresh(self, job: str) -> None:
-        """Read ``job`` (one read however many wait for it) and answer whom its version satisfies."""
-        if job in self._reading:
-            self._again.add(job)
-            return
-        self._reading.add(job)
+    def __init__(self, loop: Loop, read: Callable[[str], SecureRound | None], limit: int = MAX_VERSION_WAITERS) -> None:
+        super().__init__(loop, "stage waits", limit)
+        self.read_round = read
 
-        def read(found: Job | None, error: BaseException | None) -> None:
-            self._reading.discard(job)
-            if isinstance(error, NotFound):  # the job is gone: so is what its waiters wait for
-                for waiter in self.waits.take_all(job):
-                    self._answer(waiter, None, error)
-            elif found is not None:
-                for waiter in self.waits.passed(job, found.version):
-                    self._answer(waiter, found, None)
-            # another error (Redis away): the next event, recheck or deadline tries again
-            if job in self._again:
-                self._again.discard(job)
-                if job in self.waits:
-                    self._refresh(job)
+    def _read(self, job: str, done: Answer) -> None:
+        self.loop.offload(lambda: self.read_round(job), done)
 
-        self._read(job, read)
+    def _moved(self, after: tuple[int, str], found: SecureRound | None) -> bool:
+        return found is None or (found.round, found.stage) != after
 
-    def _expired(self, waiter: Waiter) -> None:
-        if not self.waits.remove(waiter):
-            return
-        known = self.fresh(waiter.job)
-        if known is not None:
-            waiter.answer(known, None)
-        else:
-            self._read(waiter.job, waiter.answer)
-
-    @staticmethod
-    def _answer(waiter: Waiter, job: Job | None, error: BaseException | None) -> None:
-        if waiter.timer is not None:
-            waiter.timer.cancel()
-        waiter.answer(job, error)
+    def wait(self, job: str, after: tuple[int, str], seen: SecureRound | None, wait_s: float, answer: Answer) -> None:
+        """(On the loop.) ``answer(round)`` once the job's secure round is past ``after``, or
+        after ``wait_s`` with the round then; ``seen`` is the round as just read."""
+        if self._moved(after, seen) or wait_s <= 0:
+            answer(seen, None)
+        elif self._hold(job, after, wait_s, answer) is not None:
+            self._refresh(job)  # it may have moved between that read and this hold

@@ -16,6 +16,7 @@ from lifl.fixedpoint import FixedPoint
 from lifl.flstore.retention import RetentionPolicy
 from lifl.models import MODELS
 from lifl.secagg import choose_params
+from lifl.secagg_round import STAGES as SECURE_STAGES
 from lifl.secagg_round import Settings as SecureSettings
 from lifl.shards import ELEMENT, check_request as check_shards
 from lifl.strategy import StrategySpec
@@ -230,14 +231,52 @@ def version_wait_params(after: int | str, wait_s: float | str) -> tuple[int, flo
     """``after`` and ``wait_s`` of a wait, checked (as a query's text or as gRPC's numbers)."""
     if isinstance(after, str) and not _INTEGER.fullmatch(after) or not isinstance(after, (int, str)) or isinstance(after, bool):
         raise BadRequest(f"after must be an integer version, got {str(after)[:32]!r}", code="bad_version_wait")
-    if isinstance(wait_s, str) and not _SECONDS.fullmatch(wait_s) or not isinstance(wait_s, (int, float, str)):
-        raise BadRequest(f"wait_s must be a number of seconds, got {str(wait_s)[:32]!r}", code="bad_version_wait")
-    version, seconds = int(after), float(wait_s)
+    version = int(after)
     if not NO_VERSION <= version <= MAX_VERSION:
         raise BadRequest(f"after must be an integer in [{NO_VERSION}, {MAX_VERSION}], got {version}", code="bad_version_wait")
+    return version, _wait_seconds(wait_s, "bad_version_wait")
+
+
+def _wait_seconds(wait_s: Any, code: str) -> float:
+    if isinstance(wait_s, str) and not _SECONDS.fullmatch(wait_s) or not isinstance(wait_s, (int, float, str)) \
+            or isinstance(wait_s, bool):
+        raise BadRequest(f"wait_s must be a number of seconds, got {str(wait_s)[:32]!r}", code=code)
+    seconds = float(wait_s)
     if not (math.isfinite(seconds) and 0 <= seconds <= MAX_VERSION_WAIT_S):
-        raise BadRequest(f"wait_s must be in [0, {MAX_VERSION_WAIT_S:g}] seconds, got {seconds:g}", code="bad_version_wait")
-    return version, seconds
+        raise BadRequest(f"wait_s must be in [0, {MAX_VERSION_WAIT_S:g}] seconds, got {seconds:g}", code=code)
+    return seconds
+
+
+def stage_wait_query(query: str) -> tuple[str | None, tuple[int, str] | None, float]:
+    """The client, the (round, stage) seen and ``wait_s`` of a secure round's status from a URL's
+    query (``client=C&round=R&after=STAGE&wait_s=S``; round and after go together; all optional)."""
+    params = urllib.parse.parse_qs(query, keep_blank_values=True)
+    unknown = sorted(set(params) - {"client", "round", "after", "wait_s"})
+    if unknown:
+        raise BadRequest(f"unknown query parameter {unknown[0][:64]!r}: give client, round, after and wait_s",
+                         code="bad_stage_wait")
+    if any(len(values) > 1 for values in params.values()):
+        raise BadRequest("give each of client, round, after and wait_s at most once", code="bad_stage_wait")
+    one = {k: v[0] for k, v in params.items()}
+    after, seconds = stage_wait_params(one.get("round"), one.get("after"), one.get("wait_s", "0"))
+    return one.get("client"), after, seconds
+
+
+def stage_wait_params(round_id: Any, after: Any, wait_s: Any) -> tuple[tuple[int, str] | None, float]:
+    """What a client saw of a secure round (its round and stage; neither: nothing to wait past)
+    and how long to wait for it to move on, checked (a query's text or JSON's values)."""
+    seconds = _wait_seconds(wait_s, "bad_stage_wait")
+    if round_id is None and after is None:
+        return None, seconds
+    if round_id is None or after is None:
+        raise BadRequest("give round and after together: the round and the stage seen", code="bad_stage_wait")
+    if isinstance(round_id, bool) or not (isinstance(round_id, int) or isinstance(round_id, str) and _INTEGER.fullmatch(round_id)):
+        raise BadRequest(f"round must be an integer, got {str(round_id)[:32]!r}", code="bad_stage_wait")
+    if not 0 <= int(round_id) <= MAX_VERSION:
+        raise BadRequest(f"round must be an integer in [0, {MAX_VERSION}], got {int(round_id)}", code="bad_stage_wait")
+    if after not in SECURE_STAGES:
+        raise BadRequest(f"after must be a stage ({', '.join(SECURE_STAGES)}), got {str(after)[:32]!r}", code="bad_stage_wait")
+    return (int(round_id), after), seconds
 
 
 def _secure_aggregation(obj: Any, values: dict[str, Any], fixed_point: FixedPoint | None) -> SecureSettings:

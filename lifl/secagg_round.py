@@ -33,6 +33,7 @@ from lifl import secagg
 from lifl.errors import BadRequest
 
 ADVERTISE, SHARE, COLLECT, UNMASK, DONE, ABANDONED = "advertise", "share", "collect", "unmask", "done", "abandoned"
+STAGES = (ADVERTISE, SHARE, COLLECT, UNMASK, DONE, ABANDONED)
 SEALED_BYTES = secagg.NONCE_BYTES + 2 * secagg.SHARE_BYTES + 16  # nonce, two shares, the AEAD tag
 
 

@@ -40,6 +40,7 @@ from lifl.state import ACTIVE, EVENTS, ClusterState, job_key, secure_key
 
 _PARTS = ("keys", "pubkeys", "sharing", "sealed", "masked", "answered", "shares", "counts")
 SEED_BYTES = 16
+MAX_REMEMBERED_REQUESTS = 256  # unmask requests a gateway keeps (one per job's round)
 
 _LIB = """
 local function now_ms()
@@ -54,8 +55,9 @@ local function at(stage, round)
   if now_ms() > tonumber(r[3]) then return 'stage_closed:' .. stage end
   return nil
 end
-local function move(stage, timeout)
+local function move(stage, timeout)  -- published (the job's name): clients waiting for the stage wake
   redis.call('HSET', KEYS[1], 'stage', stage, 'deadline', now_ms() + tonumber(timeout))
+  redis.call('PUBLISH', '""" + EVENTS + """', string.sub(KEYS[1], #'lifl:job:' + 1, -#':sa' - 1))
 end
 """
 
@@ -119,14 +121,13 @@ end
 return {'', redis.call('HGET', KEYS[1], 'stage')}
 """
 
-# KEYS: sa. ARGV: round, the stage expected, the next, its timeout ms, job name, then field/value
-# pairs to set (k, t; why). -> 1 if moved (published), 0 if the round or stage had moved on.
+# KEYS: sa. ARGV: round, the stage expected, the next, its timeout ms, then field/value pairs to
+# set (k, t; why). -> 1 if moved (published), 0 if the round or stage had moved on.
 _MOVE = _LIB + """
 local r = redis.call('HMGET', KEYS[1], 'round', 'stage')
 if r[1] ~= ARGV[1] or r[2] ~= ARGV[2] then return 0 end
+for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 move(ARGV[3], ARGV[4])
-for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-redis.call('PUBLISH', '""" + EVENTS + """', ARGV[5])
 return 1
 """
 
@@ -149,6 +150,7 @@ class SecureRounds:
         self._share = self.redis.register_script(_SHARE)
         self._answer = self.redis.register_script(_ANSWER)
         self._move = self.redis.register_script(_MOVE)
+        self._requests: dict[tuple[str, int, bytes], secagg.ShareRequest] = {}  # frozen once a round unmasks: read once
 
     # -- reading -----------------------------------------------------------------------------------
     def round(self, job: str) -> Round | None:
@@ -230,9 +232,15 @@ class SecureRounds:
 
     def request(self, job: str) -> tuple[Round, secagg.ShareRequest]:
         r = self._at(job, UNMASK, DONE)
-        sharing = self.redis.smembers(_part(job, "sharing"))
-        masked = self.redis.smembers(_part(job, "masked"))
-        return r, secagg.ShareRequest(frozenset(masked), frozenset(sharing - masked))
+        request = self._requests.get((job, r.round, r.seed))
+        if request is None:  # the sets were frozen when their stages closed: the request is the round's for good
+            sharing = self.redis.smembers(_part(job, "sharing"))
+            masked = self.redis.smembers(_part(job, "masked"))
+            request = secagg.ShareRequest(frozenset(masked), frozenset(sharing - masked))
+            if len(self._requests) >= MAX_REMEMBERED_REQUESTS:
+                self._requests.clear()
+            self._requests[(job, r.round, r.seed)] = request
+        return r, request
 
     def answer(self, job: str, client: str, answer: Mapping[str, tuple[str, bytes]]) -> Round:
         """``client``'s shares for the request: one per neighbour it names, of the kind asked."""
@@ -281,9 +289,9 @@ class SecureRounds:
             try:
                 params = secagg.choose_params(count, settings.dropout, settings.corruption)
             except (BadRequest, Unprocessable) as e:
-                self._move(keys=[_key(job)], args=[r.round, ADVERTISE, ABANDONED, 0, job, "why", e.message])
+                self._move(keys=[_key(job)], args=[r.round, ADVERTISE, ABANDONED, 0, "why", e.message])
             else:
-                self._move(keys=[_key(job)], args=[r.round, ADVERTISE, SHARE, timeout, job, "k", params.k, "t", params.threshold])
+                self._move(keys=[_key(job)], args=[r.round, ADVERTISE, SHARE, timeout, "k", params.k, "t", params.threshold])
         elif r.stage == SHARE:
             shared = self.redis.scard(_part(job, "sharing"))
             self._next_or_abandon(r, SHARE, COLLECT, timeout, shared, "clients shared their keys")
@@ -295,15 +303,15 @@ class SecureRounds:
             short = sorted(c for c in self.redis.smembers(_part(job, "sharing")) if int(counts.get(c, 0)) < r.threshold)
             why = (f"{len(short)} clients' secrets have fewer than {r.threshold} shares (first {short[0]!r}): the sum "
                    "cannot be unmasked") if short else ""
-            self._move(keys=[_key(job)], args=[r.round, UNMASK, ABANDONED if short else DONE, 0, job, "why", why])
+            self._move(keys=[_key(job)], args=[r.round, UNMASK, ABANDONED if short else DONE, 0, "why", why])
         return self.round(job)
 
     def _next_or_abandon(self, r: Round, stage: str, following: str, timeout: int, count: int, what: str) -> None:
         if count < r.threshold:
-            self._move(keys=[_key(r.job)], args=[r.round, stage, ABANDONED, 0, r.job, "why",
+            self._move(keys=[_key(r.job)], args=[r.round, stage, ABANDONED, 0, "why",
                                                  f"{count} {what}, fewer than the threshold of {r.threshold}"])
         else:
-            self._move(keys=[_key(r.job)], args=[r.round, stage, following, timeout, r.job])
+            self._move(keys=[_key(r.job)], args=[r.round, stage, following, timeout])
 
     def _current(self, job: str) -> Round:
         r = self.round(job)

@@ -176,6 +176,32 @@ def test_a_server_optimiser_steps_on_the_unmasked_sum(node: RunningNode) -> None
         assert secure[k].tobytes() == plain[k].tobytes(), k
 
 
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_client_between_stages_is_answered_when_the_stage_moves(node: RunningNode, protocol: str) -> None:
+    """A status call that saw the advertise stage is held (wait_s 60) and answered when the last
+    client advertises, with the share stage's view; one whose stage is still current is answered,
+    as it is, when its wait ends; a malformed wait is refused naming the problem."""
+    address, job = node.http if protocol == "http" else node.grpc, f"waits-{protocol}"
+    gw, waiting = Gateway(address, protocol), Gateway(address, protocol)
+    start(Gateway(node.http), job, 3, secure_aggregation={"stage_timeout_s": 120})
+    clients = [SecureClient(f"c{i}") for i in range(3)]
+    seen = (gw.secure_keys(job, *clients[0].advertisement(), client="c0")["round"], "advertise")
+    assert gw.secure(job, "c0", after=seen, wait_s=0.2)["stage"] == "advertise"
+    answered: dict[str, Any] = {}
+    held = threading.Thread(target=lambda: answered.update(waiting.secure(job, "c0", after=seen, wait_s=60)))
+    held.start()
+    for i in (1, 2):
+        gw.secure_keys(job, *clients[i].advertisement(), client=f"c{i}")
+    held.join(30)  # answered by the stage's move, long before its 60 s
+    assert not held.is_alive() and answered["stage"] == "share" and set(answered["peers"]) == {"c1", "c2"}, answered
+    assert gw.secure(job, "c0", after=seen, wait_s=60)["stage"] == "share"  # past already: at once
+    with pytest.raises(BadRequest) as e:
+        gw.secure(job, "c0", after=(seen[0], "sharing"), wait_s=1)
+    assert e.value.code == "bad_stage_wait" and "after must be a stage" in str(e.value)
+    status, _, reply = node.request("GET", f"/v1/jobs/{job}/secure?client=c0&round=0")
+    assert status == 400 and b"bad_stage_wait" in reply and b"together" in reply
+
+
 def test_a_survivor_whose_answer_comes_after_the_sum_was_unmasked_is_accepted(node: RunningNode) -> None:
     """Three survivors' answers unmask the sum of four (a complete graph, threshold 2) before the
     fourth answers: its answer is refused, the round being done, and the SDK reports its input

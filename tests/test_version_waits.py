@@ -18,8 +18,9 @@ from lifl import format as fmt
 from lifl.client import Gateway, from_blob
 from lifl.cluster_types import Job
 from lifl.errors import BadRequest, NotFound, Overloaded
-from lifl.gateway.versions import VersionWaits, VersionWatch, Waiter
-from lifl.jobs import MAX_VERSION, MAX_VERSION_WAIT_S, JobSpec, version_wait_params, version_wait_query
+from lifl.gateway.versions import VersionWatch, Waiter, Waits
+from lifl.jobs import (MAX_VERSION, MAX_VERSION_WAIT_S, JobSpec, stage_wait_params, stage_wait_query, version_wait_params,
+                       version_wait_query)
 from lifl.net import lifl_pb2 as pb
 from lifl.net.loop import Loop
 from lifl.state import ClusterState
@@ -41,19 +42,19 @@ def _waiter(job: str, after: int) -> Waiter:
 ])
 def test_a_version_answers_exactly_the_waiters_it_passes(afters: list[int], version: int, answered: list[int],
                                                          left: list[int]) -> None:
-    waits = VersionWaits()
+    waits = Waits()
     waiters = [_waiter("j", after) for after in afters]
     for w in waiters:
         waits.add(w)
     waits.add(_waiter("other", -1))
-    assert waits.passed("j", version) == [waiters[i] for i in answered]
+    assert waits.take("j", lambda after: after < version) == [waiters[i] for i in answered]
     assert waits.count == len(left) + 1 and ("j" in waits) == bool(left)
     assert [w for w in waiters if waits.remove(w)] == [waiters[i] for i in left]
     assert waits.jobs() == ["other"] and waits.take_all("other") and waits.count == 0
 
 
 def test_the_registry_refuses_past_its_limit_and_a_removed_waiter_is_not_answered() -> None:
-    waits = VersionWaits(limit=2)
+    waits = Waits(limit=2)
     first, second = _waiter("j", 0), _waiter("j", 0)
     waits.add(first)
     waits.add(second)
@@ -62,7 +63,7 @@ def test_the_registry_refuses_past_its_limit_and_a_removed_waiter_is_not_answere
     assert e.value.code == "too_many_waits" and e.value.retry_after == 1.0
     assert waits.remove(first) and not waits.remove(first)  # its deadline came first: answered once
     waits.add(_waiter("k", 0))  # room again
-    assert waits.passed("j", 1) == [second] and waits.count == 1
+    assert waits.take("j", lambda after: after < 1) == [second] and waits.count == 1
 
 
 # -- the parameters ------------------------------------------------------------------------------------------
@@ -102,6 +103,41 @@ def test_malformed_version_waits_are_refused_naming_the_problem(query: str, name
 def test_malformed_grpc_numbers_are_refused(after: Any, wait_s: float) -> None:
     with pytest.raises(BadRequest):
         version_wait_params(after, wait_s)
+
+
+@pytest.mark.parametrize("query, expected", [
+    ("", (None, None, 0.0)),
+    ("client=c1", ("c1", None, 0.0)),
+    ("client=c1&round=0&after=advertise&wait_s=60", ("c1", (0, "advertise"), MAX_VERSION_WAIT_S)),  # at the limit
+    ("round=4611686018427387904&after=abandoned", (None, (MAX_VERSION, "abandoned"), 0.0)),
+    ("round=3&after=unmask&wait_s=0.25", (None, (3, "unmask"), 0.25)),
+])
+def test_stage_wait_queries_within_their_limits(query: str, expected: tuple[Any, ...]) -> None:
+    assert stage_wait_query(query) == expected
+
+
+@pytest.mark.parametrize("query, named", [
+    ("round=1", "together"), ("after=share", "together"),
+    ("round=-1&after=share", "round"), ("round=4611686018427387905&after=share", "round"), ("round=1.0&after=share", "round"),
+    ("round=%D9%A5&after=share", "round"), ("round=&after=share", "round"),
+    ("round=1&after=sharing", "after must be a stage"), ("round=1&after=", "after must be a stage"),
+    ("round=1&after=SHARE", "after must be a stage"),
+    ("round=1&after=share&wait_s=60.5", "wait_s"), ("wait_s=-1", "wait_s"), ("wait_s=nan", "wait_s"),
+    ("client=a&client=b", "at most once"), ("stage=share", "unknown query parameter 'stage'"),
+])
+def test_malformed_stage_waits_are_refused_naming_the_problem(query: str, named: str) -> None:
+    with pytest.raises(BadRequest) as e:
+        stage_wait_query(query)
+    assert e.value.code == "bad_stage_wait" and named in str(e.value)
+
+
+@pytest.mark.parametrize("round_id, after, wait_s", [(True, "share", 0), (1, None, 0), (None, "share", 0), (1, 2, 0),
+                                                     (1, "share", True), (1, "share", "1e1"), (1.5, "share", 0),
+                                                     (1, "share", 61)])
+def test_malformed_json_stage_waits_are_refused(round_id: Any, after: Any, wait_s: Any) -> None:
+    with pytest.raises(BadRequest) as e:
+        stage_wait_params(round_id, after, wait_s)
+    assert e.value.code == "bad_stage_wait"
 
 
 # -- the gateway's watch, on a real Redis ------------------------------------------------------------------
@@ -249,3 +285,31 @@ def test_a_download_after_a_version_shows_is_that_version(node: RunningNode) -> 
         wait_for(lambda: gw.job("lp-fresh")["version"] == version + 1, what=f"version {version + 1}")
         got, blob = gw.model("lp-fresh")
         assert got == version + 1 and from_blob(blob)["w"][0] == 1.0
+
+
+def test_stage_waits_past_their_limit_are_refused_and_a_held_one_ends_with_its_wait(redis_url: str) -> None:
+    """A stage watch of limit 1 on a real Redis, a secure round at its advertise stage: a second
+    wait is refused (503 too_many_waits); the first is held until its wait ends, then answered with
+    the round as it is; one that saw a stage already past is answered at once."""
+    from lifl import secagg
+    from lifl.gateway.versions import StageWatch
+    from lifl.secagg_round import Settings
+    from lifl.secure_state import SecureRounds
+
+    state = ClusterState(redis_url)
+    _job(state, "j")
+    rounds = SecureRounds(state)
+    seen = rounds.advertise("j", Settings(), 3, "c0", secagg.KeyPair.generate().public, secagg.KeyPair.generate().public)
+    loop = Loop("test stages")
+    loop.start()
+    watch = StageWatch(loop, rounds.round, limit=1)
+    held, refused, at_once = Answers(), Answers(), Answers()
+    try:
+        loop.call(lambda: watch.wait("j", (seen.round, "advertise"), seen, 0.5, held))
+        loop.call(lambda: watch.wait("j", (seen.round, "advertise"), seen, 30, refused))
+        assert refused.got and isinstance(refused.got[0][1], Overloaded) and refused.got[0][1].code == "too_many_waits"
+        wait_for(lambda: held.got != [], what="the held wait's end")
+        loop.call(lambda: watch.wait("j", (seen.round, "share"), seen, 30, at_once))
+    finally:
+        loop.stop()
+    assert held.got == [(seen, None)] and at_once.got == [(seen, None)]

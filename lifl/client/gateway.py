@@ -650,12 +650,18 @@ class Gateway:
         return {"lease": lease.lease, "version": lease.version, "round": lease.round, "ttl_s": lease.ttl_s}
 
     # -- secure rounds (docs/secure-aggregation.md) ---------------------------------------------------
-    def secure(self, job: str, client: str | None = None) -> dict[str, Any]:
-        """The job's secure round: its stage, and what ``client`` needs at it."""
+    def secure(self, job: str, client: str | None = None, after: tuple[int, str] | None = None,
+               wait_s: float = 0.0) -> dict[str, Any]:
+        """The job's secure round: its stage, and what ``client`` needs at it. With ``after`` (the
+        round and stage a view showed), once the round moved past it, or when ``wait_s`` seconds
+        (at most MAX_VERSION_WAIT_S, and half this connection's timeout) end: the gateway holds
+        the call meanwhile, so a client between stages asks once per stage, not polling."""
+        wait = {} if after is None else {"round": after[0], "after": after[1],
+                                         "wait_s": round(min(wait_s, MAX_VERSION_WAIT_S, self.timeout / 2), 3)}
         if self.protocol == "http":
-            query = f"?client={urllib.parse.quote(client, safe='')}" if client else ""
-            return self._json("GET", f"/v1/jobs/{job}/secure{query}", idempotent=True)
-        return self._secure_rpc(job, "status", client, None)
+            query = urllib.parse.urlencode({**({"client": client} if client else {}), **wait})
+            return self._json("GET", f"/v1/jobs/{job}/secure" + (f"?{query}" if query else ""), idempotent=True)
+        return self._secure_rpc(job, "status", client, wait or None)
 
     def secure_keys(self, job: str, mask_key: bytes, share_key: bytes, client: str | None = None) -> dict[str, Any]:
         return self._secure_call(job, "keys", client, {"mask_key": mask_key.hex(), "share_key": share_key.hex()})

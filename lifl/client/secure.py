@@ -68,7 +68,6 @@ class SecureClient:
 
 
 STAGES = ("advertise", "share", "collect", "unmask", "done")
-POLL_FIRST_S, POLL_MAX_S = 0.05, 1.0  # how often a client asks for the stage: from this, doubling to that
 STAGE_GRACE_S = 30.0  # past a stage's timeout, how long a client still waits for the duties to end it
 
 
@@ -127,10 +126,9 @@ def share_with_peers(gateway: Any, job: str, me: SecureClient, view: dict[str, A
 
 
 def _await(gateway: Any, job: str, client: str | None, round_id: int, stage: str, view: dict[str, Any]) -> dict[str, Any]:
-    """The round's view once its stage is ``stage`` or later (polled); RoundOver if it was
-    abandoned or another round began."""
-    poll, waited = POLL_FIRST_S, 0.0
-    limit = view["stage_timeout_s"] + STAGE_GRACE_S
+    """The round's view once its stage is ``stage`` or later (the gateway holds each call until
+    the stage moves: one call per stage); RoundOver if it was abandoned or another round began."""
+    deadline = time.monotonic() + view["stage_timeout_s"] + STAGE_GRACE_S
     while True:
         if view["round"] != round_id:
             raise RoundOver("moved_on", f"secure round {round_id} ended; the job is at round {view['round']}")
@@ -138,9 +136,7 @@ def _await(gateway: Any, job: str, client: str | None, round_id: int, stage: str
             raise RoundOver("abandoned", view.get("why", ""))
         if view["stage"] in STAGES and STAGES.index(view["stage"]) >= STAGES.index(stage):
             return view
-        if waited > limit:
-            raise RoundOver("timeout", f"secure round {round_id} stayed at its {view['stage']} stage for {waited:.0f} s")
-        time.sleep(poll)
-        waited += poll
-        poll = min(poll * 2, POLL_MAX_S)
-        view = gateway.secure(job, client)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RoundOver("timeout", f"secure round {round_id} stayed at its {view['stage']} stage past its deadline")
+        view = gateway.secure(job, client, after=(round_id, view["stage"]), wait_s=left)
