@@ -159,11 +159,13 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from lifl.bench import channel, compare, dataplane, flowermem, flstore, knative, large, orchestration, throughput
+    from lifl.bench import (channel, compare, dataplane, flowermem, flstore, knative, large, orchestration, secagg,
+                            throughput)
 
     return {"dataplane": dataplane.main, "orchestration": orchestration.main, "channel": channel.main,
             "knative": knative.main, "compare": compare.main, "flstore": flstore.main,
-            "flower-memory": flowermem.main, "throughput": throughput.main, "large": large.main}[args.bench](args)
+            "flower-memory": flowermem.main, "throughput": throughput.main, "large": large.main,
+            "secagg": secagg.main}[args.bench](args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -265,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from lifl.bench import channel, compare, dataplane, flowermem, flstore, knative, large, orchestration, throughput
+    from lifl.bench import (channel, compare, dataplane, flowermem, flstore, knative, large, orchestration, secagg,
+                            throughput)
 
     compare.add_arguments(bench_sub.add_parser(
         "compare", help="lifl against serverful (SF, SF-micro), stock-serverless (SL) and Flower: transfer, queuing, "
@@ -288,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     large.add_arguments(bench_sub.add_parser(
         "large", help="a round of updates larger than one aggregator should hold (1B bf16 parameters): unsharded "
                       "against tensor shards and float32 accumulators"))
+    secagg.add_arguments(bench_sub.add_parser(
+        "secagg", help="a secure round (SecAgg+) on lifl against Flower's SecAggPlusWorkflow, and lifl's plain "
+                       "fixed-point round: server CPU, round time, client CPU and bytes, unmasking"))
     bench.set_defaults(func=cmd_bench)
     return p
 

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -103,24 +104,22 @@ def reset_peak() -> float:
 # -- the measured process (Flower's environment) ----------------------------------------------------------
 
 
-def synthetic_grid(shapes: dict[str, tuple[int, ...]], nodes: int, fail: Iterable[int] = (),
-                   answer: Callable[[int, Any], Any] | None = None) -> Any:
-    """An in-process Flower Grid of ``nodes`` nodes: each answers a training message with arrays of
-    ``shapes`` seeded by the message's position (so both strategies see the same replies) and
-    ``num-examples`` 10 + position, made when the reply is pulled; the messages at positions in
-    ``fail`` get an error reply instead. ``answer(position, message)``, when given, makes the
-    reply's RecordDict instead (a client that trains)."""
-    from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord, RecordDict
+def in_process_grid(nodes: int, exchange: Callable[[list[tuple[int, Any]]], list[Any]]) -> Any:
+    """An in-process Flower Grid of nodes 1..``nodes``: the messages pulled are handed to
+    ``exchange`` with their positions in push order, which returns their replies (a node that drops
+    out gives none). ``send_and_receive`` holds every reply, as Flower's grids do, and with a
+    ``timeout`` waits it out when a reply is missing (Flower's grids poll until then)."""
+    from flwr.app import Message
     from flwr.serverapp import Grid
     from flwr.supercore.task_identity import TaskIdentity
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # what a ServerApp process is given
-    failing = set(fail)
 
-    class SyntheticGrid(Grid):
+    class InProcessGrid(Grid):
         def __init__(self) -> None:
             self.sent: dict[str, tuple[int, Message]] = {}  # pushed, not yet pulled
             self.pushed = 0
+            self._run: Any = SimpleNamespace(run_id=1)
 
         def set_run(self, run: Any) -> None:
             self._run = run
@@ -147,24 +146,40 @@ def synthetic_grid(shapes: dict[str, tuple[int, ...]], nodes: int, fail: Iterabl
             return ids
 
         def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-            replies = []
-            for message_id in message_ids:
-                position, message = self.sent.pop(message_id)
-                if position in failing:
-                    replies.append(Message(Error(code=0, reason="a synthetic failure"), reply_to=message))
-                    continue
-                if answer is not None:
-                    replies.append(Message(answer(position, message), reply_to=message))
-                    continue
-                arrays = ArrayRecord({k: Array(v) for k, v in synthetic_arrays(shapes, position).items()})
-                replies.append(Message(RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 10 + position})}),
-                                       reply_to=message))
-            return replies
+            return exchange([self.sent.pop(message_id) for message_id in message_ids])
 
         def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-            return list(self.pull_messages(list(self.push_messages(messages))))  # every reply held, as Flower's grids do
+            t = time.monotonic()
+            ids = list(self.push_messages(messages))
+            replies = list(self.pull_messages(ids))
+            if timeout is not None and len(replies) < len(ids):
+                time.sleep(max(0.0, timeout - (time.monotonic() - t)))
+            return replies
 
-    return SyntheticGrid()
+    return InProcessGrid()
+
+
+def synthetic_grid(shapes: dict[str, tuple[int, ...]], nodes: int, fail: Iterable[int] = (),
+                   answer: Callable[[int, Any], Any] | None = None) -> Any:
+    """An in-process grid (``in_process_grid``) whose nodes answer a training message with arrays
+    of ``shapes`` seeded by the message's position (so both strategies see the same replies) and
+    ``num-examples`` 10 + position, made when the reply is pulled; the messages at positions in
+    ``fail`` get an error reply instead. ``answer(position, message)``, when given, makes the
+    reply's RecordDict instead (a client that trains)."""
+    from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord, RecordDict
+
+    failing = set(fail)
+
+    def reply(position: int, message: Message) -> Message:
+        if position in failing:
+            return Message(Error(code=0, reason="a synthetic failure"), reply_to=message)
+        if answer is not None:
+            return Message(answer(position, message), reply_to=message)
+        arrays = ArrayRecord({k: Array(v) for k, v in synthetic_arrays(shapes, position).items()})
+        return Message(RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 10 + position})}),
+                       reply_to=message)
+
+    return in_process_grid(nodes, lambda pulled: [reply(position, message) for position, message in pulled])
 
 
 def measure(strategy: str, model: str, replies: int) -> dict[str, Any]:
