@@ -70,6 +70,7 @@ from lifl.bench.fljob import JOB, JobSetup, run_job
 from lifl.models import MODELS as MODELS_FL
 from lifl.keys.record import KeyMessage, now_ns
 from lifl.client import Gateway, to_blob
+from lifl.net.limits import ConnectionLimits
 from lifl.node.supervisor import Node, NodeConfig
 from lifl.state import ClusterState
 from lifl.store import MappingCache, object_name
@@ -96,10 +97,11 @@ _node_numbers = itertools.count()
 
 
 class LiflUnderTest:
-    def __init__(self, tmp: Path, log: Any) -> None:
+    def __init__(self, tmp: Path, log: Any, gateway_limits: ConnectionLimits | None = None) -> None:
         name = f"c{os.getpid() % 100000}n{next(_node_numbers)}"  # a fresh node (and state) each time
         self.node = Node(NodeConfig(node=name, http="127.0.0.1:0", grpc="127.0.0.1:0", run_dir=tmp / name / "run",
-                                    data_dir=tmp / name / "data", shm_capacity=8 << 30, pool_limit=4 << 30), log=log)
+                                    data_dir=tmp / name / "data", shm_capacity=8 << 30, pool_limit=4 << 30,
+                                    gateway_limits=gateway_limits or ConnectionLimits()), log=log)
         addresses = self.node.start()
         self.http, self.grpc = addresses.http, addresses.grpc
         self.token = self.node.operator_token

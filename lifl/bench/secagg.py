@@ -7,15 +7,16 @@ Each system's clients run as threads of one client process, so that the server's
 its processes' alone:
 
 - lifl: a fresh node (agent, gateway, its Redis, aggregators: ``server_cpu_s`` is that process
-  tree's); every client runs ``Participant(secure=True)`` over HTTP; a dropout advertises and
-  shares, then sends nothing (the costliest point to drop: its pairwise masks must be removed).
+  tree's), warmed for each N by an unmeasured plain round of N clients; every client runs
+  ``Participant(secure=True)`` over HTTP; a dropout advertises and shares, then sends nothing
+  (the costliest point to drop: its pairwise masks must be removed).
 - Flower: the ServerApp's ``DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(...))`` in a process
   of Flower's environment (lifl.bench.flower.flower_env), its grid handing each message, as
   Flower's protobuf, over a pipe to a client process that runs the ClientApp (``secaggplus_mod``)
   with each node's own Context; a dropout answers the setup and share stages, then nothing.
   There is no SuperLink: its CPU and the gRPC hops are left out of Flower's server figures.
 
-Both systems wait out a stage's deadline (``--stage-timeout``; by default 0.2 s per client, at
+Both systems wait out a stage's deadline (``--stage-timeout``; by default 0.5 s per client, at
 least 10 s, as the clients share the machine's cores) when a client is missing, so a round with
 dropouts includes one deadline. Fields per system: ``round_s`` (from the clients'
 start to the new model), ``server_cpu_s``, ``client_cpu_s_p50`` (each client thread's CPU),
@@ -54,8 +55,8 @@ FLOWER_MODULUS_RANGE = 1 << 32
 FLOWER_CLIPPING_RANGE = 8.0
 UPDATE_SCALE = 0.01
 MIN_STAGE_TIMEOUT_S = 10.0
-STAGE_SECONDS_PER_CLIENT = 0.2  # the clients share this machine's cores: a stage of many needs longer
-SAMPLE_INTERVAL_S = 0.05
+STAGE_SECONDS_PER_CLIENT = 0.5  # the clients share this machine's cores: a stage of many needs longer
+SAMPLE_INTERVAL_S = 0.25  # the node's memory (reading its processes' smaps costs CPU the round would use)
 CLIENT_TIMEOUT_S = 1800.0
 _FRAME = struct.Struct("!I")
 
@@ -476,16 +477,19 @@ def run(clients: tuple[int, ...] = DEFAULT_CLIENTS, dropouts: tuple[float, ...] 
     from lifl import secagg
     from lifl.bench.compare import LiflUnderTest
     from lifl.bench.flower import flower_env
+    from lifl.net.limits import ConnectionLimits
 
     python = flower_env() / "python" if flower else None
     out: dict[str, Any] = {"parameters": parameters, "fixed_point": FIXED_POINT, "runs": []}
     with tempfile.TemporaryDirectory(prefix="lifl-secagg-") as tmp, open(Path(tmp) / "node.log", "w") as log:
         os.chmod(tmp, 0o755)  # the node's redis and gateway run as its service user
-        sut = LiflUnderTest(Path(tmp), log)
+        # every client holds a connection between stages, and all of them come from this machine's address
+        connections = 2 * max(clients) + 64
+        sut = LiflUnderTest(Path(tmp), log, ConnectionLimits(max_connections=connections, max_per_peer=connections))
         try:
-            lifl_round(sut, "warmup", min(clients), 0.0, parameters, False, 0.0)  # aggregators started once
             for n in clients:
                 timeout = stage_timeout_s or max(MIN_STAGE_TIMEOUT_S, n * STAGE_SECONDS_PER_CLIENT)
+                lifl_round(sut, f"warmup{n}", n, 0.0, parameters, False, 0.0)  # the aggregators N needs, started
                 plain = lifl_round(sut, f"plain{n}", n, 0.0, parameters, False, 0.0)
                 plain_model = plain.pop("model")
                 say(f"N={n} lifl plain fixed point: {plain['round_s']} s, server CPU {plain['server_cpu_s']} s")
@@ -558,7 +562,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fractions of the clients that drop out after sharing, comma-separated (default 0,0.1)")
     p.add_argument("--parameters", type=int, default=DEFAULT_PARAMETERS, help="the model's parameters (default 1,000,000)")
     p.add_argument("--stage-timeout", type=float, default=None,
-                   help="each stage's deadline in seconds, both systems (default: 0.2 s per client, at least 10): a "
+                   help="each stage's deadline in seconds, both systems (default: 0.5 s per client, at least 10): a "
                         "round with dropouts waits one")
     p.add_argument("--no-flower", action="store_true", help="lifl only (Flower's environment is not made)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
