@@ -1052,6 +1052,8 @@ class GatewayService:
         view: dict[str, Any] = {"job": r.job, "client": client, "round": r.round, "stage": r.stage, "seed": r.seed.hex(),
                                 "clients": r.capacity, "k": r.k, "threshold": r.threshold, "deadline_ms": r.deadline_ms,
                                 "stage_timeout_s": settings.stage_timeout_s, "fixed_point": spec.fixed_point}
+        if spec.strategy_spec.clips_on_client:  # dp_fedavg: each client clips its change before masking it
+            view["clip"] = {"norm": spec.strategy_spec.param("clipping_norm"), "weighted": spec.strategy_spec.param("weighted")}
         if r.stage == ABANDONED:
             view["why"] = r.why
         elif r.stage == SHARE:

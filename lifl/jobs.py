@@ -143,8 +143,9 @@ class JobSpec:
         fixed_point = FixedPoint.from_request(body.get("fixed_point"))
         if fixed_point is not None:
             if not strategy.eager:
+                hint = " (or clip on the clients of a secure job: clip_on 'client')" if strategy.name == "dp_fedavg" else ""
                 raise BadRequest(f"fixed-point aggregation sums updates in the hierarchy; strategy {strategy.name!r} "
-                                 "reads every update at the top instead: choose one", code="bad_job")
+                                 f"reads every update at the top instead: choose one{hint}", code="bad_job")
             values["fixed_point"] = fixed_point.to_json()
         if "shards" in body or "shard_alignment" in body:
             shards, alignment = check_shards(body.get("shards", 1), body.get("shard_alignment", ELEMENT))
@@ -165,6 +166,9 @@ class JobSpec:
             values["accumulator"] = accumulator
         if body.get("secure_aggregation") is not None:  # {}: secure, with the defaults
             values["secure_aggregation"] = _secure_aggregation(body["secure_aggregation"], values, fixed_point).to_json()
+        elif strategy.clips_on_client:
+            raise BadRequest("dp_fedavg's clip_on 'client' is for secure jobs (their clients clip in the secure round's "
+                             "collect stage): add secure_aggregation, or clip on the server", code="bad_job")
         return cls(job=name, tenant=tenant, **values)
 
     @property

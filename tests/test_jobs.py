@@ -84,6 +84,7 @@ def test_the_leaf_fan_in_in_use(leaf_fan_in: int, model: ModelSpec | None, accum
 
 
 SECURE_BASE = {"job": "s", "goal": 20, "fixed_point": {"frac_bits": 20, "width": 32}}
+DP = {"name": "dp_fedavg", "clipping_norm": 1.0, "noise_multiplier": 0.5}
 
 
 def test_a_secure_job_fills_in_its_settings_and_round_trips() -> None:
@@ -95,6 +96,8 @@ def test_a_secure_job_fills_in_its_settings_and_round_trips() -> None:
     assert JobSpec.from_request({**SECURE_BASE}).secure is None
     assert JobSpec.from_request({**SECURE_BASE, "secure_aggregation": None}).secure is None
     assert JobSpec.from_request({**SECURE_BASE, "secure_aggregation": {}, "retention": {"models": 3}}).secure is not None
+    private = JobSpec.from_request({**SECURE_BASE, "secure_aggregation": {}, "strategy": {**DP, "clip_on": "client"}})
+    assert private.strategy_spec.clips_on_client and private.strategy_spec.eager and private.secure is not None
 
 
 @pytest.mark.parametrize("extra, code, needle", [
@@ -113,6 +116,10 @@ def test_a_secure_job_fills_in_its_settings_and_round_trips() -> None:
     ({"secure_aggregation": {}, "shards": 2}, "bad_job", "not cut into shards"),
     ({"secure_aggregation": {}, "round_deadline_s": 30}, "bad_job", "stage_timeout_s, not round_deadline_s"),
     ({"secure_aggregation": {}, "strategy": {"name": "median"}}, "bad_job", "fixed-point aggregation"),
+    ({"secure_aggregation": {}, "strategy": DP}, "bad_job", "clip on the clients of a secure job: clip_on 'client'"),
+    ({"strategy": {**DP, "clip_on": "client"}}, "bad_job", "clip_on 'client' is for secure jobs"),
+    ({"fixed_point": None, "strategy": {**DP, "clip_on": "client"}}, "bad_job", "clip_on 'client' is for secure jobs"),
+    ({"secure_aggregation": {}, "strategy": {**DP, "clip_on": "clients"}}, "bad_strategy", "clip_on must be one of"),
 ])
 def test_invalid_secure_jobs_say_why(extra: dict, code: str, needle: str) -> None:
     with pytest.raises(BadRequest) as info:

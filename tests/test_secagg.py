@@ -282,3 +282,22 @@ def test_plain_inputs_refuse_what_could_overflow_or_is_not_float() -> None:
         assert info.value.code == code
     with pytest.raises(BadRequest):
         secagg.plain_input({"k": np.zeros(2, np.int32)}, 1, fmt.ModelSpec((fmt.TensorSpec("k", fmt.I32, (2,)),)), fp, 2)
+
+
+@pytest.mark.parametrize("change, norm, expected_scale", [
+    ([3.0, 4.0, 0.0], 1.0, 0.2),  # |change| 5: clipped to 1
+    ([3.0, 4.0, 0.0], 5.0, 1.0),  # at the norm: unchanged
+    ([0.3, 0.4, 0.0], 1.0, 1.0),  # within it
+    ([0.0, 0.0, 0.0], 1.0, 1.0),  # no change stays none
+])
+def test_a_client_clips_its_change_over_all_its_float_tensors(change: list[float], norm: float, expected_scale: float) -> None:
+    from lifl.client.secure import clip_change
+
+    base = {"a": np.array([1.0, 2.0], np.float32), "b": np.array([-1.0], np.float64)}
+    update = {"a": (base["a"] + np.array(change[:2])).astype(np.float32), "b": base["b"] + change[2:]}
+    got = clip_change(update, base, norm)
+    for k in base:
+        assert got[k].dtype == update[k].dtype
+        np.testing.assert_allclose(got[k], base[k] + expected_scale * (update[k].astype(np.float64) - base[k]), rtol=1e-6)
+    with pytest.raises(BadRequest, match="no tensor 'a'"):
+        clip_change(update, {"b": base["b"]}, norm)

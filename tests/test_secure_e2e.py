@@ -17,7 +17,7 @@ from conftest import RunningNode, outcomes_in_threads, wait_for
 from lifl import format as fmt
 from lifl import secagg
 from lifl.client import Gateway, Participant
-from lifl.client.secure import SecureClient, context_of, share_with_peers
+from lifl.client.secure import SecureClient, clip_change, context_of, share_with_peers
 from lifl.errors import BadRequest, Conflict
 from lifl.fixedpoint import FixedPoint
 from lifl.kernels import validate
@@ -230,6 +230,30 @@ def test_a_survivor_whose_answer_comes_after_the_sum_was_unmasked_is_accepted(no
     assert outcomes == {f"c{i}": "accepted" for i in range(4)}, outcomes
     wait_for(lambda: gw.model("late")[0] == 1, what="the round's version")
     assert gw.rounds("late")[-1]["secure"]["survivors"] == 4
+
+
+def test_dp_fedavg_clips_on_the_clients_and_adds_noise_to_the_unmasked_mean(node: RunningNode) -> None:
+    """A secure dp_fedavg job (clip_on "client"): each client clips its change to norm 1 before
+    masking it, and the top adds N(0, (zC/n)^2) to the unmasked mean; the round spends privacy."""
+    gw = Gateway(node.http)
+    models, samples = updates(4, seed=21)  # changes of norm about 24 from the zero model
+    strategy = {"name": "dp_fedavg", "clipping_norm": 1.0, "noise_multiplier": 0.5, "population": 100, "clip_on": "client"}
+    start(gw, "private", 4, strategy=strategy, secure_aggregation={"stage_timeout_s": 120})
+    outcomes = secure_round(node, "private", models, samples)
+    assert outcomes == {f"c{i}": "accepted" for i in range(4)}, outcomes
+    wait_for(lambda: gw.model("private")[0] == 1, what="the private round's version")
+    got = model_of(gw, "private")
+    zeros = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    clipped = [clip_change(m, zeros, 1.0) for m in models]
+    def off_by(inputs: list[dict[str, np.ndarray]]) -> np.ndarray:  # every coordinate: the model less the mean
+        return np.concatenate([(got[k].astype(np.float64) - np.mean([x[k] for x in inputs], axis=0, dtype=np.float64)).ravel()
+                               for k in SHAPES])
+
+    residual = off_by(clipped)  # uniform (not weighted): each input counts one sample; what is left is noise, std 0.125
+    assert 0.11 < np.std(residual) < 0.14 and abs(np.mean(residual)) < 0.03, np.std(residual)
+    assert np.std(off_by(models)) > 0.4  # the unclipped mean is far off
+    report = gw.rounds("private")[-1]["strategy"]
+    assert report["clipped_on"] == "client" and report["noise_std"] == pytest.approx(0.125) and report["epsilon"] > 0, report
 
 
 def test_no_object_of_the_node_holds_a_clients_update(node: RunningNode) -> None:

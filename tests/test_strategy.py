@@ -52,7 +52,7 @@ def test_every_name_fills_in_its_defaults_and_round_trips(name: str) -> None:
     ({"name": "multi_krum", "num_malicious": 2}, {"name": "multi_krum", "num_malicious": 2, "num_selected": 8}),
     ({"name": "dp_fedavg", "clipping_norm": 2, "noise_multiplier": 0.5, "population": 40},
      {"name": "dp_fedavg", "clipping_norm": 2.0, "noise_multiplier": 0.5, "delta": 1e-5, "population": 40,
-      "sampling_rate": 0.25, "weighted": False}),
+      "sampling_rate": 0.25, "weighted": False, "clip_on": "server"}),
     ({"name": "fedbuff"}, {"name": "fedbuff", "max_staleness": 10, "staleness_exponent": 0.5, "server_learning_rate": 1.0}),
 ])
 def test_from_request_fills_in_flowers_defaults(obj: Any, expected: dict[str, Any]) -> None:
@@ -163,8 +163,8 @@ def run(s: StrategySpec, current: Tensors, updates: list[Update], *, version: in
     state_out = {name: np.empty(shape, dtype) for name, dtype, shape in layout} or None
     if average is None and s.eager:
         average = weighted_average(updates, current)
-    report = step(s, StepInputs(current, version, average, updates if s.needs_updates else (), state, seed),
-                  out, state_out)
+    report = step(s, StepInputs(current, version, average, updates if s.needs_updates else (), state, seed,
+                                count=len(updates)), out, state_out)
     return out, state_out, report
 
 
@@ -327,6 +327,34 @@ def test_dp_noise_statistics_and_determinism() -> None:
     assert np.array_equal(out["w"], again["w"])
     for other in ({"seed": 8, "version": 3}, {"seed": 7, "version": 4}):
         assert not np.array_equal(out["w"], run(s, current, updates, **other)[0]["w"])
+
+
+@pytest.mark.parametrize("clip_on, eager, needs_updates, reads_whole_updates", [
+    ("server", False, True, True), ("client", True, False, False)])
+def test_where_dp_clips_decides_what_its_step_reads(clip_on: str, eager: bool, needs_updates: bool,
+                                                    reads_whole_updates: bool) -> None:
+    s = spec("dp_fedavg", goal=4, clip_on=clip_on)
+    assert (s.eager, s.needs_updates, s.reads_whole_updates, s.spends_privacy) == (eager, needs_updates, reads_whole_updates,
+                                                                                  True)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_dp_clipping_on_the_clients_adds_the_server_steps_noise_to_the_rounds_mean(weighted: bool) -> None:
+    """The clients clipped their changes already (here: none is over the norm): the step adds to the
+    round's mean the very noise the server-clipping step draws, N(0, (zC/n)^2), n the round's updates."""
+    current, updates = make_round(dtype=np.float64, n=5)
+    names = floats(current)
+    on_client = spec("dp_fedavg", goal=5, clipping_norm=1e6, noise_multiplier=0.7, clip_on="client", weighted=weighted)
+    on_server = spec("dp_fedavg", goal=5, clipping_norm=1e6, noise_multiplier=0.7, weighted=weighted)
+    average = weighted_average(updates, current) if weighted else \
+        {k: np.mean([u.tensors[k].astype(np.float64) for u in updates], axis=0) for k in current}
+    out, _, report = run(on_client, current, updates, seed=3, version=2, average=average)
+    assert report == {"clipped_on": "client", "noise_std": pytest.approx(0.7 * 1e6 / 5)}
+    reference, _, _ = run(on_server, current, updates, seed=3, version=2)
+    assert_close(out, reference, names, rtol=1e-9, atol=1e-6)
+    with pytest.raises(ValueError, match="count of updates"):
+        step(on_client, StepInputs(current, 2, average, (), None, 3, count=0), {k: np.empty_like(v) for k, v in current.items()},
+             None)
 
 
 def direct_epsilon(q: float, z: float, rounds: int, delta: float) -> float:

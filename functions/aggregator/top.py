@@ -71,7 +71,7 @@ def run_step(inv: Invocation, ctx: Context, result: Contribution, model_header: 
         current=_sliced(current, shard), version=inv.version, average=average,
         updates=[_pieces_of(u, lambda tensors: _sliced(tensors, shard)) for u in updates],
         state=_sliced(whole(inputs.state), shard) if inputs.state else None, seed=inputs.seed,
-        offsets=shard.offsets if shard is not None else {},
+        offsets=shard.offsets if shard is not None else {}, count=result.updates,
     )
     if shard is None or not strategy.reads_whole_updates:
         return key, state_key, step(strategy, own, _sliced(out, shard), state_out)

@@ -106,7 +106,8 @@ class Participant:
         spec = fmt.parse_layout(blob).spec()
         trained, samples = train(from_blob(blob, as_torch=self.as_torch), version)
         try:
-            run_secure_round(self.gateway, self.job, self.client, from_blob(to_blob(trained)), samples, spec, version)
+            run_secure_round(self.gateway, self.job, self.client, from_blob(to_blob(trained)), samples, spec, version,
+                             base=from_blob(blob))
         except RoundOver as e:
             return RoundResult(e.outcome, version)
         except errors.Conflict as e:  # the round enrolled its goal of clients, or moved on: the next one

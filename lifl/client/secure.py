@@ -80,11 +80,27 @@ class RoundOver(Exception):
         self.outcome = outcome
 
 
+def clip_change(update: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray], norm: float) -> dict[str, np.ndarray]:
+    """``update`` with its change from ``base`` clipped to L2 norm ``norm`` over all its float
+    tensors together (DP-FedAvg's clipping, here on the client): base + min(1, norm/|w - base|) (w - base)."""
+    floats = [k for k, v in update.items() if np.asarray(v).dtype.kind == "f"]
+    for k in floats:
+        if k not in base or np.shape(base[k]) != np.shape(update[k]):
+            raise BadRequest(f"the base model has no tensor {k!r} of the update's shape", code="bad_secure_input")
+    changes = {k: np.asarray(update[k], np.float64) - np.asarray(base[k], np.float64) for k in floats}
+    length = float(np.sqrt(sum(float(np.vdot(c, c)) for c in changes.values())))
+    scale = min(1.0, norm / length) if length > 0 else 1.0
+    return {k: (np.asarray(base[k], np.float64) + scale * changes[k]).astype(np.asarray(v).dtype) if k in changes
+            else np.asarray(v) for k, v in update.items()}
+
+
 def run_secure_round(gateway: Any, job: str, client: str | None, update: Mapping[str, np.ndarray], samples: int,
-                     spec: fmt.ModelSpec, base_version: int) -> None:
+                     spec: fmt.ModelSpec, base_version: int, base: Mapping[str, np.ndarray] | None = None) -> None:
     """Take part in the job's current secure round with ``update`` (trained from ``base_version``,
     of ``samples`` samples): every stage by itself, through ``gateway`` (a ``lifl.client.Gateway``).
-    Raises RoundOver if the round ends without this client's input in it."""
+    A job whose strategy clips on the clients (dp_fedavg, ``clip_on`` "client") needs ``base``,
+    the model the update was trained from: the change is clipped before it is masked. Raises
+    RoundOver if the round ends without this client's input in it."""
     me = SecureClient(client or "")
     view = gateway.secure_keys(job, *me.advertisement(), client=client)
     me.name, round_id = view["client"], view["round"]
@@ -98,6 +114,11 @@ def run_secure_round(gateway: Any, job: str, client: str | None, update: Mapping
         raise RoundOver("left_out", "the share stage closed without this client's shares")
     fixed_point = FixedPoint.from_request(view["fixed_point"])
     assert fixed_point is not None
+    if clip := view.get("clip"):
+        if base is None:
+            raise BadRequest(f"job {job!r} clips each change on its client: give the model the update was trained "
+                             "from (base)", code="bad_secure_input")
+        update, samples = clip_change(update, base, clip["norm"]), samples if clip["weighted"] else 1
     masked = me.masked_input(context, {p: bytes.fromhex(b) for p, b in view["inbox"].items()}, update, samples, spec,
                              fixed_point, view["clients"])
     gateway.push(job, masked, samples=1, base_version=base_version, client=client)  # its sample count is masked inside

@@ -26,6 +26,9 @@ GRAM = frozenset({"krum", "multi_krum"})  # of those, what read every pair of up
 # message, bytes as hex): rounds of at most this many updates keep each within a quarter of it
 MAX_SHARDED_GRAM_UPDATES = 512
 
+# dp_fedavg's clipping: the top clips every update it reads, or each client clips its own change
+# before sending it (a secure job's: no update reaches the top unmasked), the top adding only noise
+CLIP_ON_SERVER, CLIP_ON_CLIENT = "server", "client"
 MAX_STALENESS = 100  # fedbuff keeps max_staleness + 1 models: a bound on that memory
 MAX_POPULATION = 1 << 40
 
@@ -49,7 +52,8 @@ _PARAMS: dict[str, dict[str, Param]] = {
     "multi_krum": {"num_malicious": _MALICIOUS, "num_selected": Param(None, _CHECKS.integer(1, 1 << 20))},
     "dp_fedavg": {"clipping_norm": Param(REQUIRED, _POSITIVE), "noise_multiplier": Param(REQUIRED, _POSITIVE),
                   "delta": Param(1e-5, _CHECKS.number(0.0, 1.0, low_open=True, high_open=True)),
-                  "population": Param(None, _CHECKS.integer(1, MAX_POPULATION)), "weighted": Param(False, _CHECKS.boolean)},
+                  "population": Param(None, _CHECKS.integer(1, MAX_POPULATION)), "weighted": Param(False, _CHECKS.boolean),
+                  "clip_on": Param(CLIP_ON_SERVER, _CHECKS.choice(CLIP_ON_SERVER, CLIP_ON_CLIENT))},
     "fedbuff": {"max_staleness": Param(10, _CHECKS.integer(0, MAX_STALENESS)),
                 "staleness_exponent": Param(0.5, _CHECKS.number(0.0, 10.0)),
                 "server_learning_rate": Param(1.0, _POSITIVE)},
@@ -128,7 +132,12 @@ class StrategySpec:
     @property
     def eager(self) -> bool:
         """Only the hierarchy's weighted average of the round is needed."""
-        return self.name in EAGER
+        return self.name in EAGER or self.clips_on_client
+
+    @property
+    def clips_on_client(self) -> bool:
+        """dp_fedavg whose clients clip their own changes: its step adds noise to the round's mean."""
+        return self.name == "dp_fedavg" and dict(self.params).get("clip_on", CLIP_ON_SERVER) == CLIP_ON_CLIENT
 
     @property
     def needs_updates(self) -> bool:
@@ -157,7 +166,7 @@ class StrategySpec:
         """Its step reads norms or distances of whole updates: on tensor shards (``lifl.shards``)
         each shard's top computes its ``lifl.strategy.partials`` and one top steps every shard
         with their sum. Other steps read each coordinate apart and run shard by shard."""
-        return self.name in WHOLE_UPDATES
+        return self.name in WHOLE_UPDATES and not self.clips_on_client
 
     @property
     def spends_privacy(self) -> bool:

@@ -76,6 +76,7 @@ class StepInputs:
     offsets: Mapping[str, int] = field(default_factory=dict)
     # ...and the sums over every shard of what ``partials`` computes (None: the step computes them itself)
     partials: np.ndarray | None = None
+    count: int = 0  # the round's number of updates (dp_fedavg with clipping on the clients scales its noise by it)
 
 
 _STATE_PREFIXES = {"fedavgm": ("m",), "fedadam": ("m", "v"), "fedyogi": ("m", "v"), "fedadagrad": ("v",)}
@@ -190,6 +191,8 @@ def _check_inputs(spec: StrategySpec, inputs: StepInputs, out: MutableMapping[st
     _check_like("the average", inputs.average, current)
     if spec.needs_updates and not inputs.updates:
         raise ValueError(f"strategy {spec.name} needs the round's updates")
+    if spec.clips_on_client and inputs.count < 1:
+        raise ValueError("dp_fedavg with clipping on the clients needs the round's count of updates")
     limit = spec.max_staleness
     for update in inputs.updates:
         who = f"update {update.client or '?'}"
@@ -345,8 +348,10 @@ def _dp_fedavg(spec: StrategySpec, inputs: StepInputs, names: Sequence[str],
     their mean (uniform, or by samples with ``weighted``), plus N(0, (z·C/n)²) on every float
     coordinate, drawn from (seed, version, tensor, block)."""
     updates, current = inputs.updates, inputs.current
-    n = len(updates)
     clip, z = float(spec.param("clipping_norm")), float(spec.param("noise_multiplier"))
+    if spec.clips_on_client:
+        return _dp_noise_only(inputs, names, out, z * clip / inputs.count)
+    n = len(updates)
     norms = np.sqrt(inputs.partials if inputs.partials is not None else partials(spec, inputs))
     scales = np.minimum(1.0, clip / np.maximum(norms, np.finfo(np.float64).tiny))  # a zero change stays zero
     if spec.param("weighted"):
@@ -367,6 +372,19 @@ def _dp_fedavg(spec: StrategySpec, inputs: StepInputs, names: Sequence[str],
         _write(out, name, span, x + acc)
     # epsilon is the agent's to add (lifl.strategy.privacy): bookkeeping, not the function's math
     return {"clipped": int(np.count_nonzero(norms > clip)), "noise_std": std}
+
+
+def _dp_noise_only(inputs: StepInputs, names: Sequence[str], out: MutableMapping[str, np.ndarray],
+                   std: float) -> dict[str, Any]:
+    """DP-FedAvg whose clients clipped their own changes (a secure job's: the top sees only the
+    round's sum): the round's mean plus N(0, std²) on every float coordinate, drawn as the
+    server-clipping step draws it."""
+    assert inputs.average is not None, "dp_fedavg with clipping on the clients steps the round's mean"
+    for name, span in _spans(inputs.current, names, inputs.offsets):
+        start = inputs.offsets.get(name, 0) + span.start
+        mean = _read(inputs.average[name], span)
+        _write(out, name, span, mean + std * _noise(inputs.seed, inputs.version, name, start, start + len(mean)))
+    return {"clipped_on": "client", "noise_std": std}
 
 
 def _fedbuff(spec: StrategySpec, inputs: StepInputs, names: Sequence[str],
@@ -411,6 +429,6 @@ def step(spec: StrategySpec, inputs: StepInputs, out: MutableMapping[str, np.nda
     floats = [name for name, array in inputs.current.items() if _is_float(array.dtype)]
     others = [name for name in inputs.current if name not in floats]
     _copy_non_float(inputs, others, out)
-    if spec.eager:
+    if spec.eager and not spec.clips_on_client:
         return _eager(spec, inputs, floats, out, state_out)
     return _RULES[spec.name](spec, inputs, floats, out)
