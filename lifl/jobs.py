@@ -263,7 +263,7 @@ def stage_wait_query(query: str) -> tuple[str | None, tuple[int, str] | None, fl
         raise BadRequest("give each of client, round, after and wait_s at most once", code="bad_stage_wait")
     one = {k: v[0] for k, v in params.items()}
     after, seconds = stage_wait_params(one.get("round"), one.get("after"), one.get("wait_s", "0"))
-    return one.get("client"), after, seconds
+    return one.get("client") or None, after, seconds  # client= (empty): the token's own, as with none
 
 
 def stage_wait_params(round_id: Any, after: Any, wait_s: Any) -> tuple[tuple[int, str] | None, float]:

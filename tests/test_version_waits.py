@@ -108,6 +108,7 @@ def test_malformed_grpc_numbers_are_refused(after: Any, wait_s: float) -> None:
 @pytest.mark.parametrize("query, expected", [
     ("", (None, None, 0.0)),
     ("client=c1", ("c1", None, 0.0)),
+    ("client=", (None, None, 0.0)),
     ("client=c1&round=0&after=advertise&wait_s=60", ("c1", (0, "advertise"), MAX_VERSION_WAIT_S)),  # at the limit
     ("round=4611686018427387904&after=abandoned", (None, (MAX_VERSION, "abandoned"), 0.0)),
     ("round=3&after=unmask&wait_s=0.25", (None, (3, "unmask"), 0.25)),
