@@ -57,7 +57,6 @@ UPDATE_SCALE = 0.01
 MIN_STAGE_TIMEOUT_S = 10.0
 STAGE_SECONDS_PER_CLIENT = 0.5  # the clients share this machine's cores: a stage of many needs longer
 SAMPLE_INTERVAL_S = 0.25  # the node's memory (reading its processes' smaps costs CPU the round would use)
-STAGE_INTERVAL_S = 0.02  # the secure round's stage (one HMGET)
 CLIENT_TIMEOUT_S = 1800.0
 _FRAME = struct.Struct("!I")
 
@@ -205,14 +204,14 @@ def _client_process(argv: list[str], env: dict[str, str]) -> Iterator[subprocess
 
 
 class _Watch:
-    """The node's memory (largest PSS sum of its processes), when the secure round's unmask stage
-    began and why it was abandoned, if it was: sampled on a thread."""
+    """The node's memory (largest PSS sum of its processes), and why the secure round was
+    abandoned, if it was: sampled on a thread."""
 
     def __init__(self, sut: Any, job: str) -> None:
         from lifl.state import secure_key
 
         self.sut, self.key = sut, secure_key(job)
-        self.peak_bytes, self.unmask_at, self.abandoned = 0.0, 0.0, ""
+        self.peak_bytes, self.abandoned = 0.0, ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -220,21 +219,29 @@ class _Watch:
     def _run(self) -> None:
         from lifl.procstat import pss_mb
 
-        next_memory = 0.0
         while not self._stop.is_set():
-            if time.monotonic() >= next_memory:
-                self.peak_bytes = max(self.peak_bytes, pss_mb(self.sut.pids()) * (1 << 20))
-                next_memory = time.monotonic() + SAMPLE_INTERVAL_S
+            self.peak_bytes = max(self.peak_bytes, pss_mb(self.sut.pids()) * (1 << 20))
             stage, why = (v.decode() if isinstance(v, bytes) else v for v in self.sut.state.redis.hmget(self.key, "stage", "why"))
-            if stage == "unmask" and not self.unmask_at:
-                self.unmask_at = time.time()
-            elif stage == "abandoned":
+            if stage == "abandoned":
                 self.abandoned = why or "no reason given"
-            self._stop.wait(STAGE_INTERVAL_S)
+            self._stop.wait(SAMPLE_INTERVAL_S)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def _unmask_began(sut: Any, job: str) -> float:
+    """When the done secure round's unmask stage began (seconds since the epoch, Redis's clock: this
+    machine's): its deadline less the stage timeout, for the stage ended either by the last answer
+    (which leaves the deadline) or at that deadline."""
+    from lifl.secure_state import SecureRounds
+    from lifl.state import secure_key
+
+    r = SecureRounds(sut.state).round(job)
+    assert r is not None and r.stage == "done", r
+    timeout_ms = int(sut.state.redis.hget(secure_key(job), "timeout"))
+    return (r.deadline_ms - timeout_ms) / 1000
 
 
 def lifl_round(sut: Any, job: str, clients: int, dropout: float, parameters: int, secure: bool,
@@ -289,7 +296,7 @@ def lifl_round(sut: Any, job: str, clients: int, dropout: float, parameters: int
               "server_peak_bytes": int(watch.peak_bytes),
               "max_abs_error": max_abs_error(model, expected_mean(shapes, survivors)), "model": model}
     if secure:
-        result["unmask_s"] = round(t + round_s - watch.unmask_at, 3) if watch.unmask_at else None
+        result["unmask_s"] = round(t + round_s - _unmask_began(sut, job), 3)
         result["secure"] = record.get("secure")
     return result
 
