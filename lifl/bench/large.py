@@ -130,10 +130,11 @@ def memcpy_gbps(nbytes: int) -> float:
 class Peaks:
     """Nodes' memory, sampled on a thread until stopped: the largest peaks of any one of them.
     ``nodes`` maps each node to what gives its processes (``{"aggregators": [...], other roles}``
-    of ``Node.pids``), ``shm_used`` to its store's bytes in use."""
+    of ``Node.pids``), ``shm_used`` to its store's bytes in use; every ``interval`` seconds."""
 
-    def __init__(self, nodes: dict[str, Callable[[], dict[str, list[int]]]], shm_used: Callable[[str], float]) -> None:
-        self.nodes, self.shm_used = nodes, shm_used
+    def __init__(self, nodes: dict[str, Callable[[], dict[str, list[int]]]], shm_used: Callable[[str], float],
+                 interval: float = SAMPLE_INTERVAL_S) -> None:
+        self.nodes, self.shm_used, self.interval = nodes, shm_used, interval
         self.shm = self.rss = self.aggregator = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -155,7 +156,7 @@ class Peaks:
                 self.rss = max(self.rss, pss_mb([pid for group in groups.values() for pid in group]) * (1 << 20))
                 self.aggregator = max([self.aggregator, *(pss_mb([pid]) * (1 << 20) for pid in groups["aggregators"])])
                 self.shm = max(self.shm, self.shm_used(node))
-            self._stop.wait(SAMPLE_INTERVAL_S)
+            self._stop.wait(self.interval)
 
 
 def namespace_pids_of(namespace: str, supervisor: int) -> dict[str, list[int]]:

@@ -203,32 +203,10 @@ def _client_process(argv: list[str], env: dict[str, str]) -> Iterator[subprocess
         proc.wait()
 
 
-class _Watch:
-    """The node's memory (largest PSS sum of its processes), and why the secure round was
-    abandoned, if it was: sampled on a thread."""
-
-    def __init__(self, sut: Any, job: str) -> None:
-        from lifl.state import secure_key
-
-        self.sut, self.key = sut, secure_key(job)
-        self.peak_bytes, self.abandoned = 0.0, ""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        from lifl.procstat import pss_mb
-
-        while not self._stop.is_set():
-            self.peak_bytes = max(self.peak_bytes, pss_mb(self.sut.pids()) * (1 << 20))
-            stage, why = (v.decode() if isinstance(v, bytes) else v for v in self.sut.state.redis.hmget(self.key, "stage", "why"))
-            if stage == "abandoned":
-                self.abandoned = why or "no reason given"
-            self._stop.wait(SAMPLE_INTERVAL_S)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+def _node_groups(sut: Any) -> dict[str, list[int]]:
+    """The node's processes as ``lifl.bench.large.Peaks`` samples them: its aggregators, and the rest."""
+    aggregators = sut.node.pids()["aggregators"]
+    return {"aggregators": aggregators, "rest": [pid for pid in sut.pids() if pid not in aggregators]}
 
 
 def _unmask_began(sut: Any, job: str) -> float:
@@ -248,8 +226,10 @@ def lifl_round(sut: Any, job: str, clients: int, dropout: float, parameters: int
                stage_timeout_s: float) -> dict[str, Any]:
     """One round of a fresh job on the node ``sut`` (lifl.bench.compare.LiflUnderTest)."""
     from lifl import format as fmt
+    from lifl.bench.large import Peaks
     from lifl.client import Gateway
     from lifl.kernels import validate
+    from lifl.secure_state import SecureRounds
 
     shapes = model_shapes(parameters)
     dropped = dropped_clients(clients, dropout) if secure else []
@@ -263,8 +243,7 @@ def lifl_round(sut: Any, job: str, clients: int, dropout: float, parameters: int
     argv = ["--lifl-clients", sut.http, "--job", job, "--clients", str(clients), "--parameters", str(parameters),
             "--dropped", ",".join(map(str, dropped))] + (["--secure"] if secure else [])
     try:
-        with _client_process(argv, env) as proc:
-            watch = _Watch(sut, job)
+        with _client_process(argv, env) as proc, Peaks({"node": lambda: _node_groups(sut)}, lambda _: 0.0, SAMPLE_INTERVAL_S) as peaks:
             cpu, roles, t = sut.cpu_seconds(), sut.cpu_by_role(), time.time()
             assert proc.stdin is not None
             proc.stdin.write("go\n")
@@ -273,14 +252,13 @@ def lifl_round(sut: Any, job: str, clients: int, dropout: float, parameters: int
             while sut.version(job) < 1:
                 if proc.poll() is not None and proc.returncode:
                     raise RuntimeError(f"the clients failed:\n{proc.communicate()[1][-3000:]}")
-                if watch.abandoned:
-                    raise RuntimeError(f"{job}'s secure round was abandoned: {watch.abandoned} (a longer --stage-timeout?)")
+                if secure and (r := SecureRounds(sut.state).round(job)) is not None and r.stage == "abandoned":
+                    raise RuntimeError(f"{job}'s secure round was abandoned: {r.why} (a longer --stage-timeout?)")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{job}'s round did not end within {CLIENT_TIMEOUT_S:.0f} s")
                 time.sleep(0.01)
             round_s, server_cpu_s = time.time() - t, sut.cpu_seconds() - cpu
             by_role = {role: round(v - roles[role], 3) for role, v in sut.cpu_by_role().items()}
-            watch.stop()
             out, err = proc.communicate(timeout=CLIENT_TIMEOUT_S)
             if proc.returncode:
                 raise RuntimeError(f"the clients failed:\n{err[-3000:]}")
@@ -293,7 +271,7 @@ def lifl_round(sut: Any, job: str, clients: int, dropout: float, parameters: int
     survivors = [i for i in range(clients) if i not in set(dropped)]
     result = {"round_s": round(round_s, 3), "server_cpu_s": round(server_cpu_s, 3), "server_cpu_by_role_s": by_role,
               **figures,
-              "server_peak_bytes": int(watch.peak_bytes),
+              "server_peak_bytes": int(peaks.rss),
               "max_abs_error": max_abs_error(model, expected_mean(shapes, survivors)), "model": model}
     if secure:
         result["unmask_s"] = round(t + round_s - _unmask_began(sut, job), 3)
