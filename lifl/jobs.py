@@ -30,6 +30,7 @@ DEFAULT_MAX_UPDATE_BYTES = 4 << 30
 MAX_SAMPLES = 1 << 53  # X-Lifl-Samples of any update: counts stay exact in float64 weights
 AUTO_LEAF_BYTES = 4 << 20  # leaf_fan_in 0: a leaf takes about this many bytes of updates
 AUTO_FAN_IN = (2, 256)  # ... and between this many updates
+SECURE_LEAVES = 4  # leaf_fan_in 0: a secure round's goal is cut into this many leaves
 # From this size on a leaf's partial sum (2 to 4 times an update's bytes in float64) costs the
 # middle seconds to fold again: a leaf folds at least REFOLD_BOUND times the bytes it hands on.
 LARGE_UPDATE_BYTES = 256 << 20
@@ -78,10 +79,15 @@ class JobSpec:
         LARGE_UPDATE_BYTES or more is another matter: a leaf takes enough of them that they
         outweigh REFOLD_BOUND times its partial sum, which the middle folds again (8 bf16 updates
         for a float64 partial; parallelism then comes from shards, each with its own leaves).
-        Unknown model: 2."""
+        Unknown model: 2. A secure round's leaves hold their sums until the unmask stage is done,
+        then take their clients' masks off side by side (``lifl.secagg_round.MaskedInputs``): its
+        goal is cut into SECURE_LEAVES leaves, enough to keep a node's cores expanding masks
+        without holding an instance per pair of updates."""
         if self.leaf_fan_in:
             return self.leaf_fan_in
         low, high = AUTO_FAN_IN
+        if self.secure_aggregation:
+            return max(low, min(high, -(-self.goal // SECURE_LEAVES)))
         if model is None or not model.data_bytes:
             return low
         update = model.data_bytes

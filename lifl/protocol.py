@@ -724,8 +724,8 @@ class StepPartials(Message):
 @message("secure_streams")
 @dataclass(frozen=True)
 class SecureStreams(Message):
-    """The answer to ``SecureSeeds``: the (sign, seed hex) streams whose sum takes the masks off
-    the round's sum (``lifl.secagg.unmasking_seeds``)."""
+    """The answer to ``SecureSeeds``: the (sign, seed hex) streams whose sum takes the task's
+    clients' masks off its sum (``lifl.secagg_round.streams_of``)."""
 
     streams: list[list[Any]]
 
@@ -733,10 +733,12 @@ class SecureStreams(Message):
 @message("secure_seeds", SecureStreams)
 @dataclass(frozen=True)
 class SecureSeeds(Message):
-    """The top of a secure round has the sum of its masked inputs: it asks what takes the masks
-    off, answered once the round's secrets are rebuilt (an error if the round is abandoned)."""
+    """A task of a secure round has summed up its inputs: it asks what takes off the masks of
+    the clients whose inputs it folded (and of ``held``, masked inputs it holds unfolded),
+    answered once the round's secrets are rebuilt (an error if the round is abandoned)."""
 
     task: int
+    held: list[bytes]
 
 
 @message("folded", Allocated)

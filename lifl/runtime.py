@@ -195,10 +195,10 @@ class Context:
         reply, _ = self.client.call(StepPartials(task=inv.task, partials=values.tobytes()))
         return np.frombuffer(reply.sums, np.float64).reshape(values.shape) if reply.sums else None
 
-    def unmasking_seeds(self, inv: Invocation) -> list[tuple[int, bytes]]:
-        """A secure round's top: the streams that take the masks off its sum (``SecureSeeds``),
-        once the round's secrets are rebuilt."""
-        reply, _ = self.client.call(SecureSeeds(task=inv.task))
+    def unmasking_seeds(self, inv: Invocation, held: list[bytes]) -> list[tuple[int, bytes]]:
+        """A task of a secure round: the streams that take off the masks of the clients whose
+        inputs it folded, and of ``held`` (``SecureSeeds``), once the round's secrets are rebuilt."""
+        reply, _ = self.client.call(SecureSeeds(task=inv.task, held=held))
         return [(int(sign), bytes.fromhex(seed)) for sign, seed in reply.streams]
 
     def _mapped(self, fds: list[int]) -> mmap.mmap:

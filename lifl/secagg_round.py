@@ -14,7 +14,8 @@ stage, and when the round moves on or is abandoned; ``lifl.secure_state`` keeps 
   sum, ``lifl.secagg.plain_input``).
 - **unmask**: the server asks the clients whose input is in the sum for one share per
   neighbour (``lifl.secagg.ShareRequest``) and keeps what arrives until every secret it needs
-  has ``threshold`` shares.
+  has ``threshold`` shares; then each task that summed up masked inputs takes its own clients'
+  masks off its sum (``MaskedInputs``, ``RoundSecrets``).
 
 A client that skipped a stage cannot join a later one; a message sent twice is refused as a
 replay; fewer clients than the threshold at any stage, or a secret short of shares at the
@@ -25,12 +26,12 @@ from __future__ import annotations
 
 import math
 import reprlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lifl import secagg
-from lifl.errors import BadRequest
+from lifl.errors import BadRequest, Conflict
 
 ADVERTISE, SHARE, COLLECT, UNMASK, DONE, ABANDONED = "advertise", "share", "collect", "unmask", "done", "abandoned"
 STAGES = (ADVERTISE, SHARE, COLLECT, UNMASK, DONE, ABANDONED)
@@ -75,3 +76,62 @@ class Settings:
 
     def to_json(self) -> dict[str, float]:
         return {"dropout": self.dropout, "corruption": self.corruption, "stage_timeout_s": self.stage_timeout_s}
+
+
+class MaskedInputs:
+    """A node's record of one secure round's masked inputs: whose each object is (told as the
+    node accepts it) and whose inputs each task summed up (told as it folds them). Every task
+    takes off the masks of exactly the clients whose inputs it folded (``streams_of``), so each
+    survivor's streams are taken off once however the round's hierarchy is cut, and the PRG
+    expansions are spread over the round's leaves, on whichever nodes they run."""
+
+    def __init__(self) -> None:
+        self._owners: dict[bytes, str] = {}  # a masked input not folded yet -> its client
+        self._folded: dict[int, set[str]] = {}  # task -> the clients whose inputs it summed up
+
+    def submitted(self, key: bytes, client: str) -> None:
+        if not client:
+            raise BadRequest("a masked input names its client", code="bad_secure_input")
+        self._owners[key] = client
+
+    def folded(self, task: int, keys: Iterable[bytes]) -> None:
+        """``task`` summed up ``keys`` (partial sums, of no client, among them)."""
+        for key in keys:
+            client = self._owners.pop(key, None)
+            if client is not None:
+                self._folded.setdefault(task, set()).add(client)
+
+    def clients(self, task: int, held: Iterable[bytes] = ()) -> frozenset[str]:
+        """The clients whose inputs ``task`` summed up, and those of ``held`` (the masked inputs
+        it holds unfolded: a lone input, passed on whole)."""
+        lone = set()
+        for key in held:
+            if key not in self._owners:
+                raise BadRequest(f"object {key.hex()} is not a masked input of the round", code="bad_secure_input")
+            lone.add(self._owners[key])
+        return frozenset(self._folded.get(task, set()) | lone)
+
+
+@dataclass(frozen=True)
+class RoundSecrets:
+    """A done round's secrets, rebuilt from the survivors' answers: each survivor's self-mask
+    seed, each dropped client's mask private key, and what pairs them (the graph, the clients'
+    mask public keys, the round's context)."""
+
+    round: int
+    self_seeds: Mapping[str, bytes]
+    dropped_keys: Mapping[str, bytes]
+    graph: Mapping[str, Sequence[str]]
+    mask_publics: Mapping[str, bytes]
+    context: bytes
+
+    def streams_of(self, clients: frozenset[str]) -> list[tuple[int, bytes]]:
+        """What takes the masks of ``clients``' inputs off a sum of them (``lifl.secagg.unmasking_seeds``
+        for those survivors alone). A client whose input the round does not unmask is refused:
+        the sum would stay masked."""
+        strangers = sorted(clients - set(self.self_seeds))
+        if strangers:
+            raise Conflict(f"{strangers[0]!r}'s input was summed up, but it is not one of the round's survivors",
+                           code="not_a_survivor")
+        mine = {c: seed for c, seed in self.self_seeds.items() if c in clients}
+        return secagg.unmasking_seeds(mine, self.dropped_keys, self.graph, self.mask_publics, self.context)

@@ -67,6 +67,9 @@ def test_a_small_secagg_run_against_flower() -> None:
         assert row["lifl"]["max_abs_error"] < 2 ** -15 and row["flower"]["max_abs_error"] < 1e-3  # each one's quantization
         assert row["lifl"]["unmask_s"] > 0 and row["flower"]["unmask_s"] > 0
         assert row["lifl"]["secure"]["survivors"] == 6 - dropped and row["lifl"]["secure"]["dropped"] == dropped
+        spread = row["lifl"]["unmasked_by"]  # leaves of two, each its own clients' self masks (and pair masks of a dropout)
+        assert [t["role"] for t in spread] == ["leaf"] * len(spread) and len(spread) >= 2, spread
+        assert sum(t["streams"] for t in spread) >= 6 - dropped
         assert row["lifl"]["secure"]["k"] == row["k"] and set(row["ratios"]) == {
             "secure_over_plain_server_cpu", "server_cpu_over_flower", "round_over_flower"}
     assert result["runs"][0]["lifl"]["exact"] is True  # no dropout: bit for bit the plain fixed-point round

@@ -13,11 +13,12 @@ import pytest
 
 from lifl import format as fmt
 from lifl import secagg
-from lifl.errors import BadRequest, LiflError, Unprocessable
+from lifl.errors import BadRequest, Conflict, LiflError, Unprocessable
 from lifl.fixedpoint import FixedPoint
 from lifl.kernels import fold
 from test_fixedpoint import Memory, memory_spec, random_update
 from lifl.secagg import KIND_KEY, KIND_SELF, KeyPair, ShareRequest
+from lifl.secagg_round import MaskedInputs, RoundSecrets
 
 CONTEXT = secagg.round_context("job", 7, b"seed")
 
@@ -301,3 +302,58 @@ def test_a_client_clips_its_change_over_all_its_float_tensors(change: list[float
         np.testing.assert_allclose(got[k], base[k] + expected_scale * (update[k].astype(np.float64) - base[k]), rtol=1e-6)
     with pytest.raises(BadRequest, match="no tensor 'a'"):
         clip_change(update, {"b": base["b"]}, norm)
+
+
+# -- where the masks come off: each task, its own clients' ---------------------------------------
+@pytest.mark.parametrize("groups", [
+    [["a", "b", "c", "d", "e", "f"]],  # one task sums everyone (a lone top)
+    [["a", "b"], ["c", "d"], ["e", "f"]],  # leaves of two
+    [["a"], ["b", "c", "d", "e"], ["f"]],  # uneven, lone inputs among them
+    [["f"], ["e"], ["d"], ["c"], ["b"], ["a"]],
+])
+def test_each_task_taking_off_its_own_clients_masks_leaves_the_survivors_plain_sum(groups: list[list[str]]) -> None:
+    """Eight clients on a 4-regular graph, g and h dropped after sharing: however the survivors'
+    masked inputs are cut into tasks, each task's sum with its clients' streams taken off adds up
+    to the survivors' plain sum; no task's sum alone is its clients' plain sum while a survivor
+    outside it shares a pair mask with them."""
+    clients = ["a", "b", "c", "d", "e", "f", "g", "h"]
+    survivors = [c for g in groups for c in g]
+    context = secagg.round_context("job", 3, b"seed")
+    graph = secagg.neighbours(clients, 4, b"seed")
+    keys = {c: KeyPair.generate() for c in clients}
+    self_seeds = {c: secrets.token_bytes(32) for c in clients}
+    rng = np.random.default_rng(4)
+    plain = {c: rng.integers(0, 1 << 32, 1000, dtype=np.uint32) for c in clients}
+    masked = {c: secagg.mask(plain[c], c, self_seeds[c],
+                             {p: secagg.agree(keys[c].private, keys[p].public, b"mask", context) for p in graph[c]}, 32)
+              for c in survivors}
+    rebuilt = RoundSecrets(3, {c: self_seeds[c] for c in survivors}, {d: keys[d].private for d in ("g", "h")}, graph,
+                           {c: k.public for c, k in keys.items()}, context)
+    total = np.zeros(1000, np.uint32)
+    for group in groups:
+        task_sum = sum((masked[c] for c in group), np.zeros(1000, np.uint32))
+        secagg.add_masks([task_sum], rebuilt.streams_of(frozenset(group)))
+        crossing = any(p in survivors and p not in group for c in group for p in graph[c])
+        assert crossing != np.array_equal(task_sum, sum((plain[c] for c in group), np.zeros(1000, np.uint32)))
+        total += task_sum
+    np.testing.assert_array_equal(total, sum((plain[c] for c in survivors), np.zeros(1000, np.uint32)))
+    with pytest.raises(Conflict) as info:
+        rebuilt.streams_of(frozenset({"a", "g"}))  # g's input is in no sum
+    assert info.value.code == "not_a_survivor" and "'g'" in info.value.message
+
+
+def test_a_node_knows_whose_inputs_each_task_summed_up() -> None:
+    inputs = MaskedInputs()
+    for key, client in ((b"k1", "a"), (b"k2", "b"), (b"k3", "c"), (b"k4", "d")):
+        inputs.submitted(key, client)
+    inputs.folded(7, [b"k1", b"k2", b"partial"])  # a partial sum is of no client
+    inputs.folded(7, [b"k3"])
+    assert inputs.clients(7) == {"a", "b", "c"}
+    assert inputs.clients(8, [b"k4"]) == {"d"}  # a lone input, held unfolded
+    assert inputs.clients(9) == frozenset()  # a middle: partial sums only
+    for bad in ([b"k1"], [b"nothing"]):  # folded already by another task; never a masked input
+        with pytest.raises(BadRequest) as info:
+            inputs.clients(8, bad)
+        assert info.value.code == "bad_secure_input"
+    with pytest.raises(BadRequest):
+        inputs.submitted(b"k5", "")

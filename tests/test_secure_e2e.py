@@ -21,6 +21,9 @@ from lifl.client.secure import SecureClient, clip_change, context_of, share_with
 from lifl.errors import BadRequest, Conflict
 from lifl.fixedpoint import FixedPoint
 from lifl.kernels import validate
+from lifl.protocol import GetRecent, Hello
+from lifl.rpc import Client
+from lifl.secure_state import SecureRounds
 
 pytestmark = pytest.mark.slow
 
@@ -101,6 +104,38 @@ def test_clients_dropping_after_sharing_leave_the_survivors_model(node: RunningN
     got = model_of(gw, "drops")
     for k in SHAPES:
         assert got[k].tobytes() == plain[k].tobytes(), k
+
+
+def test_each_leaf_takes_its_own_clients_masks_off(node: RunningNode) -> None:
+    """Leaves of two: each takes off the self masks of the clients it summed up, and the pair
+    masks they added for the two who dropped after sharing; the top, of leaves' results, takes
+    nothing off; the model is the survivors' plain one, bit for bit."""
+    gw = Gateway(node.http)
+    models, samples = updates(9, seed=8)
+    plain = plain_model(gw, "plain7", models[:7], samples[:7])
+    start(gw, "spread", 9, leaf_fan_in=2, secure_aggregation={"stage_timeout_s": 20, "dropout": 0.3})
+    outcomes = _with_dropouts(node, "spread", models, samples, dropped={7, 8})
+    assert [outcomes[f"c{i}"] for i in range(7)] == ["accepted"] * 7, outcomes
+    wait_for(lambda: gw.model("spread")[0] == 1, timeout=120, what="the round of leaves of two")
+    got = model_of(gw, "spread")
+    for k in SHAPES:
+        assert got[k].tobytes() == plain[k].tobytes(), k
+    rounds = SecureRounds(node.state)
+    graph = rounds.graph(rounds.round("spread"))
+    agent = Client.connect(str(node.node.run_dir / "agent.sock"), Hello("gateway"))
+    try:
+        def tasks() -> list[Any] | None:
+            mine = [t for t in agent.call(GetRecent())[0].tasks if t.job == "spread" and "unmasked" in t.stats]
+            return mine if len(mine) >= 5 and any(t.role == "top" for t in mine) else None  # 4 leaves of 2 and 1, a top
+
+        reports = wait_for(tasks, what="the secure round's task reports")
+    finally:
+        agent.close()
+    leaves = [t.stats["unmasked"] for t in reports if t.role == "leaf"]
+    assert [t.stats["unmasked"] for t in reports if t.role != "leaf"] == [0] * (len(reports) - len(leaves))
+    assert len(leaves) >= 4 and all(n >= 1 for n in leaves), reports
+    dropped_pairs = sum(1 for d in ("c7", "c8") for peer in graph[d] if peer not in ("c7", "c8"))
+    assert sum(leaves) == 7 + dropped_pairs, (leaves, graph)  # every survivor's self mask, every pair mask with a dropout
 
 
 def _with_dropouts(node: RunningNode, job: str, models: list[dict[str, np.ndarray]], samples: list[int],

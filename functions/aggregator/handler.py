@@ -16,6 +16,7 @@ size, and, as a top, its slice of the next model, in the object the round's tops
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -68,27 +69,26 @@ def _mapped(ctx: Context, mm: Any, spec: fmt.ModelSpec | TensorShard) -> Tensors
     return Tensors(mm, _table(ctx.layout(mm), spec))
 
 
-def _unmasked(inv: Invocation, ctx: Context, total: Contribution, accumulator: Any, header: bytes, data_bytes: int,
-              spec: fmt.ModelSpec, live: list[Tensors]) -> Contribution:
-    """A secure round's sum with its masks taken off, once the round's secrets are rebuilt: the
-    survivors' plain fixed-point sum, and their sample count from the bound's slot. ``accumulator``:
-    the mapping the sum is in (None: the round's lone masked input, unmasked in a copy: its
-    object is the client's)."""
-    streams = ctx.unmasking_seeds(inv)
-    key, mm = total.token, accumulator
-    if mm is None:
+def _unmasked(inv: Invocation, ctx: Context, total: Contribution, streams: list[tuple[int, bytes]], header: bytes,
+              data_bytes: int, spec: fmt.ModelSpec, live: list[Tensors]) -> Contribution:
+    """A secure task's result with ``streams`` taken off: the masks of its clients' inputs (their
+    self masks, and the pair masks they added for neighbours that dropped after sharing), told
+    once the round's secrets are rebuilt (``lifl.secagg_round.MaskedInputs``). Each task takes
+    off its own clients', so the PRG expansions are spread over the round's leaves and nodes,
+    and the top's sum of its children's results is the survivors' plain sum, their sample count
+    in the bound's slot. In a fresh object: the task's state stays the masked sum a run of it
+    again starts from."""
+    if streams:
         key, mm = ctx.accumulator(inv, header, data_bytes)
         out = _mapped(ctx, mm, spec)
         live.append(out)
         copy(out, total.tensors)
         write_bound(mm, ctx.layout(mm), total.bound)
-    segments = secagg.segments(mm)
-    secagg.add_masks(segments, streams)
-    samples = int(segments[-1][0])
-    del segments  # views of the mapping: it closes with the task
-    tensors = _mapped(ctx, mm, spec)
-    live.append(tensors)
-    return Contribution(tensors, samples, total.updates, True, key)
+        segments = secagg.segments(mm)
+        secagg.add_masks(segments, streams)
+        del segments  # views of the mapping: it closes with the task
+        total = Contribution(out, total.samples, total.updates, True, key, read_bound(mm, ctx.layout(mm)))
+    return dataclasses.replace(total, samples=total.bound) if inv.role == TOP else total
 
 
 def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
@@ -108,6 +108,8 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
     queued: list[Contribution] = []  # lazy: everything waits for the last input
     latest: Any = None  # the newest accumulator's mapping (fixed point: its bound is written there)
     last_fold: tuple[list[bytes], bytes, float] | None = None  # a leaf's or middle's final fold, reported with its result
+    masked_inputs: set[bytes] = set()  # a secure round's client inputs given to this run
+    unmasked, unmask_wait_s, unmask_s = 0, 0.0, 0.0  # a secure round's: mask streams this task took off, the wait for them, the time it took
 
     def new_accumulator() -> tuple[Tensors, bytes]:
         nonlocal alloc_s, latest
@@ -116,7 +118,7 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
         tensors = _mapped(ctx, latest, spec)
         live.append(tensors)
         alloc_s += time.perf_counter() - t
-        if agg.complete and inv.role != TOP:  # this fold writes the result: the parent may map it now
+        if agg.complete and inv.role != TOP and not inv.secure:  # this fold writes the result: the parent may map it now
             ctx.announce(inv, key)
         return tensors, key
 
@@ -151,6 +153,8 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
                 mm, tensors = open_input(msg.key)
                 delivery_us.append((received_ns - msg.sent_ns) / 1e3)
                 handoff_us.append((now_ns() - msg.sent_ns) / 1e3)
+                if inv.secure and not msg.partial:
+                    masked_inputs.add(msg.key)
                 partial = msg.partial or inv.secure  # a masked input is laid out as a partial sum (lifl.secagg)
                 bound = read_bound(mm, ctx.layout(mm)) if fixed_point and partial else 0
                 queued.append(Contribution(tensors, msg.samples, msg.count, partial, msg.key, bound))
@@ -172,21 +176,25 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
                 if fixed_point:  # before the accumulator is reported: a restarted task resumes from it
                     write_bound(latest, ctx.layout(latest), agg.state.bound)
                 keys = [c.token for c in folded]
-                if agg.complete and inv.role != TOP:  # reported with the result, in one message
+                if agg.complete and inv.role != TOP and not inv.secure:  # reported with the result, in one message
                     last_fold = keys, agg.state.token, t2 - t1
                 else:  # the next fold's accumulator comes with the answer
                     ctx.folded(inv, keys, sum(c.updates for c in folded if not c.partial), t2 - t1, agg.state.token,
                                next_size=0 if agg.complete else len(partial_header) + partial_bytes)
         result = agg.result()
+        if inv.secure:  # its folds are all reported: the agent knows whose inputs it summed up
+            lone = agg.state is None and result.token in masked_inputs
+            t = time.perf_counter()
+            streams = ctx.unmasking_seeds(inv, [result.token] if lone else [])
+            t1 = time.perf_counter()
+            result = _unmasked(inv, ctx, result, streams, partial_header, partial_bytes, spec, live)
+            unmask_wait_s, unmask_s, unmasked = t1 - t, time.perf_counter() - t1, len(streams)
 
         # Send
         t3 = time.perf_counter()
         if inv.role != TOP:
             ctx.forward(inv, result.token, result.samples, result.updates, result.partial, agg_s, folded=last_fold)
         else:
-            if inv.secure:
-                result = _unmasked(inv, ctx, result, latest if agg.state is not None else None, partial_header,
-                                   partial_bytes, spec, live)
 
             def write_mean(mm: Any, out_spec: fmt.ModelSpec | TensorShard, total: Contribution) -> None:
                 out = _mapped(ctx, mm, out_spec)
@@ -226,5 +234,6 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
         "agg_cpu_s": agg_cpu_s,  # the same on this thread's CPU: what folding costs whatever else runs
         "alloc_s": alloc_s,  # part of agg_s: getting (and on first use, mapping) the accumulator
         "send_s": send_s,
+        **({"unmasked": unmasked, "unmask_wait_s": unmask_wait_s, "unmask_s": unmask_s} if inv.secure else {}),
         "bytes": spec.data_bytes,  # of its shard, if the job has shards
     }

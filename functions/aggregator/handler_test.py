@@ -199,47 +199,63 @@ def test_an_announced_input_is_mapped_once_and_a_bad_hint_is_ignored() -> None:
 
 
 class SecureContext(MemoryContext):
-    """A secure round's top is told the streams that take the masks off (here, each client's
-    self mask: the pair masks cancel, no client dropped)."""
+    """A task of a secure round is told the streams that take off the masks of the client
+    inputs it reported folded, or holds (here, each client's self mask: the pair masks cancel,
+    no client dropped); what a task asks without having reported all its folds stays masked."""
 
-    def __init__(self, streams: list[tuple[int, bytes]]) -> None:
+    def __init__(self, streams: dict[bytes, tuple[int, bytes]]) -> None:
         super().__init__([])
         self.streams = streams
+        self.summed: list[bytes] = []
+        self.taken_off = 0
 
-    def unmasking_seeds(self, inv: Invocation) -> list[tuple[int, bytes]]:
-        return self.streams
+    def folded(self, inv: Invocation, keys: list[bytes], updates: int, seconds: float, state: bytes,
+               next_size: int = 0) -> None:
+        super().folded(inv, keys, updates, seconds, state, next_size)
+        self.summed += keys
+
+    def unmasking_seeds(self, inv: Invocation, held: list[bytes]) -> list[tuple[int, bytes]]:
+        mine = [self.streams[k] for k in self.summed + held if k in self.streams]
+        self.taken_off += len(mine)
+        return mine
 
 
-@pytest.mark.parametrize("clients, fan_in", [(3, 3), (1, 1), (4, 2)])
+@pytest.mark.parametrize("clients, fan_in", [(3, 3), (1, 1), (4, 2), (5, 2)])
 def test_a_secure_round_installs_the_fixed_point_average_of_its_masked_inputs(clients: int, fan_in: int) -> None:
-    """Masked inputs fold as partial sums through leaves and the top; the top takes the masks off
-    and installs, bit for bit, the model a plain fixed-point round of the same updates installs."""
+    """Masked inputs fold as partial sums through leaves and the top; each task takes off the
+    masks of the inputs it folded (the top: none, but those given to it directly), and the top
+    installs, bit for bit, the model a plain fixed-point round of the same updates installs."""
     fp = FixedPoint(20, 64)
-    models, samples = updates(clients, seed=9), [3, 8, 1, 5][:clients]
+    models, samples = updates(clients, seed=9), [3, 8, 1, 5, 2][:clients]
     spec = fmt.parse_layout(fmt.encode(models[0])).spec()
     self_seeds = [secrets.token_bytes(32) for _ in models]
     pair = secrets.token_bytes(32)  # one pair mask between the first two clients, + and -
-    ctx = SecureContext([(-1, seed) for seed in self_seeds])
+    ctx = SecureContext({})
     keys = []
     for i, (model, s, seed) in enumerate(zip(models, samples, self_seeds)):
         blob = secagg.plain_input(model, s, spec, fp, clients)
         streams = [(1, seed)] + ([(1 if i == 0 else -1, pair)] if clients > 1 and i < 2 else [])
         secagg.add_masks(secagg.segments(blob), streams)
         keys.append(ctx.put(blob))
+        ctx.streams[keys[-1]] = (-1, seed)
     groups = [keys[i:i + fan_in] for i in range(0, clients, fan_in)]
-    for group in groups:  # leaves forward their masked sums to the top
+    leaves = []
+    for group in groups:  # leaves take their clients' masks off and forward their sums to the top
         if len(groups) == 1:
             ctx.inbox.extend(KeyMessage(dest=1, task=7, key=k, samples=1, count=1) for k in group)
             continue
-        leaf = SecureContext([])
+        leaf = SecureContext(ctx.streams)
         leaf.objects, leaf._keys = ctx.objects, ctx._keys
         leaf.inbox.extend(KeyMessage(dest=1, task=8, key=k, samples=1, count=1) for k in group)
-        handle(Invocation(8, "job", 3, "leaf", len(group), False, spec, fixed_point=fp, secure=True), leaf)
-        assert leaf.forwarded is not None and leaf.forwarded["partial"]
+        stats = handle(Invocation(8, "job", 3, "leaf", len(group), False, spec, fixed_point=fp, secure=True), leaf)
+        assert leaf.forwarded is not None and leaf.forwarded["partial"] and leaf.forwarded["last_fold"] is None
+        assert stats["unmasked"] == leaf.taken_off == len(group) and leaf.forwarded["key"] not in group
+        leaves.append(leaf)
         ctx.inbox.append(KeyMessage(dest=1, task=7, key=leaf.forwarded["key"], samples=len(group), count=len(group),
                                     partial=True))
-    handle(Invocation(7, "job", 3, "top", len(groups) if len(groups) > 1 else clients, False, spec, fixed_point=fp,
-                      secure=True), ctx)
+    stats = handle(Invocation(7, "job", 3, "top", len(groups) if len(groups) > 1 else clients, False, spec, fixed_point=fp,
+                             secure=True), ctx)
+    assert stats["unmasked"] == (0 if leaves else clients)
     plain = MemoryContext([])
     for model, s in zip(models, samples):
         plain.inbox.append(KeyMessage(dest=1, task=7, key=plain.put(fmt.encode(model)), samples=s, count=1))

@@ -405,12 +405,9 @@ class Bench:
         raise RuntimeError(f"{job} did not reach version {version}")
 
     def aggregator_figures(self, job: str) -> dict[str, Any]:
-        from lifl.protocol import GetRecent, Hello
-        from lifl.rpc import Client
+        from lifl.bench.compare import task_reports
 
-        agent = Client.connect(str(self.node.run_dir / "agent.sock"), Hello("gateway"))
-        tasks = [{"role": t.role, **t.stats} for t in agent.call(GetRecent())[0].tasks if t.job == job]
-        agent.close()
+        tasks = task_reports(self.node.run_dir, job)
         pairs = [t for t in tasks if t["role"] == "leaf" and t["inputs"] == 2]
         folds = [(t["agg_s"] - t["alloc_s"]) * 1e3 / 2 for t in pairs]
         handoffs = [us for t in tasks if t["role"] == "middle" for us in t["handoff_us"]]

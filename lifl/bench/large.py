@@ -275,8 +275,7 @@ def run_system(name: str, files: list[Path], model_file: Path, samples: list[int
                workdir: Path, shm_capacity: int) -> dict[str, Any]:
     from lifl.client import Gateway
     from lifl.client.gateway import RetryPolicy
-    from lifl.protocol import GetRecent, Hello
-    from lifl.rpc import Client
+    from lifl.bench.compare import task_reports
 
     update_bytes = files[0].stat().st_size
     root = workdir / name
@@ -307,9 +306,7 @@ def run_system(name: str, files: list[Path], model_file: Path, samples: list[int
             with Peaks({"node": node.pids}, lambda _: _shm_used(watcher.metrics())) as peaks:
                 ingested, round_s = _timed_round(push, len(files), errors, lambda: gw.job("large")["version"])
             watcher.close()
-            agent = Client.connect(str(root / "run" / "agent.sock"), Hello("gateway"))
-            tasks = [t.stats for t in agent.call(GetRecent())[0].tasks if t.job == "large"]
-            agent.close()
+            tasks = task_reports(root / "run", "large")
             leaves = [t for t in tasks if t["role"] == "leaf" and t["folds"]]
             fold_s = sum(t["agg_cpu_s"] for t in leaves)  # CPU, not wall time: the shards' leaves share the cores
             folded = sum(t["inputs"] * t["bytes"] for t in leaves)  # "bytes": of the model (its shard) in update dtypes

@@ -22,7 +22,8 @@ dropouts includes one deadline. Fields per system: ``round_s`` (from the clients
 start to the new model), ``server_cpu_s``, ``client_cpu_s_p50`` (each client thread's CPU),
 ``client_bytes_up``/``client_bytes_down`` (the median client's, as its socket or pipe carried
 them), ``server_peak_bytes`` (lifl: the largest sum of its processes' PSS; Flower: its process's
-peak RSS) and ``unmask_s`` (from the unmask stage's start to the model).
+peak RSS) and ``unmask_s`` (from the unmask stage's start to the model); lifl's also
+``unmasked_by``, the tasks that took masks off (each its own clients').
 """
 
 from __future__ import annotations
@@ -276,7 +277,23 @@ def lifl_round(sut: Any, job: str, clients: int, dropout: float, parameters: int
     if secure:
         result["unmask_s"] = round(t + round_s - _unmask_began(sut, job), 3)
         result["secure"] = record.get("secure")
+        result["unmasked_by"] = _unmasked_by(sut, job)
     return result
+
+
+def _unmasked_by(sut: Any, job: str, timeout: float = 30.0) -> list[dict[str, Any]]:
+    """Where the round's masks came off: each task that took streams off (its role, how many, and
+    the seconds it took once told them), from the node's task reports (a task reports once it
+    handed its result on, so the top's may come just after the model)."""
+    from lifl.bench.compare import task_reports
+
+    deadline = time.monotonic() + timeout
+    while True:
+        tasks = task_reports(sut.node.run_dir, job)
+        if any(t["role"] == "top" for t in tasks) or time.monotonic() > deadline:
+            return [{"role": t["role"], "streams": t["unmasked"], "s": round(t["unmask_s"], 3)}
+                    for t in tasks if t.get("unmasked")]
+        time.sleep(0.05)
 
 
 # -- Flower (these run in Flower's environment) ------------------------------------------------------------

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import mmap
 import os
 import queue
@@ -77,8 +78,7 @@ from lifl.node.metrics import Metrics
 from lifl.node.privilege import attach_refusal, current, peer_identity
 from lifl.node.retention import Retainer, query_holder, update_blob
 from lifl.quotas import Quota
-from lifl import secagg
-from lifl.secagg_round import ABANDONED, DONE
+from lifl.secagg_round import ABANDONED, DONE, MaskedInputs, RoundSecrets
 from lifl.secure_state import SecureRounds
 from lifl import shards
 from lifl.procs import die_with_parent, on_signals
@@ -608,7 +608,9 @@ class Agent:
         self._parked_folds: dict[int, list[tuple[Callable[[], None], Callable[[LiflError], None], Any]]] = {}  # folds of keys not handed off yet
         self._settling: set[str] = set()  # jobs whose settle is in flight
         self._settle_again: set[str] = set()  # ...and asked for again meanwhile
-        self._secure_waits: dict[str, list[tuple[int, Reply]]] = {}  # tops waiting for a secure round's streams
+        self._secure_waits: dict[str, list[tuple[int, frozenset[str], Reply]]] = {}  # (round, clients) waiting for mask streams
+        self._masked: dict[tuple[str, int], MaskedInputs] = {}  # a secure round's inputs here, by (job, round)
+        self._secrets: dict[str, RoundSecrets] = {}  # a done secure round's rebuilt secrets, by job (off the loop)
         self._secure_reading: set[str] = set()  # jobs whose secure round is being read for them
         self._deadline_at: dict[str, float] = {}  # a job's next round deadline to check (monotonic), from its last settle
         self._touched: dict[str, float] = {}  # when a gateway last asked about a job (monotonic): it is active a while
@@ -1200,6 +1202,8 @@ class Agent:
         if m.samples < 1:
             raise BadRequest(f"samples must be positive, got {m.samples}")
         upload = self.uploads.take(holder, m.key, UPDATE)
+        if self.jobs[upload.job].spec.secure_aggregation:
+            self._masked.setdefault((upload.job, upload.round), MaskedInputs()).submitted(m.key, m.client)
         self.store.seal(m.key)
         self.store.move_ref(m.key, holder, _accepting_holder(upload.job))  # the connection may close meanwhile
         retained = None
@@ -1913,47 +1917,71 @@ class Agent:
         reply(StepSums(sums.total.tobytes() if sums.add(task.shard, values, run.lanes) else b""))
 
     def secure_seeds(self, iid: int, m: SecureSeeds, reply: Reply) -> None:
-        """A secure round's top has its sum: it is told what takes the masks off once the round's
-        secrets are rebuilt (the unmask stage is done), or that the round was abandoned."""
+        """A task of a secure round has its sum: it is told what takes off the masks of the
+        clients whose inputs it summed up (its folds are all reported), once the round's secrets
+        are rebuilt (the unmask stage is done), or that the round was abandoned."""
         task = self._task_of(iid, m.task)
-        if task.role != TOP or not self.jobs[task.job].spec.secure_aggregation:
-            raise BadRequest(f"task {task.id} is not the top of a secure round", code="not_secure")
-        self._secure_waits.setdefault(task.job, []).append((task.round, reply))
+        if not self.jobs[task.job].spec.secure_aggregation:
+            raise BadRequest(f"task {task.id} is not of a secure round", code="not_secure")
+        known = self.board.progress[task.id].known()
+        strange = [key.hex() for key in m.held if key not in known]
+        if strange:
+            raise BadRequest(f"task {task.id} holds {strange[0]}, none of its inputs", code="bad_secure_input")
+        clients = self._masked.get((task.job, task.round), MaskedInputs()).clients(task.id, m.held)
+        self._secure_waits.setdefault(task.job, []).append((task.round, clients, reply))
         self._answer_secure(task.job)
 
     def _answer_secure(self, job: str) -> None:
-        """Answer the tops waiting for a secure round's streams, if its unmask stage ended (off the
-        loop: the secrets are rebuilt from Redis); the others wait for the next round event."""
+        """Answer the tasks waiting for their mask streams, if the secure round's unmask stage
+        ended (off the loop: its secrets are rebuilt from Redis once, and the pair streams of
+        clients who dropped are agreed there); the others wait for the next round event."""
         waits = self._secure_waits.get(job)
         if not waits or job in self._secure_reading:
             return
         self._secure_reading.add(job)
+        asked = list(waits)
 
-        def read() -> tuple[Any, list[tuple[int, bytes]]]:
+        def read() -> tuple[Any, list[list[tuple[int, bytes]] | LiflError]]:
             r = self.secure.round(job)
             if r is None or r.stage != DONE:
                 return r, []
-            _, self_seeds, dropped = self.secure.unmask_secrets(job)
-            publics = {c: mask for c, (mask, _) in self.secure.keys(job).items()}
-            return r, secagg.unmasking_seeds(self_seeds, dropped, self.secure.graph(r), publics, r.context)
+            rebuilt = self._secrets.get(job)
+            if rebuilt is None or rebuilt.round != r.round:
+                _, self_seeds, dropped = self.secure.unmask_secrets(job)
+                publics = {c: mask for c, (mask, _) in self.secure.keys(job).items()}
+                rebuilt = self._secrets[job] = RoundSecrets(r.round, self_seeds, dropped, self.secure.graph(r), publics,
+                                                            r.context)
+            answers: list[list[tuple[int, bytes]] | LiflError] = []
+            for round_id, clients, _ in asked:
+                try:
+                    answers.append(rebuilt.streams_of(clients) if round_id == r.round else [])
+                except LiflError as e:
+                    answers.append(e)
+            return r, answers
 
-        def answered(got: tuple[Any, list[tuple[int, bytes]]] | None, error: BaseException | None) -> None:
+        def answered(got: tuple[Any, list[list[tuple[int, bytes]] | LiflError]] | None,
+                     error: BaseException | None) -> None:
             self._secure_reading.discard(job)
             if error is not None or got is None:
                 print(f"lifl agent: the secure round of {job!r} cannot be read yet: {error}", file=sys.stderr)
                 return
-            r, streams = got
-            keep = []
-            for round_id, reply in self._secure_waits.pop(job, []):
-                if r is None or r.round != round_id or r.stage == ABANDONED:
+            r, answers = got
+            keep, later = [], self._secure_waits.pop(job, [])[len(asked):]  # later: asked while the round was read
+            for wait, answer in itertools.zip_longest(asked, answers):
+                round_id, _, reply = wait
+                if r is not None and r.round == round_id and r.stage not in (DONE, ABANDONED):
+                    keep.append(wait)  # until the stage ends
+                elif r is None or r.round != round_id or r.stage == ABANDONED:
                     reply.error(Conflict(f"secure round {round_id} of {job!r} was abandoned: {r.why if r else 'no round'}",
                                          code="round_abandoned"))
-                elif r.stage == DONE:
-                    reply(SecureStreams([[sign, seed.hex()] for sign, seed in streams]))
+                elif isinstance(answer, LiflError):
+                    reply.error(answer)
                 else:
-                    keep.append((round_id, reply))
-            if keep:
-                self._secure_waits.setdefault(job, []).extend(keep)
+                    reply(SecureStreams([[sign, seed.hex()] for sign, seed in answer]))
+            if keep or later:
+                self._secure_waits[job] = keep + later
+            if later:
+                self._answer_secure(job)
 
         self.loop.offload(read, answered)
 
@@ -1983,6 +2011,9 @@ class Agent:
         self.store.move_ref(state, _scratch_holder(task.id), _state_holder(task.id))
         self.store.seal(state)
         inputs, previous = self.board.folded(task.id, keys, state, now_ns())
+        masked = self._masked.get((task.job, task.round))
+        if masked is not None:
+            masked.folded(task.id, [msg.key for msg in inputs if not msg.partial])
         updates = 0
         mine = _input_holder(task.id)
         for msg in inputs:
@@ -2567,10 +2598,13 @@ class Agent:
         self._write_checkpoint(e)
 
     def _forget_next_models(self, job: str, round_id: int) -> None:
-        """What a sharded round's tops shared, given up when it installs or ends."""
+        """What a round's tasks shared, given up when it installs or ends."""
         for state in (False, True):
             self._next_models.pop((job, round_id, state), None)
         self._step_partials.pop((job, round_id), None)
+        self._masked.pop((job, round_id), None)
+        if (rebuilt := self._secrets.get(job)) is not None and rebuilt.round == round_id:
+            del self._secrets[job]
 
     def _write_checkpoint(self, e: tree.Install) -> None:
         seg = self.store.get(e.input.key)
