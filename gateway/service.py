@@ -459,6 +459,26 @@ class JobCache:
         return self._staleness[job.spec.job]
 
 
+class SpecCache:
+    """Job specs as this gateway read them, for calls made off the loop: a spec never changes
+    once the job is created."""
+
+    def __init__(self, max_entries: int = JOB_CACHE_ENTRIES) -> None:
+        self._specs: dict[str, JobSpec] = {}
+        self._lock = threading.Lock()
+        self._max = max_entries
+
+    def get(self, name: str) -> JobSpec | None:
+        return self._specs.get(name)
+
+    def put(self, spec: JobSpec) -> JobSpec:
+        with self._lock:
+            if len(self._specs) >= self._max:
+                self._specs.clear()
+            self._specs[spec.job] = spec
+        return spec
+
+
 class RefusalCounts:
     """Refusals of updates counted in their round's accounting in Redis, on the pool: one call
     per job at a time (counted in the round current then), with every refusal of that job that came
@@ -516,6 +536,7 @@ class GatewayService:
         self.layouts = LayoutCache()
         self.metrics = GatewayMetrics()
         self.jobs = JobCache()
+        self.specs = SpecCache()  # for calls off the loop
         self.refusals = RefusalCounts(self.loop, state, self._logged("counting refusals"))
         self.versions = VersionWatch(self.loop, state)
         self._models: dict[str, ModelRef] = {}  # per job, the model reference its downloads share
@@ -980,7 +1001,10 @@ class GatewayService:
     # -- secure rounds (lifl.secure_state): the stages before and after a masked input ------------------
     def _secure_job(self, principal: Principal, name: str, client: Any) -> tuple[JobSpec, SecureSettings, str]:
         """The secure job ``name``'s spec and settings, and the client the call acts as."""
-        spec = self.authorized_job(principal, Action.LEASE, name).spec
+        spec = self.specs.get(name)
+        if spec is None:  # a job's spec never changes: read once (the stages' calls come by the hundred)
+            spec = self.specs.put(self.state.job(name).spec)
+        authorize(principal, Action.LEASE, tenant=spec.tenant, job=name)
         settings = spec.secure
         if settings is None:
             raise Conflict(f"job {name!r} is not a secure job", code="not_secure")
@@ -1058,15 +1082,15 @@ class GatewayService:
             view["why"] = r.why
         elif r.stage == SHARE:
             with contextlib.suppress(LiflError):  # a client not in the round sees the stage only
-                _, peers = self.secure.peers(r.job, client)
+                _, peers = self.secure.peers(r.job, client, at=r)
                 view["peers"] = {p: {"point": point, "mask_key": mask.hex(), "share_key": share.hex()}
                                  for p, (point, mask, share) in peers.items()}
         elif r.stage == COLLECT:
             with contextlib.suppress(LiflError):
-                _, inbox = self.secure.inbox(r.job, client)
+                _, inbox = self.secure.inbox(r.job, client, at=r)
                 view["inbox"] = {p: blob.hex() for p, blob in inbox.items()}
         elif r.stage == UNMASK:
-            _, request = self.secure.request(r.job)
+            _, request = self.secure.request(r.job, at=r)
             view["request"] = {"survivors": sorted(request.survivors), "dropped": sorted(request.dropped)}
         return view
 

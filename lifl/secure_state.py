@@ -40,7 +40,7 @@ from lifl.state import ACTIVE, EVENTS, ClusterState, job_key, secure_key
 
 _PARTS = ("keys", "pubkeys", "sharing", "sealed", "masked", "answered", "shares", "counts")
 SEED_BYTES = 16
-MAX_REMEMBERED_REQUESTS = 256  # unmask requests a gateway keeps (one per job's round)
+MAX_REMEMBERED_ROUNDS = 256  # rounds whose fixed keys and request a process keeps
 
 _LIB = """
 local function now_ms()
@@ -150,7 +150,9 @@ class SecureRounds:
         self._share = self.redis.register_script(_SHARE)
         self._answer = self.redis.register_script(_ANSWER)
         self._move = self.redis.register_script(_MOVE)
-        self._requests: dict[tuple[str, int, bytes], secagg.ShareRequest] = {}  # frozen once a round unmasks: read once
+        # what a round fixes once a stage closes, read once: its clients' keys (advertise), its request (collect)
+        self._keys: dict[tuple[str, int, bytes], dict[str, tuple[bytes, bytes]]] = {}
+        self._requests: dict[tuple[str, int, bytes], secagg.ShareRequest] = {}
 
     # -- reading -----------------------------------------------------------------------------------
     def round(self, job: str) -> Round | None:
@@ -175,7 +177,16 @@ class SecureRounds:
 
     def graph(self, r: Round) -> dict[str, tuple[str, ...]]:
         """The round's graph over the clients that advertised (once the advertise stage closed)."""
-        return _graph(tuple(sorted(self.redis.hkeys(_part(r.job, "keys")))), r.k, r.seed)
+        return _graph(tuple(sorted(self.round_keys(r))), r.k, r.seed)
+
+    def round_keys(self, r: Round) -> dict[str, tuple[bytes, bytes]]:
+        """``keys`` of round ``r``: read once, after the advertise stage closed (no key changes then)."""
+        if r.stage == ADVERTISE:
+            return self.keys(r.job)
+        keys = self._keys.get((r.job, r.round, r.seed))
+        if keys is None:
+            keys = _remember(self._keys, (r.job, r.round, r.seed), self.keys(r.job))
+        return keys
 
     # -- the stages --------------------------------------------------------------------------------
     def advertise(self, job: str, settings: Settings, capacity: int, client: str, mask_public: bytes,
@@ -191,11 +202,11 @@ class SecureRounds:
             secrets.token_hex(SEED_BYTES), full.k, full.threshold]))
         return self._current(job)
 
-    def peers(self, job: str, client: str) -> tuple[Round, dict[str, tuple[int, bytes, bytes]]]:
+    def peers(self, job: str, client: str, at: Round | None = None) -> tuple[Round, dict[str, tuple[int, bytes, bytes]]]:
         """(the round, each of ``client``'s neighbours' Shamir point and public keys): what it
-        needs to share its secrets."""
-        r = self._at(job, SHARE)
-        keys = self.keys(job)
+        needs to share its secrets. ``at``: the round as just read (not read again)."""
+        r = self._at(job, SHARE, at=at)
+        keys = self.round_keys(r)
         if client not in keys:
             raise _refused("not_in_round")
         point = {c: i + 1 for i, c in enumerate(sorted(keys))}
@@ -220,26 +231,26 @@ class SecureRounds:
             r.round, client, _ms(settings.stage_timeout_s), *(x for p in sorted(sealed.items()) for x in (p[0], p[1].hex()))]))
         return self._current(job)
 
-    def inbox(self, job: str, client: str) -> tuple[Round, dict[str, bytes]]:
+    def inbox(self, job: str, client: str, at: Round | None = None) -> tuple[Round, dict[str, bytes]]:
         """(the round, the sealed shares ``client``'s neighbours that shared sent it): what it
         needs, with their public keys, to mask its input. Its neighbours to mask with are those."""
-        r = self._at(job, COLLECT)
+        r = self._at(job, COLLECT, at=at)
         if not self.redis.sismember(_part(job, "sharing"), client):
             raise _refused("not_in_round")
         peers = [p for p in self.graph(r)[client]]
         blobs = self.redis.hmget(_part(job, "sealed"), [f"{client}\0{p}" for p in peers]) if peers else []
         return r, {p: bytes.fromhex(b) for p, b in zip(peers, blobs) if b is not None}
 
-    def request(self, job: str) -> tuple[Round, secagg.ShareRequest]:
-        r = self._at(job, UNMASK, DONE)
+    def request(self, job: str, at: Round | None = None) -> tuple[Round, secagg.ShareRequest]:
+        r = self._at(job, UNMASK, DONE, at=at)
         request = self._requests.get((job, r.round, r.seed))
         if request is None:  # the sets were frozen when their stages closed: the request is the round's for good
-            sharing = self.redis.smembers(_part(job, "sharing"))
-            masked = self.redis.smembers(_part(job, "masked"))
-            request = secagg.ShareRequest(frozenset(masked), frozenset(sharing - masked))
-            if len(self._requests) >= MAX_REMEMBERED_REQUESTS:
-                self._requests.clear()
-            self._requests[(job, r.round, r.seed)] = request
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.smembers(_part(job, "sharing"))
+            pipe.smembers(_part(job, "masked"))
+            sharing, masked = pipe.execute()
+            request = _remember(self._requests, (job, r.round, r.seed),
+                                secagg.ShareRequest(frozenset(masked), frozenset(sharing - masked)))
         return r, request
 
     def answer(self, job: str, client: str, answer: Mapping[str, tuple[str, bytes]]) -> Round:
@@ -318,12 +329,20 @@ class SecureRounds:
         assert r is not None
         return r
 
-    def _at(self, job: str, *stages: str) -> Round:
-        r = self.round(job)
+    def _at(self, job: str, *stages: str, at: Round | None = None) -> Round:
+        r = at if at is not None else self.round(job)
         if r is None or r.stage not in stages:
             raise Conflict(f"the secure round of {job!r} is at {r.stage if r else 'no'} stage, not {' or '.join(stages)}",
                            code="wrong_stage")
         return r
+
+
+def _remember(cache: dict[Any, Any], key: Any, value: Any) -> Any:
+    """``value``, kept in ``cache`` under ``key`` (emptied when it is full: rounds move on)."""
+    if len(cache) >= MAX_REMEMBERED_ROUNDS:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 @lru_cache(maxsize=64)
