@@ -107,6 +107,7 @@ SETTLE_PASSES = 4  # duties that enable further duties (close, then place the to
 # Periodic duties visit the jobs with something going on each turn and every job this rarely:
 # a node with thousands of idle jobs must cost what its active ones do (issue 25)
 IDLE_SWEEP_S = 60.0
+ROUND_SWEEP_S = 1.0  # a round in progress here is settled at least this often (its events settle it at once)
 RECENT_S = 10.0  # a job a gateway asked about counts as active this long (its retention follows reads)
 OUTBOX_RETRY = 0.005  # seconds between attempts to deliver keys to an instance whose queue was full
 INFERENCE_MODULES = ("torch", "torchvision", "lifl.workload")  # what an instance answering inference imports first
@@ -618,6 +619,7 @@ class Agent:
         self._resident: OrderedDict[str, float] = OrderedDict()
         self._restoring: dict[str, list[Callable[[LiflError | None], None]]] = {}  # spilled models being read back
         self._swept: dict[str, float] = {}  # when a duty last visited every job (monotonic)
+        self._settled_at: dict[str, float] = {}  # when a job with a round here was last settled (monotonic)
         self._settle_then: dict[str, list[Callable[[], None]]] = {}  # what waits for a job's settle
         self._aggregated: dict[tuple[str, int], int] = {}  # updates folded, not yet counted in Redis
         self._next_models: dict[tuple[str, int, bool], bytes] = {}  # what a sharded round's tops write into (True: state)
@@ -2494,6 +2496,7 @@ class Agent:
                 self._settle_then.setdefault(job, []).append(then)
             return
         self._settling.add(job)
+        self._settled_at[job] = time.monotonic()
         if then is not None:
             self._settle_then.setdefault(job, []).append(then)
 
@@ -2564,12 +2567,16 @@ class Agent:
 
     def round_duties(self) -> None:
         """Deadlines, dead nodes and the top's placement for the jobs this node takes part in
-        (the controller sweeps every job). A job with a deadline and no round here is visited once
-        its deadline may have come (round events settle it as soon as its round changes)."""
+        (the controller sweeps every job). Round events settle a job as soon as its round
+        changes; this visits a job once its deadline may have come, and a job with a round here
+        ROUND_SWEEP_S after it was last settled, for the events it may have missed (a round waiting out a
+        secure stage's deadline costs next to nothing)."""
         now = time.monotonic()
         due = [j for j, r in self.jobs.items()
                if (r.spec.round_deadline_s or r.spec.secure_aggregation) and self._deadline_at.get(j, 0.0) <= now]
-        jobs = list(dict.fromkeys(list(self.trees.rounds) + due + list(self._split_installing)))
+        self._settled_at = {j: t for j, t in self._settled_at.items() if j in self.trees.rounds}
+        swept = [j for j in self.trees.rounds if now - self._settled_at.get(j, -ROUND_SWEEP_S) >= ROUND_SWEEP_S]
+        jobs = list(dict.fromkeys(swept + due + list(self._split_installing)))
         if not jobs:
             return
 
