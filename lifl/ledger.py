@@ -102,6 +102,7 @@ class JobSizes:
     model: int  # what the top writes: the next model (header and tensors in model dtypes), and a strategy's objects
     leaf_fan_in: int
     max_inflight: int = 0  # updates held here at once (the job's max_inflight); 0: no bound
+    secure: bool = False  # a secure round's: each leaf takes its clients' masks off in a copy of its sum
 
     @property
     def leaf_inputs_held(self) -> int:
@@ -111,26 +112,27 @@ class JobSizes:
 
     @classmethod
     def of(cls, spec: fmt.ModelSpec, leaf_fan_in: int, strategy_bytes: int = 0,
-           fixed_point: FixedPoint | None = None, floats: fmt.DType = fmt.F64, max_inflight: int = 0) -> JobSizes:
+           fixed_point: FixedPoint | None = None, floats: fmt.DType = fmt.F64, max_inflight: int = 0,
+           secure: bool = False) -> JobSizes:
         """The objects the aggregator function allocates (``functions/aggregator/handler``);
         ``strategy_bytes``: what a strategy step allocates besides the model (``functions/aggregator/top``);
         ``fixed_point``: partial sums are integers (``lifl.fixedpoint``); ``floats``: else, their dtype."""
         partial = partial_spec(spec, fixed_point, floats)
         return cls(len(fmt.spec_header(partial)) + partial.data_bytes,
-                   len(fmt.spec_header(spec)) + spec.data_bytes + strategy_bytes, leaf_fan_in, max_inflight)
+                   len(fmt.spec_header(spec)) + spec.data_bytes + strategy_bytes, leaf_fan_in, max_inflight, secure)
 
 
 def round_extra(sizes: JobSizes, updates: int, partials: int) -> int:
     """Bytes the round allocates on this node, beyond its inputs, once it has ``updates`` client
     updates and ``partials`` results of other nodes: an accumulator for each task with two
-    inputs or more, and the next model."""
+    inputs or more (and, in a secure round, each leaf's unmasked copy), and the next model."""
     fan_in = sizes.leaf_fan_in
     full, last = divmod(updates, fan_in)
     leaf_accumulators = full + (last >= 2) if fan_in >= 2 else 0
     leaf_refolds = full + (last >= 3) if fan_in >= 3 else 0  # leaves past their first fold
     leaves = full + (last > 0)
     top_inputs = partials + (updates > 0)  # this node's own result, and the other nodes'
-    accumulators = (leaf_accumulators + leaf_refolds + _folding(leaves) + _folding(top_inputs))
+    accumulators = (leaf_accumulators + leaf_refolds + _folding(leaves) + _folding(top_inputs) + sizes.secure * leaves)
     return accumulators * sizes.accumulator + (top_inputs >= 1) * sizes.model
 
 

@@ -39,6 +39,17 @@ def test_round_extra_counts_accumulators_and_the_next_model(fan_in: int, updates
     assert round_extra(JobSizes(10, 3, fan_in), updates, partials) == extra
 
 
+@pytest.mark.parametrize("fan_in, updates, partials, extra", [
+    (2, 1, 0, 13),  # a lone input taken off in a copy
+    (2, 2, 0, 23),  # the leaf's accumulator, and its unmasked copy
+    (2, 3, 0, 43),  # two leaves, two copies; the middle's accumulator
+    (25, 100, 0, 4 * 20 + 4 * 10 + 20 + 3),  # four leaves of 25: two accumulators and a copy each; the middle's two
+    (2, 0, 2, 13),  # a top of partials alone takes nothing off
+])
+def test_a_secure_round_counts_each_leafs_unmasked_copy(fan_in: int, updates: int, partials: int, extra: int) -> None:
+    assert round_extra(JobSizes(10, 3, fan_in, secure=True), updates, partials) == extra
+
+
 def test_each_update_reserves_itself_and_what_it_adds_to_its_round() -> None:
     ledger = MemoryLedger(BIG)
     costs = [ledger.reserve(A0, UPDATE, SIZES, 5, now=0.0) for _ in range(6)]

@@ -260,7 +260,7 @@ def job_sizes(spec: JobSpec, model_spec: fmt.ModelSpec, plan: shards.ShardPlan |
     model's)."""
     fan_in = fan_in or spec.fan_in_for(model_spec)
     sizes = JobSizes.of(model_spec, fan_in, strategy_bytes(spec.strategy_spec, model_spec),
-                        spec.fixed_point_spec, spec.float_accumulator, spec.max_inflight)
+                        spec.fixed_point_spec, spec.float_accumulator, spec.max_inflight, bool(spec.secure_aggregation))
     if plan is None:
         return sizes
     return replace(sizes, accumulator=sum(shard_accumulator_bytes(s, spec) for s in plan.shards))
