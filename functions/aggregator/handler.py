@@ -109,7 +109,8 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
     latest: Any = None  # the newest accumulator's mapping (fixed point: its bound is written there)
     last_fold: tuple[list[bytes], bytes, float] | None = None  # a leaf's or middle's final fold, reported with its result
     masked_inputs: set[bytes] = set()  # a secure round's client inputs given to this run
-    unmasked, unmask_wait_s, unmask_s = 0, 0.0, 0.0  # a secure round's: mask streams this task took off, the wait for them, the time it took
+    # a secure round's: the mask streams this task took off, its wait for them, the time taking them off took
+    unmasked, unmask_wait_s, unmask_s = 0, 0.0, 0.0
 
     def new_accumulator() -> tuple[Tensors, bytes]:
         nonlocal alloc_s, latest
@@ -195,7 +196,6 @@ def handle(inv: Invocation, ctx: Context) -> dict[str, Any]:
         if inv.role != TOP:
             ctx.forward(inv, result.token, result.samples, result.updates, result.partial, agg_s, folded=last_fold)
         else:
-
             def write_mean(mm: Any, out_spec: fmt.ModelSpec | TensorShard, total: Contribution) -> None:
                 out = _mapped(ctx, mm, out_spec)
                 live.append(out)

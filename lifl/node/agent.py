@@ -2355,7 +2355,7 @@ class Agent:
             elif isinstance(e, tree.Drop):
                 self.store.discard(e.key)
             elif isinstance(e, tree.Release):
-                self._forget_next_models(e.job, e.round)
+                self._forget_round_shared(e.job, e.round)
                 self.store.release_holder(("round", e.job, e.round))
                 self.store.release_round(RoundOf(e.job, e.round))  # what it reserved and did not use
                 self.forwards.release_round(e.job, e.round)
@@ -2569,8 +2569,8 @@ class Agent:
         """Deadlines, dead nodes and the top's placement for the jobs this node takes part in
         (the controller sweeps every job). Round events settle a job as soon as its round
         changes; this visits a job once its deadline may have come, and a job with a round here
-        ROUND_SWEEP_S after it was last settled, for the events it may have missed (a round waiting out a
-        secure stage's deadline costs next to nothing)."""
+        ROUND_SWEEP_S after it was last settled, for the events it may have missed (a round
+        waiting out a secure stage's deadline costs next to nothing)."""
         now = time.monotonic()
         due = [j for j, r in self.jobs.items()
                if (r.spec.round_deadline_s or r.spec.secure_aggregation) and self._deadline_at.get(j, 0.0) <= now]
@@ -2599,12 +2599,12 @@ class Agent:
     # -- installing a round's model ---------------------------------------------------------------
     def _install(self, e: tree.Install) -> None:
         """The top's result: checkpoint it, then (once durable) make it the next version."""
-        self._forget_next_models(e.job, e.round)
+        self._forget_round_shared(e.job, e.round)
         self.uploads.update_done(e.input.key)  # a lone client update is itself the model
         self.store.hand_over(e.input.key, ("pending", e.job, e.round))
         self._write_checkpoint(e)
 
-    def _forget_next_models(self, job: str, round_id: int) -> None:
+    def _forget_round_shared(self, job: str, round_id: int) -> None:
         """What a round's tasks shared, given up when it installs or ends."""
         for state in (False, True):
             self._next_models.pop((job, round_id, state), None)
