@@ -36,7 +36,7 @@ from lifl import secagg
 from lifl.cluster_types import SecureRound as Round
 from lifl.errors import BadRequest, Conflict, Unprocessable
 from lifl.secagg_round import ABANDONED, ADVERTISE, COLLECT, DONE, SEALED_BYTES, SHARE, UNMASK, Settings
-from lifl.state import ACTIVE, EVENTS, ClusterState, job_key, secure_key
+from lifl.state import ACTIVE, EVENTS, ClusterState, hash_pairs, job_key, secure_key
 
 _PARTS = ("keys", "pubkeys", "sharing", "sealed", "masked", "answered", "shares", "counts")
 SEED_BYTES = 16
@@ -63,7 +63,7 @@ end
 
 # KEYS: sa, then the parts (_PARTS order), then the job hash. ARGV: mask hex, share hex, client,
 # capacity, stage timeout ms, a fresh seed (used if this starts the round), k and t if the stage
-# fills. -> {error} or {'', stage, count}
+# fills. -> {error} or {'', the round's hash}
 _ADVERTISE = _LIB + """
 local round = redis.call('HGET', KEYS[10], 'round')
 if not round then return {'no_job'} end
@@ -88,7 +88,7 @@ if count == tonumber(ARGV[4]) then
   redis.call('HSET', KEYS[1], 'k', ARGV[7], 't', ARGV[8])
   move('share', ARGV[5])
 end
-return {'', redis.call('HGET', KEYS[1], 'stage'), count}
+return {'', redis.call('HGETALL', KEYS[1])}
 """
 
 # KEYS: sa, parts. ARGV: round, client, stage timeout ms, then (receiver, sealed hex) pairs.
@@ -99,7 +99,7 @@ if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 0 then return {'not_in_round'} end
 if redis.call('SADD', KEYS[4], ARGV[2]) == 0 then return {'replayed'} end
 for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[5], ARGV[i] .. '\\0' .. ARGV[2], ARGV[i + 1]) end
 if redis.call('SCARD', KEYS[4]) == redis.call('HLEN', KEYS[2]) then move('collect', ARGV[3]) end
-return {'', redis.call('HGET', KEYS[1], 'stage')}
+return {'', redis.call('HGETALL', KEYS[1])}
 """
 
 # KEYS: sa, parts. ARGV: round, client, job name, then (target, share hex) pairs. The last share a
@@ -118,7 +118,7 @@ if tonumber(redis.call('HGET', KEYS[1], 'ready')) == redis.call('SCARD', KEYS[4]
   redis.call('HSET', KEYS[1], 'stage', 'done')
   redis.call('PUBLISH', '""" + EVENTS + """', ARGV[3])
 end
-return {'', redis.call('HGET', KEYS[1], 'stage')}
+return {'', redis.call('HGETALL', KEYS[1])}
 """
 
 # KEYS: sa. ARGV: round, the stage expected, the next, its timeout ms, then field/value pairs to
@@ -197,10 +197,9 @@ class SecureRounds:
         if mask_public == share_public:
             raise BadRequest("the two public keys must differ", code="bad_key")
         full = secagg.choose_params(capacity, settings.dropout, settings.corruption)
-        _check(self._advertise(keys=[_key(job), *_parts(job), job_key(job)], args=[
+        return _changed(job, self._advertise(keys=[_key(job), *_parts(job), job_key(job)], args=[
             mask_public.hex(), share_public.hex(), client, capacity, _ms(settings.stage_timeout_s),
             secrets.token_hex(SEED_BYTES), full.k, full.threshold]))
-        return self._current(job)
 
     def peers(self, job: str, client: str, at: Round | None = None) -> tuple[Round, dict[str, tuple[int, bytes, bytes]]]:
         """(the round, each of ``client``'s neighbours' Shamir point and public keys): what it
@@ -227,9 +226,8 @@ class SecureRounds:
         for receiver, blob in sealed.items():
             if not isinstance(blob, bytes) or len(blob) != SEALED_BYTES:
                 raise BadRequest(f"the sealed shares for {receiver!r} must be {SEALED_BYTES} bytes", code="bad_shares")
-        _check(self._share(keys=[_key(job), *_parts(job)], args=[
+        return _changed(job, self._share(keys=[_key(job), *_parts(job)], args=[
             r.round, client, _ms(settings.stage_timeout_s), *(x for p in sorted(sealed.items()) for x in (p[0], p[1].hex()))]))
-        return self._current(job)
 
     def inbox(self, job: str, client: str, at: Round | None = None) -> tuple[Round, dict[str, bytes]]:
         """(the round, the sealed shares ``client``'s neighbours that shared sent it): what it
@@ -269,9 +267,8 @@ class SecureRounds:
                                  f"share is asked, not its {kind!r} share", code="bad_answer")
             if not isinstance(share, bytes) or len(share) != secagg.SHARE_BYTES:
                 raise BadRequest(f"the share of {target!r} must be {secagg.SHARE_BYTES} bytes", code="bad_answer")
-        _check(self._answer(keys=[_key(job), *_parts(job)], args=[
+        return _changed(job, self._answer(keys=[_key(job), *_parts(job)], args=[
             r.round, client, job, *(x for t, (_, s) in sorted(answer.items()) for x in (t, s.hex()))]))
-        return self._current(job)
 
     def unmask_secrets(self, job: str) -> tuple[Round, dict[str, bytes], dict[str, bytes]]:
         """(the round, each survivor's self-mask seed, each dropped client's mask private key),
@@ -324,11 +321,6 @@ class SecureRounds:
         else:
             self._move(keys=[_key(r.job)], args=[r.round, stage, following, timeout])
 
-    def _current(self, job: str) -> Round:
-        r = self.round(job)
-        assert r is not None
-        return r
-
     def _at(self, job: str, *stages: str, at: Round | None = None) -> Round:
         r = at if at is not None else self.round(job)
         if r is None or r.stage not in stages:
@@ -369,6 +361,15 @@ def _ms(seconds: float) -> int:
 def _refused(code: str) -> Exception:
     cls, message = _REFUSALS[code]
     return cls(message, code=code)
+
+
+def _changed(job: str, reply: Any) -> Round:
+    """The round as the script that changed it left it (its reply: an error, or none and the
+    round's hash)."""
+    _check(reply)
+    r = Round.parse(job, hash_pairs(reply[1]))
+    assert r is not None
+    return r
 
 
 def _check(reply: Any) -> None:

@@ -839,7 +839,7 @@ def retained_key(name: str, round_id: int) -> str:
     return f"lifl:job:{name}:retained:{round_id}"
 
 
-def _pairs(flat: list[str]) -> dict[str, str]:
+def hash_pairs(flat: list[str]) -> dict[str, str]:
     """A hash as a script returns it (field, value, field, value, ...)."""
     return dict(zip(flat[::2], flat[1::2]))
 
@@ -1023,9 +1023,9 @@ class ClusterState:
         snapshot, one call."""
         now, job, shard, leases, retention, secure = self._job_view(
             keys=[job_key(name), shard_key(name), leases_key(name), retention_key(name), secure_key(name)])
-        j = self._job(name, _pairs(job))
+        j = self._job(name, hash_pairs(job))
         policy = RetentionPolicy.from_json(retention) if retention else j.spec.retention_policy  # none: created before retention existed
-        return JobView(j, Shard.parse(_pairs(shard)), int(leases), policy, int(now) / 1000, SecureRound.parse(name, _pairs(secure)))
+        return JobView(j, Shard.parse(hash_pairs(shard)), int(leases), policy, int(now) / 1000, SecureRound.parse(name, hash_pairs(secure)))
 
     def _job(self, name: str, h: dict[str, str]) -> Job:
         if not h or "version" not in h:
@@ -1320,7 +1320,7 @@ class ClusterState:
     def _membership_call(self, node: str, status: str) -> dict[str, NodeStatus]:
         flat = self._membership(keys=[NODES, NODES_SEEN, STORE_PULSE],
                                 args=[node, status, NODE_TTL * 1000, STORE_STALL_S * 1000, NODE_FORGET_S * 1000])
-        return {name: record_from_json(NodeStatus, json.loads(text)) for name, text in _pairs(flat).items()}
+        return {name: record_from_json(NodeStatus, json.loads(text)) for name, text in hash_pairs(flat).items()}
 
     def publish_gateway(self, node: str, addresses: dict[str, str], ttl: int = NODE_TTL) -> None:
         """Where clients and other gateways reach a node's gateway."""
