@@ -152,19 +152,6 @@ class LiflUnderTest:
         self.node.stop()
 
 
-def task_reports(run_dir: Path, job: str) -> list[dict[str, Any]]:
-    """The statistics of a node's finished tasks of ``job`` (each with its ``role``), as its agent
-    keeps them (``GetRecent``)."""
-    from lifl.protocol import GetRecent, Hello
-    from lifl.rpc import Client
-
-    agent = Client.connect(str(run_dir / "agent.sock"), Hello("gateway"))
-    try:
-        return [{**t.stats, "role": t.role} for t in agent.call(GetRecent())[0].tasks if t.job == job]
-    finally:
-        agent.close()
-
-
 class BaselineUnderTest:
     def __init__(self, config: BaselineConfig, log: Any) -> None:
         self.system = BaselineSystem(config, log)

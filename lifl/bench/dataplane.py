@@ -67,6 +67,8 @@ from lifl.kernels import Tensors, finalize, fold
 from lifl.net.tls import ALPN_HTTP, ClientTls, ServerTls
 from lifl.node.supervisor import Node, NodeConfig
 from lifl.procstat import cpu_seconds, pss_mb
+from lifl.protocol import GetRecent, Hello
+from lifl.rpc import Client
 
 MODELS = [("resnet18", 44.7e6, 122), ("resnet34", 83.3e6, 218), ("resnet152", 230e6, 932)]  # name, bytes, tensors
 TARGETS = {
@@ -161,6 +163,16 @@ class ShmBuffer:
     def close(self) -> None:
         del self.array
         self.mm.close()
+
+
+def task_reports(run_dir: Path, job: str) -> list[dict[str, Any]]:
+    """The statistics of a node's finished tasks of ``job`` (each with its ``role``), as its agent
+    keeps them (``GetRecent``)."""
+    agent = Client.connect(str(run_dir / "agent.sock"), Hello("gateway"))
+    try:
+        return [{**t.stats, "role": t.role} for t in agent.call(GetRecent())[0].tasks if t.job == job]
+    finally:
+        agent.close()
 
 
 class Bench:
@@ -405,8 +417,6 @@ class Bench:
         raise RuntimeError(f"{job} did not reach version {version}")
 
     def aggregator_figures(self, job: str) -> dict[str, Any]:
-        from lifl.bench.compare import task_reports
-
         tasks = task_reports(self.node.run_dir, job)
         pairs = [t for t in tasks if t["role"] == "leaf" and t["inputs"] == 2]
         folds = [(t["agg_s"] - t["alloc_s"]) * 1e3 / 2 for t in pairs]

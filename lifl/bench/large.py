@@ -275,7 +275,7 @@ def run_system(name: str, files: list[Path], model_file: Path, samples: list[int
                workdir: Path, shm_capacity: int) -> dict[str, Any]:
     from lifl.client import Gateway
     from lifl.client.gateway import RetryPolicy
-    from lifl.bench.compare import task_reports
+    from lifl.bench.dataplane import task_reports
 
     update_bytes = files[0].stat().st_size
     root = workdir / name

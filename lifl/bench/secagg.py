@@ -285,7 +285,7 @@ def _unmasked_by(sut: Any, job: str, timeout: float = 30.0) -> list[dict[str, An
     """Where the round's masks came off: each task that took streams off (its role, how many, and
     the seconds it took once told them), from the node's task reports (a task reports once it
     handed its result on, so the top's may come just after the model)."""
-    from lifl.bench.compare import task_reports
+    from lifl.bench.dataplane import task_reports
 
     deadline = time.monotonic() + timeout
     while True:
