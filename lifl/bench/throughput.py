@@ -261,7 +261,7 @@ def measure(system: System, case: Case, clients_n: int, connections: int, seed: 
         "ack_ms_p50": _percentile(latencies, 50), "ack_ms_p99": _percentile(latencies, 99),
         "close_ms": _percentile(closes, 50), "close_ms_max": round(max(closes), 3) if closes else None,
         "refused": _merged([r["refused"] for r in reports]),
-        "exact": _exact(sut, job, case, reports, version - 1),
+        "exact": _exact(sut, job, case, reports),
     }
 
 
@@ -282,13 +282,20 @@ def _merged(counts: list[dict[str, int]]) -> dict[str, int]:
     return out
 
 
-def _exact(sut: LiflUnderTest | BaselineUnderTest, job: str, case: Case, reports: list[dict[str, Any]], version: int) -> bool:
-    """Whether the current model is the FedAvg of the updates of round ``version`` that the
-    clients were told were acknowledged."""
+def _exact(sut: LiflUnderTest | BaselineUnderTest, job: str, case: Case, reports: list[dict[str, Any]]) -> bool:
+    """Whether the current model is the FedAvg of the updates that the clients were told were
+    acknowledged in the round that made it (clients that heard of a newer version move on by
+    themselves, so on a fast round they may have filled one past the last measured before they
+    stopped)."""
+    gateway = Gateway(sut.http, token=sut.token)
+    try:
+        version, model_blob = gateway.model(job)
+    finally:
+        gateway.close()
     total: dict[str, np.ndarray] = {n: np.zeros(s, np.float64) for n, s in case.shapes}
     samples = 0
     for report in reports:
-        acks = report["rounds"].get(str(version))
+        acks = report["rounds"].get(str(version - 1))
         if not acks:
             continue
         for blob, weight in zip(loadgen.variant_blobs(case.shapes, report["seed"]), acks["samples"]):
@@ -296,12 +303,7 @@ def _exact(sut: LiflUnderTest | BaselineUnderTest, job: str, case: Case, reports
                 for name, array in from_blob(blob).items():
                     total[name] += weight * array.astype(np.float64)
                 samples += weight
-    gateway = Gateway(sut.http, token=sut.token)
-    try:
-        _, blob = gateway.model(job)
-    finally:
-        gateway.close()
-    model = from_blob(blob)
+    model = from_blob(model_blob)
     return samples > 0 and all(np.allclose(model[n], total[n] / samples, rtol=1e-5, atol=1e-7) for n in total)
 
 
