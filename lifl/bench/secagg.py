@@ -234,6 +234,7 @@ def lifl_round(sut: Any, job: str, clients: int, dropout: float, parameters: int
 
     shapes = model_shapes(parameters)
     dropped = dropped_clients(clients, dropout) if secure else []
+    rounds = SecureRounds(sut.state) if secure else None  # made once: the wait loop reads the stage every 10 ms
     gateway = Gateway(sut.http, token=sut.token)
     fields: dict[str, Any] = {"fixed_point": FIXED_POINT}
     if secure:  # the degree is pinned through the dropout it tolerates: the job's, as Flower's num_shares below
@@ -253,7 +254,7 @@ def lifl_round(sut: Any, job: str, clients: int, dropout: float, parameters: int
             while sut.version(job) < 1:
                 if proc.poll() is not None and proc.returncode:
                     raise RuntimeError(f"the clients failed:\n{proc.communicate()[1][-3000:]}")
-                if secure and (r := SecureRounds(sut.state).round(job)) is not None and r.stage == "abandoned":
+                if rounds is not None and (r := rounds.round(job)) is not None and r.stage == "abandoned":
                     raise RuntimeError(f"{job}'s secure round was abandoned: {r.why} (a longer --stage-timeout?)")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{job}'s round did not end within {CLIENT_TIMEOUT_S:.0f} s")
