@@ -532,7 +532,9 @@ class GrpcConnection(ConnectionProtocol):
                 raise BadRequest(f"bad request message: {e}") from None
             if secure.call == "status":
                 self._secure_status(call, caller, secure)
-                return
+            else:
+                self._secure_message(call, caller, secure)
+            return
         self._serving += 1
         pool = SLOW_POOL if method in SLOW_UNARY else IO_POOL
         self.server.loop.offload(lambda: self._unary(caller, method, request).SerializeToString(),
@@ -567,6 +569,23 @@ class GrpcConnection(ConnectionProtocol):
         self._serving += 1
         try:
             self.service.secure_status(caller, req.job, req.client or None, after, wait_s, answered)
+        except BaseException:
+            self._serving -= 1
+            raise
+
+    def _secure_message(self, call: Call, caller: Principal, req: Any) -> None:
+        """A message for a stage of a secure round: ``body_json`` as HTTP's body (``wait_s`` in it
+        too); ``client`` as the body's."""
+        def body() -> Any:
+            found = _json_field(req.body_json or "{}", "body_json")
+            return {**found, "client": req.client} if isinstance(found, dict) and req.client else found
+
+        def answered(view: dict[str, Any] | None, error: BaseException | None) -> None:
+            self._answered(call, None if view is None else _json_reply(view).SerializeToString(), error)
+
+        self._serving += 1
+        try:
+            self.service.secure_message(caller, req.job, req.call, body, answered)
         except BaseException:
             self._serving -= 1
             raise
@@ -608,15 +627,6 @@ class GrpcConnection(ConnectionProtocol):
                 if text := getattr(req, f"{name}_json"):
                     body[name] = _json_field(text, f"{name}_json")
             return _job_status(service.create_job(caller, body))
-        if method == "Secure":
-            req = pb.SecureRequest.FromString(request)
-            calls = {"keys": service.secure_advertise, "shares": service.secure_share, "answer": service.secure_answer}
-            if req.call not in calls:
-                raise BadRequest(f"a secure call is status, keys, shares or answer, not {req.call!r}", code="bad_secure_call")
-            body = _json_field(req.body_json or "{}", "body_json")
-            if isinstance(body, dict) and req.client:
-                body = {**body, "client": req.client}
-            return _json_reply(calls[req.call](caller, req.job, body))
         if method == "ListJobs":
             return pb.JobList(jobs=service.job_names(caller))
         if method == "Query":

@@ -398,7 +398,7 @@ class Route:
     pattern: re.Pattern[str]
     kind: str
     handler: Callable[..., Any]
-    body_limit: int = 0  # BLOCKING: the JSON body read before the handler runs, at most this long (0: none)
+    body_limit: int = 0  # BLOCKING, DEFERRED: the JSON body read before the handler runs, at most this long (0: none)
     status: int = 200  # UPLOAD: the status of the answer once the blob is handed over
     pool: str = IO_POOL  # BLOCKING: where it runs
     internal: bool = False  # gateway to gateway: the caller's role is checked before anything of the request is read
@@ -442,9 +442,8 @@ class HttpServer(LoopServer):
             Route("GET", re.compile(r"/v1/jobs/([^/]+)/rounds"), BLOCKING, self.get_rounds),
             Route("POST", re.compile(r"/v1/jobs/([^/]+)/leases"), BLOCKING, self.take_lease, MAX_JSON_BODY),
             Route("GET", re.compile(r"/v1/jobs/([^/]+)/secure"), DEFERRED, self.get_secure),
-            Route("POST", re.compile(r"/v1/jobs/([^/]+)/secure/keys"), BLOCKING, self.post_secure_keys, MAX_JSON_BODY),
-            Route("POST", re.compile(r"/v1/jobs/([^/]+)/secure/shares"), BLOCKING, self.post_secure_shares, MAX_JSON_BODY),
-            Route("POST", re.compile(r"/v1/jobs/([^/]+)/secure/answer"), BLOCKING, self.post_secure_answer, MAX_JSON_BODY),
+            Route("POST", re.compile(r"/v1/jobs/([^/]+)/secure/(keys|shares|signature|answer)"), DEFERRED, self.post_secure,
+                  MAX_JSON_BODY),
             Route("GET", re.compile(r"/v1/jobs/([^/]+)/assignment"), BLOCKING, self.get_assignment),
             Route("POST", re.compile(r"/v1/internal/jobs/([^/]+)/rounds/([0-9]{1,18})/partials"), UPLOAD, self.post_partial,
                   status=202, internal=True),
@@ -557,14 +556,13 @@ class HttpServer(LoopServer):
 
         self.service.secure_status(caller, job, client, after, wait_s, answered)
 
-    def post_secure_keys(self, req: Request, caller: Principal, job: str) -> Response:
-        return json_response(201, self.service.secure_advertise(caller, job, self._json_body(req, "secure advertisement")))
+    def post_secure(self, req: Request, caller: Principal, job: str, call: str, done: Callable[..., None]) -> None:
+        """A client's message for a stage of the secure round (its JSON body may hold ``wait_s``:
+        the answer waits for the round to move past the message's stage)."""
+        def answered(view: dict[str, Any] | None, error: BaseException | None) -> None:
+            done(json_response(201 if call == "keys" else 200, view) if view is not None else None, error)
 
-    def post_secure_shares(self, req: Request, caller: Principal, job: str) -> Response:
-        return json_response(200, self.service.secure_share(caller, job, self._json_body(req, "secure shares")))
-
-    def post_secure_answer(self, req: Request, caller: Principal, job: str) -> Response:
-        return json_response(200, self.service.secure_answer(caller, job, self._json_body(req, "secure answer")))
+        self.service.secure_message(caller, job, call, lambda: self._json_body(req, f"a secure {call} message"), answered)
 
     def heartbeat(self, req: Request, caller: Principal, job: str, lease: str) -> Response:
         return json_response(200, self.service.heartbeat(caller, job, lease))
@@ -799,7 +797,11 @@ class HttpConnection(ConnectionProtocol):
             elif route.kind == UPLOAD:
                 route.handler(req, caller, *self.groups, done=self._ingest_opened)
             elif route.kind == DEFERRED:
-                route.handler(req, caller, *self.groups, done=self._answered)
+                if route.body_limit:  # a small JSON body, read before the handler runs
+                    req.body.check_size(route.body_limit)
+                    self._read_body(self._read_json)
+                else:
+                    self._defer()
             else:
                 route.handler(req, caller, *self.groups, done=self._model_opened)
         except LiflError as e:
@@ -818,7 +820,16 @@ class HttpConnection(ConnectionProtocol):
         while not req.body.feed(self.conn.inbuf, req.data, route.body_limit):
             self.conn.fill()
         self._serving()
-        self._run()
+        if route.kind == DEFERRED:
+            self._defer()
+        else:
+            self._run()
+
+    def _defer(self) -> None:
+        """The route's handler, on the loop: it answers through ``_answered`` when it is ready."""
+        route, req = self.route, self.request
+        assert route is not None and req is not None
+        route.handler(req, self.caller, *self.groups, done=self._answered)
 
     def _run(self) -> None:
         """The route's handler, on the pool."""

@@ -57,12 +57,13 @@ from lifl.gateway.agentlink import AgentLink, Reply, agent_unavailable
 from lifl.gateway.auth_backoff import AuthBackoff
 from lifl.gateway.ingest import BlobSink, LayoutCache
 from lifl.gateway.versions import StageWatch, VersionWatch
-from lifl.jobs import MAX_SAMPLES, TENANT_NAME, JobSpec
+from lifl.jobs import MAX_SAMPLES, TENANT_NAME, JobSpec, stage_wait_params
 from lifl.net.io import sendfile_all
 from lifl.net.loop import IO_POOL, SLOW_POOL, Loop, Timer
 from lifl.net.tls import peer_connection, peer_http_connection
 from lifl.quotas import Quota
-from lifl.secagg_round import ABANDONED, COLLECT, SHARE, UNMASK, Settings as SecureSettings
+from lifl.secagg import PublicKeys
+from lifl.secagg_round import ABANDONED, ADVERTISE, COLLECT, CONSISTENCY, SHARE, UNMASK, Settings as SecureSettings
 from lifl.secure_state import SecureRounds
 from lifl.protocol import (
     ROLES, Abort, Admit, AdmitModel, AdmitPartial, AdmitReplica, Forwarded, ForwardPartial, GetMetrics, InstallModel,
@@ -542,6 +543,8 @@ class GatewayService:
         self._models: dict[str, ModelRef] = {}  # per job, the model reference its downloads share
         self.versions.on_change(lambda job: self._share(job, None))
         self.stages = StageWatch(self.loop, self.secure.round)  # clients between a secure round's stages
+        self._secure_messages = {"keys": (ADVERTISE, self._secure_advertise), "shares": (SHARE, self._secure_share),
+                                 "signature": (CONSISTENCY, self._secure_sign), "answer": (UNMASK, self._secure_answer)}
         self.versions.on_change(self.stages.changed)
         self._forwarder = AgentLink(self.loop, agent_socket, "forwarder", self._on_push)
         self._duties: list[Timer] = []
@@ -1010,14 +1013,6 @@ class GatewayService:
             raise Conflict(f"job {name!r} is not a secure job", code="not_secure")
         return spec, settings, client_id(acting_client(principal, client))
 
-    def secure_advertise(self, principal: Principal, name: str, body: Any) -> dict[str, Any]:
-        """A client's two public keys for the job's current secure round (the first starts it)."""
-        body = _object(body, "a secure advertisement")
-        spec, settings, client = self._secure_job(principal, name, body.get("client"))
-        r = self.secure.advertise(name, settings, spec.goal, client, _hex(body, "mask_key", "bad_key"),
-                                  _hex(body, "share_key", "bad_key"))
-        return self._secure_view(r, client, spec)
-
     def secure_status(self, principal: Principal, name: str, client: Any, after: tuple[int, str] | None, wait_s: float,
                       done: Callable[[dict[str, Any] | None, BaseException | None], None]) -> None:
         """(On the loop.) The secure round's stage, and what ``client`` needs at it: its
@@ -1048,25 +1043,67 @@ class GatewayService:
 
         self.loop.offload(read, checked)
 
-    def secure_share(self, principal: Principal, name: str, body: Any) -> dict[str, Any]:
-        body = _object(body, "secure shares")
+    def secure_message(self, principal: Principal, name: str, call: str, read_body: Callable[[], Any],
+                       done: Callable[[dict[str, Any] | None, BaseException | None], None]) -> None:
+        """(On the loop.) A client's message for a stage of the job's secure round: ``call``
+        "keys", "shares", "signature" or "answer", its JSON body read (off the loop) by
+        ``read_body``. Answered with the round's view, or, if the body has ``wait_s``, once the
+        round moved past the message's stage (or ``wait_s`` ended): the message and the wait for
+        the next stage are one call."""
+        if call not in self._secure_messages:
+            raise BadRequest(f"a secure call is status, {', '.join(self._secure_messages)}, not {call!r}",
+                             code="bad_secure_call")
+        stage, act = self._secure_messages[call]
+
+        def take() -> tuple[SecureRound, str, JobSpec, float]:
+            body = _object(read_body(), f"a secure {call} message")
+            _, wait_s = stage_wait_params(None, None, body.pop("wait_s", 0))
+            return *act(principal, name, body), wait_s
+
+        def acted(found: tuple[SecureRound, str, JobSpec, float] | None, error: BaseException | None) -> None:
+            if error is not None:
+                done(None, error)
+                return
+            assert found is not None
+            r, client, spec, wait_s = found
+
+            def view(now: SecureRound | None, error: BaseException | None) -> None:
+                if error is not None:
+                    done(None, error)
+                else:
+                    self.loop.offload(lambda: self._secure_view(now, client, spec), done)
+
+            self.stages.wait(name, (r.round, stage), r, wait_s, view)
+
+        self.loop.offload(take, acted)
+
+    def _secure_advertise(self, principal: Principal, name: str, body: dict[str, Any]) -> tuple[SecureRound, str, JobSpec]:
+        """A client's three public keys for the job's current secure round (the first starts it)."""
+        spec, settings, client = self._secure_job(principal, name, body.get("client"))
+        keys = PublicKeys(*(_hex(body, f"{kind}_key", "bad_key") for kind in PublicKeys._fields))
+        return self.secure.advertise(name, settings, spec.goal, client, keys), client, spec
+
+    def _secure_share(self, principal: Principal, name: str, body: dict[str, Any]) -> tuple[SecureRound, str, JobSpec]:
         spec, settings, client = self._secure_job(principal, name, body.get("client"))
         shares = body.get("shares")
         if not isinstance(shares, dict):
             raise BadRequest("'shares' must be an object: neighbour -> sealed shares (hex)", code="bad_shares")
-        r = self.secure.share(name, settings, client, {str(peer): _hex(shares, peer, "bad_shares") for peer in shares})
-        return self._secure_view(r, client, spec)
+        sealed = {str(peer): _hex(shares, peer, "bad_shares") for peer in shares}
+        return self.secure.share(name, settings, client, sealed), client, spec
 
-    def secure_answer(self, principal: Principal, name: str, body: Any) -> dict[str, Any]:
-        body = _object(body, "a secure answer")
+    def _secure_sign(self, principal: Principal, name: str, body: dict[str, Any]) -> tuple[SecureRound, str, JobSpec]:
+        """A survivor's signature of the round's survivor list (the consistency stage)."""
+        spec, settings, client = self._secure_job(principal, name, body.get("client"))
+        return self.secure.sign(name, settings, client, _hex(body, "signature", "bad_signature")), client, spec
+
+    def _secure_answer(self, principal: Principal, name: str, body: dict[str, Any]) -> tuple[SecureRound, str, JobSpec]:
         spec, _, client = self._secure_job(principal, name, body.get("client"))
         shares = body.get("shares")
         if not isinstance(shares, dict) or not all(isinstance(v, dict) for v in shares.values()):
             raise BadRequest("'shares' must be an object: client -> {\"kind\": \"self\" or \"key\", \"share\": hex}",
                              code="bad_answer")
-        r = self.secure.answer(name, client, {str(t): (str(v.get("kind")), _hex(v, "share", "bad_answer"))
-                                              for t, v in shares.items()})
-        return self._secure_view(r, client, spec)
+        answer = {str(t): (str(v.get("kind")), _hex(v, "share", "bad_answer")) for t, v in shares.items()}
+        return self.secure.answer(name, client, answer), client, spec
 
     def _secure_view(self, r: SecureRound | None, client: str, spec: JobSpec) -> dict[str, Any]:
         settings = spec.secure
@@ -1089,9 +1126,15 @@ class GatewayService:
             with contextlib.suppress(LiflError):
                 _, inbox = self.secure.inbox(r.job, client, at=r)
                 view["inbox"] = {p: blob.hex() for p, blob in inbox.items()}
+        elif r.stage == CONSISTENCY:
+            _, request = self.secure.request(r.job, at=r)
+            view["survivors"] = sorted(request.survivors)
         elif r.stage == UNMASK:
             _, request = self.secure.request(r.job, at=r)
             view["request"] = {"survivors": sorted(request.survivors), "dropped": sorted(request.dropped)}
+            view["signatures"] = {c: {"key": key.hex(), "signature": signature.hex()}
+                                  for c, (key, signature) in self.secure.signatures(r).items()}
+            view["signatures_needed"] = r.signatures
         return view
 
     def assignment(self, principal: Principal, name: str, client: Any) -> dict[str, Any]:

@@ -74,7 +74,8 @@ class Job:
 @dataclass(frozen=True)
 class SecureRound:
     """A secure job's round (``lifl.secure_state``): its stage, the stage's deadline, the graph's
-    degree and threshold once drawn, an abandoned round's reason."""
+    degree, threshold and the signatures the consistency check needs once drawn, an abandoned
+    round's reason."""
 
     job: str
     round: int
@@ -84,6 +85,7 @@ class SecureRound:
     capacity: int
     k: int
     threshold: int
+    signatures: int
     why: str
 
     @classmethod
@@ -91,7 +93,7 @@ class SecureRound:
         if not h:
             return None
         return cls(job, int(h["round"]), h["stage"], bytes.fromhex(h["seed"]), int(h["deadline"]), int(h["capacity"]),
-                   int(h.get("k", 0)), int(h.get("t", 0)), h.get("why", ""))
+                   int(h.get("k", 0)), int(h.get("t", 0)), int(h.get("s", 0)), h.get("why", ""))
 
     @property
     def context(self) -> bytes:

@@ -12,7 +12,9 @@ is). Each client u
   and one of its mask private key (threshold t);
 - sends y_u = x_u + PRG(b_u) + sum over neighbours v of sign(u, v) * PRG(s_uv) modulo
   2^width, where sign(u, v) is +1 if u sorts before v and -1 otherwise, so that in a sum over
-  every client each pair's masks cancel.
+  every client each pair's masks cancel;
+- signs, with a third key (Ed25519), the list of survivors the server says its sum holds
+  (the consistency check, Bonawitz et al.'s round 3).
 
 The server sums the y_u of the survivors, then, from t shares each, reconstructs b_u of every
 survivor and the mask private key of every client that dropped after sharing, and removes what
@@ -30,6 +32,15 @@ corrupt is below 2^-SECURITY_BITS (the statistical parameters of Bell et al., et
 A survivor with t > k/2 surviving neighbours rules out a run of k/2 dropped clients beside it
 on the ring, so the survivors' graph stays connected and no partial sum of theirs is exposed.
 When no degree below n - 1 satisfies both, every client is every other's neighbour (SecAgg).
+
+The consistency check guards against a server that tells clients different survivor lists (to
+gather, with corrupt clients' help, both kinds of shares of one client): a client answers the
+unmask request only after checking the signatures of ``Params.signatures`` = floor((n + n_c) / 2)
++ 1 clients of the round on the very list it signed itself (n_c = floor(corruption x n)). Two
+such groups share more than n_c clients, so at least one honest one, who signs one list only:
+every honest client that answers answers the same list, and a client's other kind of share
+can come only from the corrupt (fewer than t). The signers' keys reach a client through the
+server: against a server that also invents clients, the keys need a PKI (as the papers assume).
 """
 
 from __future__ import annotations
@@ -38,14 +49,15 @@ import hashlib
 import math
 import secrets
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
-from cryptography.exceptions import InvalidTag
+from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
@@ -63,6 +75,7 @@ FIELD_PRIME = (1 << 521) - 1  # a Mersenne prime above 2^256: one share carries 
 SHARE_BYTES = 66  # a field element, big-endian
 WIDTHS = {32: np.uint32, 64: np.uint64}
 NONCE_BYTES = 12
+SIGNATURE_BYTES = 64  # Ed25519
 
 KIND_SELF = "self"  # a share of the client's self-mask seed: asked for survivors
 KIND_KEY = "key"  # a share of the client's mask private key: asked for clients that dropped
@@ -71,11 +84,13 @@ KIND_KEY = "key"  # a share of the client's mask private key: asked for clients 
 # -- the graph ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Params:
-    """A round's graph degree ``k`` (each client's neighbour count) and share ``threshold``."""
+    """A round's graph degree ``k`` (each client's neighbour count), share ``threshold``, and the
+    ``signatures`` of the survivor list a client needs to see before it answers."""
 
     clients: int
     k: int
     threshold: int
+    signatures: int
 
 
 def choose_params(clients: int, dropout: float, corruption: float) -> Params:
@@ -93,6 +108,11 @@ def choose_params(clients: int, dropout: float, corruption: float) -> Params:
 
 @lru_cache(maxsize=256)
 def _choose(n: int, dropped: int, corrupt: int) -> Params:
+    signatures = (n + corrupt) // 2 + 1  # two groups of signers share an honest client
+    if n - dropped < signatures:
+        raise Unprocessable(f"{n} clients cannot tolerate {dropped} dropping out: the consistency check needs "
+                            f"{signatures} of them to sign the survivor list ({corrupt} may be corrupt)",
+                            code="secure_population_too_small")
     others = n - 1
     correctness, security = 2.0 ** -CORRECTNESS_BITS / n, 2.0 ** -SECURITY_BITS / n  # union bound over clients
     for k in range(2, others, 2):
@@ -100,13 +120,13 @@ def _choose(n: int, dropped: int, corrupt: int) -> Params:
         # a client's k neighbours are a uniform k-subset of the n - 1 others (the ring's order is random)
         if (_hypergeometric_below(others, others - dropped, k, t) <= correctness
                 and _hypergeometric_at_least(others, corrupt, k, t) <= security):
-            return Params(n, k, t)
+            return Params(n, k, t, signatures)
     # everyone is everyone's neighbour: the counts are certain (fewer than half corrupt stay below t)
     t = others // 2 + 1
     if others - dropped < t:
         raise Unprocessable(f"{n} clients cannot tolerate {dropped} dropping out: a client needs {t} surviving neighbours "
                             f"of {others}", code="secure_population_too_small")
-    return Params(n, others, t)
+    return Params(n, others, t, signatures)
 
 
 def _hypergeometric(population: int, marked: int, draws: int, hits: int) -> float:
@@ -198,6 +218,15 @@ class KeyPair:
         return cls(private, key.public_key().public_bytes_raw())
 
 
+class PublicKeys(NamedTuple):
+    """What a client advertises for a round: its mask key (pair seeds), share key (the keys that
+    seal its shares) and signing key (the consistency check)."""
+
+    mask: bytes
+    share: bytes
+    signing: bytes
+
+
 def _private_key(private: bytes) -> X25519PrivateKey:
     if len(private) != SEED_BYTES:
         raise BadRequest(f"an X25519 private key is {SEED_BYTES} bytes, got {len(private)}", code="bad_key")
@@ -239,6 +268,64 @@ def open_shares(key: bytes, sender: str, receiver: str, context: bytes, sealed: 
     if len(plain) != 2 * SHARE_BYTES:
         raise BadRequest(f"the shares {sender!r} sent {receiver!r} are {len(plain)} bytes", code="bad_share")
     return plain[:SHARE_BYTES], plain[SHARE_BYTES:]
+
+
+# -- the consistency check: the survivor list, signed -------------------------------------------------
+@dataclass(frozen=True)
+class SigningKey:
+    """A client's Ed25519 key for the consistency check (``private``: its 32-byte seed)."""
+
+    private: bytes
+    public: bytes
+
+    @classmethod
+    def generate(cls) -> SigningKey:
+        key = Ed25519PrivateKey.generate()
+        return cls(key.private_bytes_raw(), key.public_key().public_bytes_raw())
+
+    def sign(self, context: bytes, survivors: Collection[str]) -> bytes:
+        return Ed25519PrivateKey.from_private_bytes(self.private).sign(survivor_list(context, survivors))
+
+
+def survivor_list(context: bytes, survivors: Collection[str]) -> bytes:
+    """What a client signs: the round (``context``) and the sorted survivors, each length-prefixed
+    (no list of names reads as another)."""
+    names = [n.encode() for n in sorted(survivors)]
+    return b"lifl secagg survivors\0" + context + b"".join(struct.pack(">I", len(n)) + n for n in names)
+
+
+def verify_signature(public: bytes, signature: bytes, signed_list: bytes) -> bool:
+    """Whether ``signature`` is the signature, with ``public``, of ``signed_list`` (a round's
+    ``survivor_list``)."""
+    if len(public) != SEED_BYTES or len(signature) != SIGNATURE_BYTES:
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(public).verify(signature, signed_list)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+def check_consistency(me: str, signed: frozenset[str], request: ShareRequest, context: bytes,
+                      signatures: Mapping[str, tuple[bytes, bytes]], needed: int) -> None:
+    """A client's check before it answers the unmask request (``signed``: the survivor list it
+    signed; ``signatures``: signer -> (its signing key, its signature), as the server relays
+    them): the request is of that list, and ``needed`` distinct clients of the list signed that
+    very list. Refused otherwise, naming why: the client then answers nothing."""
+    if request.survivors != signed:
+        raise BadRequest(f"the unmask request's survivors are not the {len(signed)} {me!r} signed", code="inconsistent_request")
+    strangers = sorted(set(signatures) - signed)
+    if strangers:
+        raise BadRequest(f"a signature of {strangers[0]!r}, who is not a survivor", code="bad_signature")
+    keys = [public for public, _ in signatures.values()]
+    if len(set(keys)) != len(keys):
+        raise BadRequest("two signers with one key", code="bad_signature")
+    signed_list = survivor_list(context, signed)
+    for signer, (public, signature) in signatures.items():
+        if not verify_signature(public, signature, signed_list):
+            raise BadRequest(f"{signer!r}'s signature is not of the survivor list {me!r} signed", code="bad_signature")
+    if len(signatures) < needed:
+        raise BadRequest(f"{len(signatures)} clients signed the survivor list, {needed} needed", code="too_few_signatures")
 
 
 # -- masks ------------------------------------------------------------------------------------------

@@ -1,19 +1,22 @@
 """A secure round's stages (SecAgg+, ``lifl.secagg``): what each client may send at each
 stage, and when the round moves on or is abandoned; ``lifl.secure_state`` keeps them in Redis.
 
-    advertise ─▶ share ─▶ collect ─▶ unmask ─▶ done
-         └────────┴─────────┴──────────┴──▶ abandoned (why)
+    advertise ─▶ share ─▶ collect ─▶ consistency ─▶ unmask ─▶ done
+         └────────┴─────────┴────────────┴────────────┴──▶ abandoned (why)
 
-- **advertise**: clients send their two public keys, up to the job's goal of them. At the
+- **advertise**: clients send their three public keys, up to the job's goal of them. At the
   deadline (or once the goal did) the clients that advertised are the round's; the degree,
-  threshold and graph are drawn for them.
+  threshold, signature count and graph are drawn for them.
 - **share**: each of them sends, sealed, its shares for exactly its neighbours. At the deadline
   (or once all did) the clients that shared are the ones masked inputs may come from.
 - **collect**: each of those fetches its sealed shares and the neighbours to mask with, and
   sends its masked input (the job's ordinary update path, in the layout of a fixed-point partial
   sum, ``lifl.secagg.plain_input``).
-- **unmask**: the server asks the clients whose input is in the sum for one share per
-  neighbour (``lifl.secagg.ShareRequest``) and keeps what arrives until every secret it needs
+- **consistency**: the clients whose input is in the sum (the survivors) sign the list of
+  them; the server checks each signature. At the deadline (or once all did) the signers are
+  the clients that may answer, if there are at least as many as the check needs.
+- **unmask**: the server asks the signers, with the signatures they need to see
+  (``lifl.secagg.check_consistency``), for one share per neighbour (``lifl.secagg.ShareRequest``) and keeps what arrives until every secret it needs
   has ``threshold`` shares; then each task that summed up masked inputs takes its own clients'
   masks off its sum (``MaskedInputs``, ``RoundSecrets``).
 
@@ -33,8 +36,9 @@ from typing import Any
 from lifl import secagg
 from lifl.errors import BadRequest, Conflict
 
-ADVERTISE, SHARE, COLLECT, UNMASK, DONE, ABANDONED = "advertise", "share", "collect", "unmask", "done", "abandoned"
-STAGES = (ADVERTISE, SHARE, COLLECT, UNMASK, DONE, ABANDONED)
+ADVERTISE, SHARE, COLLECT, CONSISTENCY, UNMASK = "advertise", "share", "collect", "consistency", "unmask"
+DONE, ABANDONED = "done", "abandoned"
+STAGES = (ADVERTISE, SHARE, COLLECT, CONSISTENCY, UNMASK, DONE, ABANDONED)
 SEALED_BYTES = secagg.NONCE_BYTES + 2 * secagg.SHARE_BYTES + 16  # nonce, two shares, the AEAD tag
 
 

@@ -1,21 +1,23 @@
 """A secure job's round stages in Redis (SecAgg+, ``lifl.secagg``): what any gateway of the
-cluster reads and writes as the round's clients advertise keys, share, send masked inputs and
-answer the unmasking request.
+cluster reads and writes as the round's clients advertise keys, share, send masked inputs, sign
+the survivor list and answer the unmasking request.
 
 The stages and their rules are ``lifl.secagg_round``'s; here each transition that must not race
 is one Lua script (timed by Redis's clock), and what needs no atomicity -- a payload's shape,
 the round's graph, its degree and threshold -- is computed in Python around it. Keys (of job J):
 
 - ``lifl:job:J:sa``: the round (the job's round number), its stage, public seed (hex), the
-  stage's deadline (ms), the enrolment capacity (the job's goal), degree ``k`` and threshold
-  ``t`` once the advertise stage closed, and an abandoned round's reason;
-- ``...:sa:keys`` (client -> mask public + share public, hex) and ``...:sa:pubkeys`` (every
-  public key given, so that none is given twice);
+  stage's deadline (ms), the enrolment capacity (the job's goal), degree ``k``, threshold ``t``
+  and signatures needed ``s`` once the advertise stage closed, and an abandoned round's reason;
+- ``...:sa:keys`` (client -> mask public + share public + signing public, hex) and
+  ``...:sa:pubkeys`` (every public key given, so that none is given twice);
 - ``...:sa:sharing`` (the clients whose shares arrived; frozen when the share stage closes, it
   is the set masked inputs may come from) and ``...:sa:sealed`` (receiver NUL sender -> sealed
   shares, hex);
 - ``...:sa:masked`` (the clients whose masked input is in the sum: the job's acceptance script
-  adds them, while the stage collects, and moves the stage on with the last one);
+  adds them, while the stage collects, and moves the stage on with the last one; frozen then,
+  it is the survivor list) and ``...:sa:signed`` (survivor -> its signature of the list, hex:
+  the clients that may answer);
 - ``...:sa:answered``, ``...:sa:shares`` (target NUL holder -> share, hex) and
   ``...:sa:counts`` (target -> shares held), with ``ready`` in the round's hash counting the
   targets that reached the threshold: the round is done when every client that shared has.
@@ -35,12 +37,13 @@ from typing import Any
 from lifl import secagg
 from lifl.cluster_types import SecureRound as Round
 from lifl.errors import BadRequest, Conflict, Unprocessable
-from lifl.secagg_round import ABANDONED, ADVERTISE, COLLECT, DONE, SEALED_BYTES, SHARE, UNMASK, Settings
+from lifl.secagg import PublicKeys
+from lifl.secagg_round import ABANDONED, ADVERTISE, COLLECT, CONSISTENCY, DONE, SEALED_BYTES, SHARE, UNMASK, Settings
 from lifl.state import ACTIVE, EVENTS, ClusterState, hash_pairs, job_key, secure_key
 
-_PARTS = ("keys", "pubkeys", "sharing", "sealed", "masked", "answered", "shares", "counts")
+_PARTS = ("keys", "pubkeys", "sharing", "sealed", "masked", "answered", "shares", "counts", "signed")
 SEED_BYTES = 16
-MAX_REMEMBERED_ROUNDS = 256  # rounds whose fixed keys and request a process keeps
+MAX_REMEMBERED_ROUNDS = 256  # rounds whose fixed keys, graph, request and signatures a process keeps
 
 _LIB = """
 local function now_ms()
@@ -62,30 +65,32 @@ end
 """
 
 # KEYS: sa, then the parts (_PARTS order), then the job hash. ARGV: mask hex, share hex, client,
-# capacity, stage timeout ms, a fresh seed (used if this starts the round), k and t if the stage
-# fills. -> {error} or {'', the round's hash}
+# capacity, stage timeout ms, a fresh seed (used if this starts the round), k, t and s if the
+# stage fills, signing hex. -> {error} or {'', the round's hash}
 _ADVERTISE = _LIB + """
-local round = redis.call('HGET', KEYS[10], 'round')
+local round = redis.call('HGET', KEYS[11], 'round')
 if not round then return {'no_job'} end
 local have = redis.call('HGET', KEYS[1], 'round')
 if have ~= round then
   if have and tonumber(have) > tonumber(round) then return {'wrong_round'} end
-  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9])
+  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10])
   redis.call('HSET', KEYS[1], 'round', round, 'stage', 'advertise', 'seed', ARGV[6], 'capacity', ARGV[4], 'ready', 0,
              'timeout', ARGV[5], 'deadline', now_ms() + tonumber(ARGV[5]))
-  redis.call('SADD', '""" + ACTIVE + """', string.sub(KEYS[10], #'lifl:job:' + 1))  -- its stages' deadlines are duties now
+  redis.call('SADD', '""" + ACTIVE + """', string.sub(KEYS[11], #'lifl:job:' + 1))  -- its stages' deadlines are duties now
 end
 local bad = at('advertise', round)
 if bad then return {bad} end
 if redis.call('HEXISTS', KEYS[2], ARGV[3]) == 1 then return {'replayed'} end
-if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 or redis.call('SISMEMBER', KEYS[3], ARGV[2]) == 1 then return {'key_taken'} end
+for _, key in ipairs({ARGV[1], ARGV[2], ARGV[10]}) do
+  if redis.call('SISMEMBER', KEYS[3], key) == 1 then return {'key_taken'} end
+end
 local count = redis.call('HLEN', KEYS[2])
 if count >= tonumber(ARGV[4]) then return {'round_full'} end
-redis.call('HSET', KEYS[2], ARGV[3], ARGV[1] .. ARGV[2])
-redis.call('SADD', KEYS[3], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[3], ARGV[1] .. ARGV[2] .. ARGV[10])
+redis.call('SADD', KEYS[3], ARGV[1], ARGV[2], ARGV[10])
 count = count + 1
 if count == tonumber(ARGV[4]) then
-  redis.call('HSET', KEYS[1], 'k', ARGV[7], 't', ARGV[8])
+  redis.call('HSET', KEYS[1], 'k', ARGV[7], 't', ARGV[8], 's', ARGV[9])
   move('share', ARGV[5])
 end
 return {'', redis.call('HGETALL', KEYS[1])}
@@ -102,12 +107,23 @@ if redis.call('SCARD', KEYS[4]) == redis.call('HLEN', KEYS[2]) then move('collec
 return {'', redis.call('HGETALL', KEYS[1])}
 """
 
+# KEYS: sa, parts. ARGV: round, client, stage timeout ms, signature hex. The last survivor's
+# signature moves the stage on.
+_SIGN = _LIB + """
+local bad = at('consistency', ARGV[1])
+if bad then return {bad} end
+if redis.call('SISMEMBER', KEYS[6], ARGV[2]) == 0 then return {'not_in_round'} end
+if redis.call('HSETNX', KEYS[10], ARGV[2], ARGV[4]) == 0 then return {'replayed'} end
+if redis.call('HLEN', KEYS[10]) == redis.call('SCARD', KEYS[6]) then move('unmask', ARGV[3]) end
+return {'', redis.call('HGETALL', KEYS[1])}
+"""
+
 # KEYS: sa, parts. ARGV: round, client, job name, then (target, share hex) pairs. The last share a
 # secret needed makes the round done (published: the top waits for it).
 _ANSWER = _LIB + """
 local bad = at('unmask', ARGV[1])
 if bad then return {bad} end
-if redis.call('SISMEMBER', KEYS[6], ARGV[2]) == 0 then return {'not_in_round'} end
+if redis.call('HEXISTS', KEYS[10], ARGV[2]) == 0 then return {'not_in_round'} end
 if redis.call('SADD', KEYS[7], ARGV[2]) == 0 then return {'replayed'} end
 local t = tonumber(redis.call('HGET', KEYS[1], 't'))
 for i = 4, #ARGV, 2 do
@@ -122,7 +138,7 @@ return {'', redis.call('HGETALL', KEYS[1])}
 """
 
 # KEYS: sa. ARGV: round, the stage expected, the next, its timeout ms, then field/value pairs to
-# set (k, t; why). -> 1 if moved (published), 0 if the round or stage had moved on.
+# set (k, t, s; why). -> 1 if moved (published), 0 if the round or stage had moved on.
 _MOVE = _LIB + """
 local r = redis.call('HMGET', KEYS[1], 'round', 'stage')
 if r[1] ~= ARGV[1] or r[2] ~= ARGV[2] then return 0 end
@@ -148,19 +164,24 @@ class SecureRounds:
         self.redis = state.redis
         self._advertise = self.redis.register_script(_ADVERTISE)
         self._share = self.redis.register_script(_SHARE)
+        self._sign = self.redis.register_script(_SIGN)
         self._answer = self.redis.register_script(_ANSWER)
         self._move = self.redis.register_script(_MOVE)
-        # what a round fixes once a stage closes, read once: its clients' keys (advertise), its request (collect)
-        self._keys: dict[tuple[str, int, bytes], dict[str, tuple[bytes, bytes]]] = {}
+        # what a round fixes once a stage closes, read once: its clients' keys (advertise), its request
+        # (collect), its signatures (consistency)
+        self._keys: dict[tuple[str, int, bytes], dict[str, PublicKeys]] = {}
+        self._graphs: dict[tuple[str, int, bytes], dict[str, tuple[str, ...]]] = {}
         self._requests: dict[tuple[str, int, bytes], secagg.ShareRequest] = {}
+        self._signatures: dict[tuple[str, int, bytes], dict[str, tuple[bytes, bytes]]] = {}
 
     # -- reading -----------------------------------------------------------------------------------
     def round(self, job: str) -> Round | None:
         return Round.parse(job, self.redis.hgetall(_key(job)))
 
-    def keys(self, job: str) -> dict[str, tuple[bytes, bytes]]:
-        """Each advertised client's (mask public, share public)."""
-        return {c: (bytes.fromhex(v[:64]), bytes.fromhex(v[64:])) for c, v in self.redis.hgetall(_part(job, "keys")).items()}
+    def keys(self, job: str) -> dict[str, PublicKeys]:
+        """Each advertised client's public keys."""
+        return {c: PublicKeys(bytes.fromhex(v[:64]), bytes.fromhex(v[64:128]), bytes.fromhex(v[128:]))
+                for c, v in self.redis.hgetall(_part(job, "keys")).items()}
 
     def record(self, job: str) -> dict[str, Any]:
         """What a round's record says of its secure round: its clients at each stage, the dropouts,
@@ -169,17 +190,24 @@ class SecureRounds:
         if r is None:
             return {}
         pipe = self.redis.pipeline(transaction=False)
-        for part in ("keys", "sharing", "masked"):
-            (pipe.hlen if part == "keys" else pipe.scard)(_part(job, part))
-        advertised, shared, survivors = pipe.execute()
+        for part in ("keys", "sharing", "masked", "signed"):
+            (pipe.hlen if part in ("keys", "signed") else pipe.scard)(_part(job, part))
+        advertised, shared, survivors, signed = pipe.execute()
         return {"round": r.round, "stage": r.stage, "advertised": advertised, "shared": shared, "survivors": survivors,
-                "dropped": advertised - survivors, "k": r.k, "threshold": r.threshold, **({"why": r.why} if r.why else {})}
+                "signed": signed, "dropped": advertised - survivors, "k": r.k, "threshold": r.threshold,
+                "signatures_needed": r.signatures, **({"why": r.why} if r.why else {})}
 
     def graph(self, r: Round) -> dict[str, tuple[str, ...]]:
         """The round's graph over the clients that advertised (once the advertise stage closed)."""
-        return _graph(tuple(sorted(self.round_keys(r))), r.k, r.seed)
+        if r.stage == ADVERTISE:  # its clients are not final yet
+            return secagg.neighbours(sorted(self.keys(r.job)), r.k, r.seed)
+        graph = self._graphs.get((r.job, r.round, r.seed))
+        if graph is None:
+            graph = _remember(self._graphs, (r.job, r.round, r.seed),
+                              secagg.neighbours(sorted(self.round_keys(r)), r.k, r.seed))
+        return graph
 
-    def round_keys(self, r: Round) -> dict[str, tuple[bytes, bytes]]:
+    def round_keys(self, r: Round) -> dict[str, PublicKeys]:
         """``keys`` of round ``r``: read once, after the advertise stage closed (no key changes then)."""
         if r.stage == ADVERTISE:
             return self.keys(r.job)
@@ -189,17 +217,16 @@ class SecureRounds:
         return keys
 
     # -- the stages --------------------------------------------------------------------------------
-    def advertise(self, job: str, settings: Settings, capacity: int, client: str, mask_public: bytes,
-                  share_public: bytes) -> Round:
-        for name, key in (("mask", mask_public), ("share", share_public)):
+    def advertise(self, job: str, settings: Settings, capacity: int, client: str, keys: PublicKeys) -> Round:
+        for name, key in zip(PublicKeys._fields, keys):
             if not isinstance(key, bytes) or len(key) != secagg.SEED_BYTES:
                 raise BadRequest(f"the {name} public key must be {secagg.SEED_BYTES} bytes", code="bad_key")
-        if mask_public == share_public:
-            raise BadRequest("the two public keys must differ", code="bad_key")
+        if len(set(keys)) != len(keys):
+            raise BadRequest("the three public keys must differ", code="bad_key")
         full = secagg.choose_params(capacity, settings.dropout, settings.corruption)
         return _changed(job, self._advertise(keys=[_key(job), *_parts(job), job_key(job)], args=[
-            mask_public.hex(), share_public.hex(), client, capacity, _ms(settings.stage_timeout_s),
-            secrets.token_hex(SEED_BYTES), full.k, full.threshold]))
+            keys.mask.hex(), keys.share.hex(), client, capacity, _ms(settings.stage_timeout_s),
+            secrets.token_hex(SEED_BYTES), full.k, full.threshold, full.signatures, keys.signing.hex()]))
 
     def peers(self, job: str, client: str, at: Round | None = None) -> tuple[Round, dict[str, tuple[int, bytes, bytes]]]:
         """(the round, each of ``client``'s neighbours' Shamir point and public keys): what it
@@ -209,7 +236,7 @@ class SecureRounds:
         if client not in keys:
             raise _refused("not_in_round")
         point = {c: i + 1 for i, c in enumerate(sorted(keys))}
-        return r, {p: (point[p], *keys[p]) for p in self.graph(r)[client]}
+        return r, {p: (point[p], keys[p].mask, keys[p].share) for p in self.graph(r)[client]}
 
     def share(self, job: str, settings: Settings, client: str, sealed: Mapping[str, bytes]) -> Round:
         """``client``'s sealed shares, one for each of its neighbours, no more, no fewer."""
@@ -240,7 +267,8 @@ class SecureRounds:
         return r, {p: bytes.fromhex(b) for p, b in zip(peers, blobs) if b is not None}
 
     def request(self, job: str, at: Round | None = None) -> tuple[Round, secagg.ShareRequest]:
-        r = self._at(job, UNMASK, DONE, at=at)
+        """(the round, what its unmask stage asks): its survivors are the list the consistency stage signs."""
+        r = self._at(job, CONSISTENCY, UNMASK, DONE, at=at)
         request = self._requests.get((job, r.round, r.seed))
         if request is None:  # the sets were frozen when their stages closed: the request is the round's for good
             pipe = self.redis.pipeline(transaction=False)
@@ -250,6 +278,34 @@ class SecureRounds:
             request = _remember(self._requests, (job, r.round, r.seed),
                                 secagg.ShareRequest(frozenset(masked), frozenset(sharing - masked)))
         return r, request
+
+    def sign(self, job: str, settings: Settings, client: str, signature: bytes) -> Round:
+        """A survivor's signature of the survivor list (checked here: a forged one would make
+        honest clients refuse the unmask request)."""
+        r, request = self.request(job)
+        if r.stage != CONSISTENCY:
+            raise Conflict(f"the secure round of {job!r} is {r.stage}", code="wrong_stage")
+        if client not in request.survivors:
+            raise _refused("not_in_round")
+        if not (isinstance(signature, bytes)
+                and secagg.verify_signature(self.round_keys(r)[client].signing, signature,
+                                            _survivor_list(r.context, request.survivors))):
+            raise BadRequest(f"not {client!r}'s signature of the round's survivor list", code="bad_signature")
+        return _changed(job, self._sign(keys=[_key(job), *_parts(job)], args=[
+            r.round, client, _ms(settings.stage_timeout_s), signature.hex()]))
+
+    def signatures(self, r: Round) -> dict[str, tuple[bytes, bytes]]:
+        """Round ``r``'s signers (once its consistency stage closed): each one's signing key and
+        signature of the survivor list, the first ``r.signatures`` of them by name (what a client
+        checks before it answers; no more than it needs)."""
+        if r.stage not in (UNMASK, DONE):
+            raise Conflict(f"the secure round of {r.job!r} is {r.stage}: its signatures are not final", code="wrong_stage")
+        shown = self._signatures.get((r.job, r.round, r.seed))
+        if shown is None:
+            signed, keys = self.redis.hgetall(_part(r.job, "signed")), self.round_keys(r)
+            shown = _remember(self._signatures, (r.job, r.round, r.seed),
+                              {c: (keys[c].signing, bytes.fromhex(signed[c])) for c in sorted(signed)[:r.signatures]})
+        return shown
 
     def answer(self, job: str, client: str, answer: Mapping[str, tuple[str, bytes]]) -> Round:
         """``client``'s shares for the request: one per neighbour it names, of the kind asked."""
@@ -299,13 +355,27 @@ class SecureRounds:
             except (BadRequest, Unprocessable) as e:
                 self._move(keys=[_key(job)], args=[r.round, ADVERTISE, ABANDONED, 0, "why", e.message])
             else:
-                self._move(keys=[_key(job)], args=[r.round, ADVERTISE, SHARE, timeout, "k", params.k, "t", params.threshold])
+                self._move(keys=[_key(job)], args=[r.round, ADVERTISE, SHARE, timeout, "k", params.k, "t", params.threshold,
+                                                   "s", params.signatures])
         elif r.stage == SHARE:
             shared = self.redis.scard(_part(job, "sharing"))
             self._next_or_abandon(r, SHARE, COLLECT, timeout, shared, "clients shared their keys")
         elif r.stage == COLLECT:
             masked = self.redis.scard(_part(job, "masked"))
-            self._next_or_abandon(r, COLLECT, UNMASK, timeout, masked, "clients sent masked inputs")
+            if r.threshold <= masked < r.signatures:
+                self._move(keys=[_key(job)], args=[r.round, COLLECT, ABANDONED, 0, "why", (
+                    f"{masked} clients sent masked inputs, fewer than the {r.signatures} signatures the consistency "
+                    "check needs")])
+            else:
+                self._next_or_abandon(r, COLLECT, CONSISTENCY, timeout, masked, "clients sent masked inputs")
+        elif r.stage == CONSISTENCY:
+            signed = self.redis.hlen(_part(job, "signed"))
+            if signed < r.signatures:
+                self._move(keys=[_key(job)], args=[r.round, CONSISTENCY, ABANDONED, 0, "why", (
+                    f"{signed} survivors signed the survivor list, fewer than the {r.signatures} the consistency check "
+                    "needs")])
+            else:
+                self._move(keys=[_key(job)], args=[r.round, CONSISTENCY, UNMASK, timeout])
         elif r.stage == UNMASK:
             counts = self.redis.hgetall(_part(job, "counts"))
             short = sorted(c for c in self.redis.smembers(_part(job, "sharing")) if int(counts.get(c, 0)) < r.threshold)
@@ -337,9 +407,9 @@ def _remember(cache: dict[Any, Any], key: Any, value: Any) -> Any:
     return value
 
 
-@lru_cache(maxsize=64)
-def _graph(clients: tuple[str, ...], k: int, seed: bytes) -> dict[str, tuple[str, ...]]:
-    return secagg.neighbours(clients, k, seed)
+@lru_cache(maxsize=16)
+def _survivor_list(context: bytes, survivors: frozenset[str]) -> bytes:
+    return secagg.survivor_list(context, survivors)
 
 
 def _key(job: str) -> str:

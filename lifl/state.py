@@ -376,11 +376,11 @@ end
 local secure = field(h, 'secure') == 1
 local function count_update()  -- one more acknowledged update: the one that meets the goal closes the round
   local accepted = redis.call('HINCRBY', h, 'accepted', 1)
-  -- a secure round's goal: a masked input from every client that shared; then it unmasks
+  -- a secure round's goal: a masked input from every client that shared; then its survivors sign the list of them
   local goal = secure and redis.call('SCARD', KEYS[5]) or field(h, 'goal')
   if accepted >= goal then
     if secure then
-      redis.call('HSET', KEYS[4], 'stage', 'unmask', 'deadline', now_ms() + tonumber(redis.call('HGET', KEYS[4], 'timeout')))
+      redis.call('HSET', KEYS[4], 'stage', 'consistency', 'deadline', now_ms() + tonumber(redis.call('HGET', KEYS[4], 'timeout')))
     end
     finalize(h, s)
     redis.call('PUBLISH', '""" + EVENTS + """', ARGV[2])

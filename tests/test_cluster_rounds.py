@@ -12,7 +12,7 @@ from lifl.cluster_types import Job, SecureRound, Shard
 from lifl.control.rounds import AbandonRound, AdvanceSecureStage, CloseAtDeadline, DeclareLost, PlaceTop, duties
 from lifl.format import F32, ModelSpec, TensorSpec
 from lifl.jobs import JobSpec
-from lifl.secagg_round import ABANDONED, ADVERTISE, COLLECT, DONE, SHARE, UNMASK
+from lifl.secagg_round import ABANDONED, ADVERTISE, COLLECT, CONSISTENCY, DONE, SHARE, UNMASK
 from lifl.state import (
     ACCEPT_CLOSED_ROUND, ACCEPT_COUNTED, ACCEPT_FENCED, ACCEPT_ROUND_CLOSED, CLOSE_ABANDON, CLOSE_FINAL, RESERVE_FULL,
     RESERVE_OK, ClusterState,
@@ -63,7 +63,7 @@ SECURE = JobSpec("j", goal=8, fixed_point={"frac_bits": 16, "width": 64}, secure
 
 
 def secure(stage: str, *, round_id: int = 7, deadline_s: float = 110.0, why: str = "") -> SecureRound:
-    return SecureRound("j", round_id, stage, b"seed", int(deadline_s * 1000), 8, 4, 3, why)
+    return SecureRound("j", round_id, stage, b"seed", int(deadline_s * 1000), 8, 4, 3, 5, why)
 
 
 @pytest.mark.parametrize("j,s,now,sa,expected", [
@@ -72,7 +72,10 @@ def secure(stage: str, *, round_id: int = 7, deadline_s: float = 110.0, why: str
     (job(spec=SECURE), shard(), 105.0, secure(ADVERTISE), []),
     (job(spec=SECURE), shard(), 110.0, secure(ADVERTISE), [AdvanceSecureStage(7)]),
     (job(spec=SECURE, reserved=2, accepted=2), shard(counts={"a": 2}), 110.0, secure(COLLECT), [AdvanceSecureStage(7)]),
+    (job(spec=SECURE, accepted=3), shard(counts={"a": 3}), 105.0, secure(CONSISTENCY), [CloseAtDeadline(7, 3)]),
     (job(spec=SECURE, accepted=3), shard(counts={"a": 3}), 105.0, secure(UNMASK), [CloseAtDeadline(7, 3)]),
+    (job(spec=SECURE, accepted=3, closed=True), shard(finalized=True, counts={"a": 3}, top="a"), 110.0, secure(CONSISTENCY),
+     [AdvanceSecureStage(7)]),  # its survivors' signatures are due
     (job(spec=SECURE, accepted=3, closed=True), shard(finalized=True, counts={"a": 3}), 105.0, secure(UNMASK),
      [PlaceTop(7, 0, "a")]),  # the top folds, then waits for the unmasking
     (job(spec=SECURE, accepted=3, closed=True), shard(finalized=True, counts={"a": 3}, top="a"), 120.0, secure(DONE), []),

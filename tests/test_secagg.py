@@ -5,6 +5,7 @@ are in tests/test_secagg_round.py."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 import math
 import secrets
 
@@ -40,6 +41,10 @@ def test_parameters(clients: int, dropout: float, corruption: float, k: int, thr
     params = secagg.choose_params(clients, dropout, corruption)
     assert (params.k, params.threshold) == (k, threshold)
     assert params.threshold > params.k / 2  # the server never gathers both shares of one client
+    corrupt = math.floor(corruption * clients)
+    # any two groups of signers share an honest client, and the survivors of the dropout it tolerates are enough
+    assert 2 * params.signatures - clients > corrupt and clients - math.floor(dropout * clients) >= params.signatures
+    assert 2 * (params.signatures - 1) - clients <= corrupt  # and no fewer would do
 
 
 @pytest.mark.parametrize("clients, dropout, corruption", [(20, 0.1, 0.1), (100, 0.3, 0.1), (500, 0.1, 0.0)])
@@ -63,6 +68,7 @@ def test_the_degree_is_the_smallest_that_meets_both_bounds(clients: int, dropout
     (10, 0.0, "0.1", "bad_secure_aggregation"),
     (3, 0.45, 0.0, "secure_population_too_small"),  # 1 of 3 drops: the other 2 would need 2 surviving neighbours
     (7, 0.49, 0.0, "secure_population_too_small"),  # 3 of 7 drop: 3 of 6 neighbours left, 4 needed
+    (100, 0.45, 0.1, "secure_population_too_small"),  # 55 survivors, 56 signatures needed: 10 may be corrupt
 ])
 def test_parameters_refused(clients: object, dropout: object, corruption: object, code: str) -> None:
     with pytest.raises((BadRequest, Unprocessable)) as info:
@@ -246,6 +252,54 @@ def test_a_client_never_gives_both_shares_of_one_neighbour() -> None:
 
 
 # -- a client's input ------------------------------------------------------------------------------------
+def consistency_case(signers: int, context: bytes = b"round") -> tuple[frozenset[str], dict[str, tuple[bytes, bytes]]]:
+    survivors = frozenset(f"c{i}" for i in range(6))
+    keys = {c: secagg.SigningKey.generate() for c in sorted(survivors)}
+    return survivors, {c: (k.public, k.sign(context, survivors)) for c, k in list(keys.items())[:signers]}
+
+
+def _forged(signatures: dict[str, tuple[bytes, bytes]]) -> dict[str, tuple[bytes, bytes]]:
+    (first, (key, signature)), *rest = signatures.items()
+    return {first: (key, bytes([signature[0] ^ 1]) + signature[1:]), **dict(rest)}
+
+
+@pytest.mark.parametrize("change, code", [
+    (lambda survivors, sigs: (ShareRequest(survivors, frozenset()), sigs), None),
+    (lambda survivors, sigs: (ShareRequest(survivors, frozenset()), dict(list(sigs.items())[:3])), "too_few_signatures"),
+    (lambda survivors, sigs: (ShareRequest(survivors - {"c5"}, frozenset({"c5"})), sigs), "inconsistent_request"),
+    (lambda survivors, sigs: (ShareRequest(survivors, frozenset()), _forged(sigs)), "bad_signature"),
+    (lambda survivors, sigs: (ShareRequest(survivors, frozenset()), {**sigs, "x": sigs["c0"]}), "bad_signature"),  # not a survivor
+    (lambda survivors, sigs: (ShareRequest(survivors, frozenset()), {**sigs, "c5": sigs["c0"]}), "bad_signature"),  # one key twice
+    (lambda survivors, sigs: (ShareRequest(survivors, frozenset()), {"c0": (sigs["c0"][0], b"short"), **dict(
+        list(sigs.items())[1:])}), "bad_signature"),
+])
+def test_a_client_answers_only_a_list_enough_survivors_signed(change: Callable[..., tuple[ShareRequest, dict]],
+                                                              code: str | None) -> None:
+    """The consistency check: the request is of the list this client signed, and 4 distinct
+    survivors signed that very list with valid signatures."""
+    survivors, signatures = consistency_case(4)
+    request, shown = change(survivors, signatures)
+    if code is None:
+        secagg.check_consistency("c0", survivors, request, b"round", shown, 4)
+        return
+    with pytest.raises(BadRequest) as info:
+        secagg.check_consistency("c0", survivors, request, b"round", shown, 4)
+    assert info.value.code == code
+
+
+def test_a_signature_covers_its_round_and_the_whole_list() -> None:
+    key = secagg.SigningKey.generate()
+    survivors = frozenset({"a", "bc"})
+    signature = key.sign(b"round 1", survivors)
+    signed_list = secagg.survivor_list(b"round 1", survivors)
+    assert secagg.verify_signature(key.public, signature, secagg.survivor_list(b"round 1", {"bc", "a"}))
+    for context, names in ((b"round 2", survivors), (b"round 1", {"a"}), (b"round 1", {"ab", "c"}), (b"round 1", {"abc"})):
+        assert not secagg.verify_signature(key.public, signature, secagg.survivor_list(context, names))
+    assert not secagg.verify_signature(secagg.SigningKey.generate().public, signature, signed_list)
+    assert not secagg.verify_signature(b"short", signature, signed_list)
+    assert not secagg.verify_signature(key.public, signature[:-1], signed_list)
+
+
 @pytest.mark.parametrize("dtype", ["F16", "BF16", "F32", "F64"])
 @pytest.mark.parametrize("fp", [FixedPoint(24, 64), FixedPoint(12, 32)])
 def test_the_sum_of_plain_inputs_is_the_hierarchys_fixed_point_sum(dtype: str, fp: FixedPoint) -> None:

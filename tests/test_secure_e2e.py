@@ -86,7 +86,7 @@ def test_a_secure_round_installs_the_plain_fixed_point_model(node: RunningNode, 
     last = gw.rounds("secure")[-1]
     assert last["outcome"] == "complete" and last["updates"] == 6
     assert last["secure"] == {"round": 0, "stage": "done", "advertised": 6, "shared": 6, "survivors": 6, "dropped": 0,
-                              "k": 2, "threshold": 2}
+                              "signed": 6, "k": 2, "threshold": 2, "signatures_needed": 4}
 
 
 def test_clients_dropping_after_sharing_leave_the_survivors_model(node: RunningNode) -> None:
@@ -172,13 +172,19 @@ def test_the_stages_refuse_what_would_reveal_an_input_or_join_late(node: Running
     with pytest.raises(Exception) as plain_info:  # a plain update of a secure job is not of its layout
         gw.push("refusals", fmt.encode(models[0]), client="c0", samples=3, base_version=0)
     assert getattr(plain_info.value, "status", 0) in (400, 422)
-    for body, code in (({"mask_key": "zz", "share_key": "00" * 32}, "bad_key"),
-                       ({"mask_key": "00" * 31, "share_key": "11" * 32}, "bad_key")):
+    for body, code in (({"mask_key": "zz", "share_key": "00" * 32, "signing_key": "22" * 32}, "bad_key"),
+                       ({"mask_key": "00" * 31, "share_key": "11" * 32, "signing_key": "22" * 32}, "bad_key"),
+                       ({"mask_key": "00" * 32, "share_key": "11" * 32}, "bad_key"),  # no signing key
+                       ({"mask_key": "00" * 32, "share_key": "11" * 32, "signing_key": "11" * 32}, "bad_key")):
         status, _, reply = node.request("POST", "/v1/jobs/refusals/secure/keys", _json({**body, "client": "c1"}))
         assert status == 400 and code in reply.decode(), reply
-    with pytest.raises(Conflict) as info2:
-        gw.secure_answer("refusals", {}, client="c1")
-    assert info2.value.code == "wrong_stage"
+    for early in (lambda: gw.secure_answer("refusals", {}, client="c1"),
+                  lambda: gw.secure_signature("refusals", bytes(secagg.SIGNATURE_BYTES), client="c1")):
+        with pytest.raises(Conflict) as info2:
+            early()
+        assert info2.value.code == "wrong_stage"
+    status, _, reply = node.request("POST", "/v1/jobs/refusals/secure/signature", _json({"signature": 5, "client": "c1"}))
+    assert status == 400 and b"bad_signature" in reply, reply
     status, _, reply = node.request("POST", "/v1/jobs", _json({"job": "bad", "goal": 10, "fixed_point": FIXED_POINT,
                                                                 "secure_aggregation": {"dropout": 0.2},
                                                                 "retention": {"updates": 2}}))
@@ -237,6 +243,32 @@ def test_a_client_between_stages_is_answered_when_the_stage_moves(node: RunningN
     assert status == 400 and b"bad_stage_wait" in reply and b"together" in reply
 
 
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_stage_message_is_answered_when_its_stage_moves(node: RunningNode, protocol: str) -> None:
+    """A client's keys sent with wait_s are taken at once and answered when the last client
+    advertises, with the share stage's view (one call for the message and the wait); a malformed
+    wait_s is refused before the message is taken."""
+    address, job = node.http if protocol == "http" else node.grpc, f"message-waits-{protocol}"
+    gw, waiting = Gateway(address, protocol), Gateway(address, protocol)
+    start(Gateway(node.http), job, 3, secure_aggregation={"stage_timeout_s": 120})
+    clients = [SecureClient(f"c{i}") for i in range(4)]
+    for bad in (-1, 61, "soon", True):
+        with pytest.raises(BadRequest) as e:
+            gw._secure_call(job, "keys", "c3", {**dict(zip(("mask_key", "share_key", "signing_key"),
+                                                           (k.hex() for k in clients[3].advertisement()))), "wait_s": bad})
+        assert e.value.code == "bad_stage_wait", bad
+    answered: dict[str, Any] = {}
+    held = threading.Thread(target=lambda: answered.update(
+        waiting.secure_keys(job, *clients[0].advertisement(), client="c0", wait_s=60)))
+    held.start()
+    wait_for(lambda: "c0" in SecureRounds(node.state).keys(job), what="c0's keys, taken before its wait")
+    assert gw.secure_keys(job, *clients[1].advertisement(), client="c1")["stage"] == "advertise"  # no wait: at once
+    gw.secure_keys(job, *clients[2].advertisement(), client="c2", wait_s=60)  # the last: the stage moved already
+    held.join(30)  # answered by the stage's move, long before its 60 s
+    assert not held.is_alive() and answered["stage"] == "share" and set(answered["peers"]) == {"c1", "c2"}, answered
+    assert sorted(SecureRounds(node.state).keys(job)) == ["c0", "c1", "c2"]  # c3's refused message took nothing
+
+
 def test_a_survivor_whose_answer_comes_after_the_sum_was_unmasked_is_accepted(node: RunningNode) -> None:
     """Three survivors' answers unmask the sum of four (a complete graph, threshold 2) before the
     fourth answers: its answer is refused, the round being done, and the SDK reports its input
@@ -265,6 +297,56 @@ def test_a_survivor_whose_answer_comes_after_the_sum_was_unmasked_is_accepted(no
     assert outcomes == {f"c{i}": "accepted" for i in range(4)}, outcomes
     wait_for(lambda: gw.model("late")[0] == 1, what="the round's version")
     assert gw.rounds("late")[-1]["secure"]["survivors"] == 4
+
+
+def test_a_client_answers_no_survivor_list_too_few_signed(node: RunningNode) -> None:
+    """The view one client is shown at the unmask stage lacks a signature it needs (what a server
+    that told clients different survivor lists would have to show): it gives no share, saying
+    why; the other three's answers unmask the sum (a complete graph of four, threshold 2)."""
+    gw = Gateway(node.http)
+    models, samples = updates(4, seed=16)
+    start(gw, "lying", 4, secure_aggregation={"stage_timeout_s": 120, "dropout": 0.3})
+
+    shown = threading.Event()  # the others answer once c3 saw the unmask stage (their answers could end it first)
+
+    class Lying(Gateway):
+        def secure(self, job: str, client: str | None = None, after: tuple[int, str] | None = None,
+                   wait_s: float = 0.0) -> dict[str, Any]:
+            return self.lie(super().secure(job, client, after, wait_s))
+
+        def secure_signature(self, job: str, signature: bytes, client: str | None = None, wait_s: float = 0.0) -> Any:
+            return self.lie(super().secure_signature(job, signature, client, wait_s))
+
+        @staticmethod
+        def lie(view: dict[str, Any]) -> dict[str, Any]:
+            if view["stage"] == "unmask":
+                view["signatures"] = dict(list(view["signatures"].items())[:view["signatures_needed"] - 1])
+                shown.set()
+            return view
+
+    class AfterIt(Gateway):
+        def secure_answer(self, job: str, shares: dict[str, tuple[str, bytes]], client: str | None = None) -> Any:
+            assert shown.wait(120)
+            return super().secure_answer(job, shares, client=client)
+
+    class Connected(Participant):
+        def connect(self, address: str, retry: Any) -> Gateway:
+            kind = Lying if self.client == "c3" else AfterIt
+            return kind(address, self.protocol, retry=retry, token=self.token, tls=self.tls)
+
+    def client(i: int) -> str:
+        p = Connected(node.http, "lying", client=f"c{i}", secure=True)
+        try:
+            return p.run_round(lambda state, version: (models[i], samples[i])).outcome
+        finally:
+            p.close()
+
+    outcomes = outcomes_in_threads([f"c{i}" for i in range(4)], client)
+    assert outcomes == {"c0": "accepted", "c1": "accepted", "c2": "accepted", "c3": "inconsistent"}, outcomes
+    wait_for(lambda: gw.model("lying")[0] == 1, what="the round's version")
+    record = gw.rounds("lying")[-1]["secure"]
+    assert (record["survivors"], record["signed"], record["signatures_needed"]) == (4, 4, 3), record
+    assert node.state.redis.scard("lifl:job:lying:sa:answered") == 3
 
 
 def test_dp_fedavg_clips_on_the_clients_and_adds_noise_to_the_unmasked_mean(node: RunningNode) -> None:
@@ -313,16 +395,20 @@ def test_no_object_of_the_node_holds_a_clients_update(node: RunningNode) -> None
         secrets_of += [bytes(plain[data:data + 64]), models[i]["w"].tobytes()[:64]]
         gw.push("watched", me.masked_input(context, inbox, models[i], samples[i], spec, FixedPoint(**FIXED_POINT), 4),
                 samples=1, base_version=0, client=name)
-    assert gw.secure("watched", "c0")["stage"] == "unmask"
+    assert gw.secure("watched", "c0")["stage"] == "consistency"
     held = [p.read_bytes() for p in Path("/dev/shm").glob(f"lifl-{node.node.config.node}-*")]
     assert held and not any(secret in blob for secret in secrets_of for blob in held)
     redis_values = b"".join(str(v).encode() for key in node.state.redis.keys("lifl:job:watched*")
                             for v in _values(node.state.redis, key))
     assert not any(secret.hex().encode() in redis_values or secret in redis_values for secret in secrets_of)
+    for name, me in clients.items():
+        gw.secure_signature("watched", me.signature(context, frozenset(clients)), client=name)
     request = secagg.ShareRequest(frozenset(clients), frozenset())
     for name, me in clients.items():
-        if gw.secure("watched", name)["stage"] == "unmask":
-            gw.secure_answer("watched", me.answer(request), client=name)
+        view = gw.secure("watched", name)
+        if view["stage"] == "unmask":
+            signatures = {c: (bytes.fromhex(v["key"]), bytes.fromhex(v["signature"])) for c, v in view["signatures"].items()}
+            gw.secure_answer("watched", me.answer(context, request, signatures, view["signatures_needed"]), client=name)
     wait_for(lambda: gw.model("watched")[0] == 1, what="the watched round")
 
 

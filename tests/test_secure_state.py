@@ -18,7 +18,7 @@ from lifl.errors import BadRequest, Conflict, LiflError
 from lifl.jobs import JobSpec
 from lifl.client.secure import SecureClient
 from lifl.fixedpoint import FixedPoint
-from lifl.secagg_round import ABANDONED, ADVERTISE, COLLECT, DONE, SEALED_BYTES, SHARE, UNMASK, Settings
+from lifl.secagg_round import ABANDONED, ADVERTISE, COLLECT, CONSISTENCY, DONE, SEALED_BYTES, SHARE, UNMASK, Settings
 from lifl.secure_state import SecureRounds
 from lifl.state import (ACCEPT_CLOSED_ROUND, ACCEPT_COUNTED, ACCEPT_ROUND_CLOSED, CLOSE_FINAL, RESERVE_OK, ClusterState,
                         refusal)
@@ -36,7 +36,7 @@ class Client(SecureClient):
         self.update, self.samples = update, samples
 
     def advertise(self, server: Server) -> None:
-        server.rounds.advertise(JOB, server.settings, server.goal, self.name, *self.advertisement())
+        server.rounds.advertise(JOB, server.settings, server.goal, self.name, self.advertisement())
 
     def share(self, server: Server) -> None:
         r, peers = server.rounds.peers(JOB, self.name)
@@ -53,9 +53,13 @@ class Client(SecureClient):
     def plain(self, server: Server) -> list[np.ndarray]:
         return secagg.segments(secagg.plain_input(self.update, self.samples, MODEL, server.fixed_point, server.goal))
 
+    def sign(self, server: Server) -> None:
+        r, request = server.rounds.request(JOB)
+        server.rounds.sign(JOB, server.settings, self.name, self.signature(r.context, request.survivors))
+
     def send_answer(self, server: Server) -> None:
-        _, request = server.rounds.request(JOB)
-        server.rounds.answer(JOB, self.name, self.answer(request))
+        r, request = server.rounds.request(JOB)
+        server.rounds.answer(JOB, self.name, self.answer(r.context, request, server.rounds.signatures(r), r.signatures))
 
 
 @dataclass
@@ -87,14 +91,14 @@ class Server:
         self.rounds.redis.hset(f"lifl:job:{JOB}:sa", "deadline", 0)
         r = self.rounds.close_due(JOB, self.settings)
         assert r is not None
-        if r.stage == UNMASK and not self.state.job(JOB).closed:
+        if r.stage == CONSISTENCY and not self.state.job(JOB).closed:
             assert self.state.close_round(JOB, r.round, r.threshold) == CLOSE_FINAL
         return r.stage
 
     def unmask(self, total: list[np.ndarray]) -> None:
         """What the top does once the round is done: rebuild the secrets, take the masks off."""
         r, self_seeds, dropped_keys = self.rounds.unmask_secrets(JOB)
-        publics = {c: mask for c, (mask, _) in self.rounds.keys(JOB).items()}
+        publics = {c: keys.mask for c, keys in self.rounds.keys(JOB).items()}
         secagg.add_masks(total, secagg.unmasking_seeds(self_seeds, dropped_keys, self.rounds.graph(r), publics, r.context))
 
 
@@ -117,15 +121,17 @@ def add(total: list[np.ndarray], segments: list[np.ndarray]) -> None:
 
 @pytest.mark.parametrize("width", [32, 64])
 @pytest.mark.parametrize("clients, drops", [
-    (20, (0, 0, 0, 0)),
-    (20, (2, 0, 0, 0)),  # 10 % never advertise
-    (20, (0, 2, 0, 0)),  # 10 % advertise, then do not share
-    (20, (0, 0, 2, 0)),  # 10 % share, then send no masked input
-    (20, (0, 0, 0, 2)),  # 10 % send their masked input, then do not answer the unmask request
-    (20, (0, 2, 2, 2)),  # 30 %: a tenth after each stage
-    (30, (0, 0, 9, 0)),  # 30 % after sharing: their pair masks come off with their reconstructed keys
-    (30, (0, 0, 0, 9)),
-    (30, (0, 9, 0, 0)),
+    (20, (0, 0, 0, 0, 0)),
+    (20, (2, 0, 0, 0, 0)),  # 10 % never advertise
+    (20, (0, 2, 0, 0, 0)),  # 10 % advertise, then do not share
+    (20, (0, 0, 2, 0, 0)),  # 10 % share, then send no masked input
+    (20, (0, 0, 0, 2, 0)),  # 10 % send their masked input, then do not sign the survivor list
+    (20, (0, 0, 0, 0, 2)),  # 10 % sign, then do not answer the unmask request
+    (20, (0, 2, 2, 2, 0)),  # 30 %: a tenth after each stage
+    (30, (0, 0, 9, 0, 0)),  # 30 % after sharing: their pair masks come off with their reconstructed keys
+    (30, (0, 0, 0, 9, 0)),
+    (30, (0, 0, 0, 0, 9)),
+    (30, (0, 9, 0, 0, 0)),
 ])
 def test_the_unmasked_sum_is_exactly_the_survivors_plaintext_sum(state: ClusterState, clients: int, drops: tuple[int, ...],
                                                                  width: int) -> None:
@@ -161,8 +167,13 @@ def test_the_unmasked_sum_is_exactly_the_survivors_plaintext_sum(state: ClusterS
             add(total, masked)
             survivors.append(n)
     if server.stage() == COLLECT:
-        assert server.expire() == UNMASK
+        assert server.expire() == CONSISTENCY
     assert server.rounds.request(JOB)[1].survivors == set(survivors)
+    for n in survivors:
+        if stays(n, 3):
+            parties[n].sign(server)
+    if server.stage() == CONSISTENCY:
+        assert server.expire() == UNMASK
     for n in survivors:
         if gone_at[n] is None and server.stage() == UNMASK:  # done once every secret has its threshold of shares
             parties[n].send_answer(server)
@@ -181,8 +192,8 @@ def test_the_unmasked_sum_is_exactly_the_survivors_plaintext_sum(state: ClusterS
 NAMES = [f"c{i}" for i in range(8)]
 ACTS: dict[str, Callable[[Client, Server], object]] = {
     ADVERTISE: lambda c, s: c.advertise(s), SHARE: lambda c, s: c.share(s), COLLECT: lambda c, s: c.send_input(s),
-    UNMASK: lambda c, s: c.send_answer(s)}
-FOLLOWING = {ADVERTISE: SHARE, SHARE: COLLECT, COLLECT: UNMASK, UNMASK: DONE}
+    CONSISTENCY: lambda c, s: c.sign(s), UNMASK: lambda c, s: c.send_answer(s)}
+FOLLOWING = {ADVERTISE: SHARE, SHARE: COLLECT, COLLECT: CONSISTENCY, CONSISTENCY: UNMASK, UNMASK: DONE}
 
 
 def run_to(state: ClusterState, stage: str, names: list[str] = NAMES) -> tuple[Server, dict[str, Client]]:
@@ -216,10 +227,24 @@ def run_to(state: ClusterState, stage: str, names: list[str] = NAMES) -> tuple[S
     (COLLECT, lambda s, p: s.send_update("stranger"), "not_in_round"),
     (COLLECT, lambda s, p: s.send_update(""), "client_required"),
     # malformed keys
-    (ADVERTISE, lambda s, p: s.rounds.advertise(JOB, s.settings, 8, "c0", b"short", p["c0"].share_keys.public), "bad_key"),
-    (ADVERTISE, lambda s, p: s.rounds.advertise(JOB, s.settings, 8, "c0", p["c0"].mask_keys.public,
-                                                p["c0"].mask_keys.public), "bad_key"),
-    (ADVERTISE, lambda s, p: s.rounds.advertise(JOB, s.settings, 8, "c0", p["c0"].mask_keys.public, "not bytes"), "bad_key"),
+    (ADVERTISE, lambda s, p: s.rounds.advertise(JOB, s.settings, 8, "c0", p["c0"].advertisement()._replace(mask=b"short")),
+     "bad_key"),
+    (ADVERTISE, lambda s, p: s.rounds.advertise(JOB, s.settings, 8, "c0", p["c0"].advertisement()._replace(
+        share=p["c0"].mask_keys.public)), "bad_key"),
+    (ADVERTISE, lambda s, p: s.rounds.advertise(JOB, s.settings, 8, "c0", p["c0"].advertisement()._replace(
+        signing=p["c0"].share_keys.public)), "bad_key"),
+    (ADVERTISE, lambda s, p: s.rounds.advertise(JOB, s.settings, 8, "c0", p["c0"].advertisement()._replace(
+        signing="not bytes")), "bad_key"),
+    # signatures of the survivor list: a stranger's, forged, of another list, another's, early
+    (CONSISTENCY, lambda s, p: s.rounds.sign(JOB, s.settings, "stranger", bytes(secagg.SIGNATURE_BYTES)), "not_in_round"),
+    (CONSISTENCY, lambda s, p: s.rounds.sign(JOB, s.settings, "c0", bytes(secagg.SIGNATURE_BYTES)), "bad_signature"),
+    (CONSISTENCY, lambda s, p: s.rounds.sign(JOB, s.settings, "c0", b"short"), "bad_signature"),
+    (CONSISTENCY, lambda s, p: s.rounds.sign(JOB, s.settings, "c0", p["c0"].signing_key.sign(
+        s.rounds.round(JOB).context, frozenset(NAMES[1:]))), "bad_signature"),
+    (CONSISTENCY, lambda s, p: s.rounds.sign(JOB, s.settings, "c0", p["c1"].signing_key.sign(
+        s.rounds.round(JOB).context, frozenset(NAMES))), "bad_signature"),
+    (COLLECT, lambda s, p: s.rounds.sign(JOB, s.settings, "c0", bytes(secagg.SIGNATURE_BYTES)), "wrong_stage"),
+    (UNMASK, lambda s, p: p["c0"].sign(s), "wrong_stage"),
     # malformed shares
     (SHARE, lambda s, p: s.rounds.share(JOB, s.settings, "c0", {}), "bad_shares"),
     (SHARE, lambda s, p: s.rounds.share(JOB, s.settings, "c0", {q: b"x" * SEALED_BYTES for q in graph_of(s, "c0")[1:]}),
@@ -253,7 +278,8 @@ def test_replays_within_a_stage_are_refused(state: ClusterState) -> None:
     server, parties = run_to(state, ADVERTISE)
     for stage, again, code in ((ADVERTISE, lambda: parties["c0"].advertise(server), "replayed"),
                                (SHARE, lambda: parties["c0"].share(server), "replayed"),
-                               (COLLECT, lambda: server.send_update("c0"), "already_acknowledged")):
+                               (COLLECT, lambda: server.send_update("c0"), "already_acknowledged"),
+                               (CONSISTENCY, lambda: parties["c0"].sign(server), "replayed")):
         ACTS[stage](parties["c0"], server)
         with pytest.raises(Conflict) as info:
             again()
@@ -281,9 +307,18 @@ def test_a_client_that_skipped_a_stage_cannot_join_a_later_one(state: ClusterSta
         assert info.value.code == "not_in_round"
     for c in list(parties.values())[2:]:
         c.send_input(server)
-    assert server.stage() == UNMASK and server.rounds.request(JOB)[1].dropped == frozenset()
-    with pytest.raises(Conflict):
-        server.rounds.answer(JOB, "c1", {})
+    assert server.stage() == CONSISTENCY and server.rounds.request(JOB)[1].dropped == frozenset()
+    r, request = server.rounds.request(JOB)
+    with pytest.raises(Conflict) as info:
+        server.rounds.sign(JOB, server.settings, "c1", parties["c1"].signing_key.sign(r.context, request.survivors))
+    assert info.value.code == "not_in_round"
+    for c in list(parties.values())[3:]:
+        c.sign(server)  # c2 sent its input but never signs
+    assert server.expire() == UNMASK
+    for name in ("c1", "c2"):
+        with pytest.raises(Conflict) as info:
+            server.rounds.answer(JOB, name, {})
+        assert info.value.code == "not_in_round"
 
 
 def test_a_round_enrols_at_most_its_goal_and_no_key_twice(state: ClusterState) -> None:
@@ -291,7 +326,8 @@ def test_a_round_enrols_at_most_its_goal_and_no_key_twice(state: ClusterState) -
     parties = clients_of([f"c{i}" for i in range(5)], np.random.default_rng(3))
     parties["c0"].advertise(server)
     with pytest.raises(BadRequest) as info:
-        server.rounds.advertise(JOB, server.settings, 4, "c1", parties["c0"].mask_keys.public, parties["c1"].share_keys.public)
+        server.rounds.advertise(JOB, server.settings, 4, "c1", parties["c1"].advertisement()._replace(
+            signing=parties["c0"].signing_key.public))
     assert info.value.code == "key_taken"
     for name in ("c1", "c2", "c3"):
         parties[name].advertise(server)
@@ -305,6 +341,8 @@ def test_a_round_enrols_at_most_its_goal_and_no_key_twice(state: ClusterState) -
     (ADVERTISE, 2, "at least 3 clients"),
     (SHARE, 1, "1 clients shared their keys, fewer than the threshold"),
     (COLLECT, 1, "1 clients sent masked inputs, fewer than the threshold"),
+    (COLLECT, 4, "4 clients sent masked inputs, fewer than the 5 signatures the consistency check needs"),
+    (CONSISTENCY, 4, "4 survivors signed the survivor list, fewer than the 5 the consistency check needs"),
     (UNMASK, 1, "have fewer than"),
 ])
 def test_too_few_clients_at_a_stage_abandons_the_round(state: ClusterState, stage: str, keep: int, why: str) -> None:
@@ -337,6 +375,6 @@ def test_an_input_acknowledged_after_the_collect_deadline_stays_out_of_the_sum(s
     late = names[-1]
     status, _, round_id = state.reserve(JOB, state.job(JOB).version, "a", client=late)
     assert status == RESERVE_OK
-    assert server.expire() == UNMASK
+    assert server.expire() == CONSISTENCY
     assert state.accept(JOB, round_id, "a", client=late)[0] == ACCEPT_ROUND_CLOSED
     assert server.rounds.request(JOB)[1].survivors == set(names[:-1]) and state.job(JOB).accepted == len(names) - 1

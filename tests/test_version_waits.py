@@ -292,7 +292,7 @@ def test_stage_waits_past_their_limit_are_refused_and_a_held_one_ends_with_its_w
     """A stage watch of limit 1 on a real Redis, a secure round at its advertise stage: a second
     wait is refused (503 too_many_waits); the first is held until its wait ends, then answered with
     the round as it is; one that saw a stage already past is answered at once."""
-    from lifl import secagg
+    from lifl.client.secure import SecureClient
     from lifl.gateway.versions import StageWatch
     from lifl.secagg_round import Settings
     from lifl.secure_state import SecureRounds
@@ -300,7 +300,7 @@ def test_stage_waits_past_their_limit_are_refused_and_a_held_one_ends_with_its_w
     state = ClusterState(redis_url)
     _job(state, "j")
     rounds = SecureRounds(state)
-    seen = rounds.advertise("j", Settings(), 3, "c0", secagg.KeyPair.generate().public, secagg.KeyPair.generate().public)
+    seen = rounds.advertise("j", Settings(), 3, "c0", SecureClient("c0").advertisement())
     loop = Loop("test stages")
     loop.start()
     watch = StageWatch(loop, rounds.round, limit=1)

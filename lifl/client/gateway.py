@@ -663,18 +663,28 @@ class Gateway:
             return self._json("GET", f"/v1/jobs/{job}/secure" + (f"?{query}" if query else ""), idempotent=True)
         return self._secure_rpc(job, "status", client, wait or None)
 
-    def secure_keys(self, job: str, mask_key: bytes, share_key: bytes, client: str | None = None) -> dict[str, Any]:
-        return self._secure_call(job, "keys", client, {"mask_key": mask_key.hex(), "share_key": share_key.hex()})
+    def secure_keys(self, job: str, mask_key: bytes, share_key: bytes, signing_key: bytes, client: str | None = None,
+                    wait_s: float = 0.0) -> dict[str, Any]:
+        return self._secure_call(job, "keys", client, {"mask_key": mask_key.hex(), "share_key": share_key.hex(),
+                                                       "signing_key": signing_key.hex()}, wait_s)
 
-    def secure_shares(self, job: str, shares: Mapping[str, bytes], client: str | None = None) -> dict[str, Any]:
-        return self._secure_call(job, "shares", client, {"shares": {p: blob.hex() for p, blob in shares.items()}})
+    def secure_shares(self, job: str, shares: Mapping[str, bytes], client: str | None = None,
+                      wait_s: float = 0.0) -> dict[str, Any]:
+        return self._secure_call(job, "shares", client, {"shares": {p: blob.hex() for p, blob in shares.items()}}, wait_s)
+
+    def secure_signature(self, job: str, signature: bytes, client: str | None = None, wait_s: float = 0.0) -> dict[str, Any]:
+        return self._secure_call(job, "signature", client, {"signature": signature.hex()}, wait_s)
 
     def secure_answer(self, job: str, shares: Mapping[str, tuple[str, bytes]], client: str | None = None) -> dict[str, Any]:
         return self._secure_call(job, "answer", client, {
             "shares": {t: {"kind": kind, "share": share.hex()} for t, (kind, share) in shares.items()}})
 
-    def _secure_call(self, job: str, call: str, client: str | None, body: dict[str, Any]) -> dict[str, Any]:
-        """A stage's message (not retried: a second one is a replay, refused)."""
+    def _secure_call(self, job: str, call: str, client: str | None, body: dict[str, Any], wait_s: float = 0.0) -> dict[str, Any]:
+        """A stage's message (not retried: a second one is a replay, refused). With ``wait_s``,
+        answered once the round moved past the message's stage, or when ``wait_s`` (bounded as
+        ``secure``'s) ends: the message and the wait for the next stage in one call."""
+        if wait_s > 0:
+            body = {**body, "wait_s": round(min(wait_s, MAX_VERSION_WAIT_S, self.timeout / 2), 3)}
         if self.protocol == "http":
             return self._json("POST", f"/v1/jobs/{job}/secure/{call}", {**body, **({"client": client} if client else {})})
         return self._secure_rpc(job, call, client, body)

@@ -98,7 +98,8 @@ class Participant:
         """A secure job's round (docs/secure-aggregation.md): pull, train, then every stage of the
         round by itself; the update leaves this process masked. Its place in the round is its
         advertisement (no lease). Outcomes beyond ``run_round``'s: "abandoned", "moved_on",
-        "left_out" (a stage closed without this client), "timeout"."""
+        "left_out" (a stage closed without this client), "timeout", "inconsistent" (it refused the
+        server's unmask request: the consistency check failed)."""
         from lifl.client.secure import RoundOver, run_secure_round  # the secure extra: cryptography
 
         self._follow_assignment()

@@ -25,13 +25,15 @@ class SecureClient:
         self.name = name
         self.mask_keys = secagg.KeyPair.generate()
         self.share_keys = secagg.KeyPair.generate()
+        self.signing_key = secagg.SigningKey.generate()
         self.self_seed = secrets.token_bytes(secagg.SEED_BYTES)
         self.peers: dict[str, tuple[int, bytes, bytes]] = {}  # neighbour -> (Shamir point, mask public, share public)
         self.held: dict[str, tuple[bytes, bytes]] = {}  # neighbour -> the (self, key) shares it sent this client
+        self.signed: frozenset[str] | None = None  # the survivor list it signed: the only one it answers
 
-    def advertisement(self) -> tuple[bytes, bytes]:
-        """(mask public key, share public key): the advertise stage."""
-        return self.mask_keys.public, self.share_keys.public
+    def advertisement(self) -> secagg.PublicKeys:
+        """Its public keys: the advertise stage."""
+        return secagg.PublicKeys(self.mask_keys.public, self.share_keys.public, self.signing_key.public)
 
     def shares(self, context: bytes, threshold: int, peers: Mapping[str, tuple[int, bytes, bytes]]) -> dict[str, bytes]:
         """The share stage: for each neighbour (its point and public keys, as the gateway lists
@@ -59,16 +61,33 @@ class SecureClient:
         secagg.add_masks(secagg.segments(blob), [(1, self.self_seed), *pairs])
         return blob
 
-    def answer(self, request: secagg.ShareRequest) -> dict[str, tuple[str, bytes]]:
-        """The unmask stage: one share per neighbour, the one the request may have."""
+    def signature(self, context: bytes, survivors: frozenset[str]) -> bytes:
+        """The consistency stage: its signature of the survivor list (one list per round: a
+        second one, different, is refused)."""
+        if self.name not in survivors:
+            raise BadRequest(f"a survivor list without {self.name!r}, who sent its masked input", code="inconsistent_request")
+        if self.signed is not None and self.signed != survivors:
+            raise BadRequest(f"{self.name!r} signed another survivor list this round", code="inconsistent_request")
+        self.signed = survivors
+        return self.signing_key.sign(context, survivors)
+
+    def answer(self, context: bytes, request: secagg.ShareRequest, signatures: Mapping[str, tuple[bytes, bytes]],
+               needed: int) -> dict[str, tuple[str, bytes]]:
+        """The unmask stage: one share per neighbour, the one the request may have; only if the
+        request is of the survivor list it signed, and ``needed`` survivors signed that list too
+        (``signatures``: signer -> (signing key, signature), ``lifl.secagg.check_consistency``)."""
+        if self.signed is None:
+            raise BadRequest(f"{self.name!r} signed no survivor list: it answers no unmask request", code="inconsistent_request")
+        secagg.check_consistency(self.name, self.signed, request, context, signatures, needed)
         return secagg.answer_request(self.name, self.held, request)
 
     def _share_key(self, context: bytes, public: bytes) -> bytes:
         return secagg.agree(self.share_keys.private, public, b"share", context)
 
 
-STAGES = ("advertise", "share", "collect", "unmask", "done")
+STAGES = ("advertise", "share", "collect", "consistency", "unmask", "done")
 STAGE_GRACE_S = 30.0  # past a stage's timeout, how long a client still waits for the duties to end it
+STAGE_WAIT_S = 60.0  # a stage's message waits this long (at most) for the stage to move on; _await goes on after
 
 
 class RoundOver(Exception):
@@ -102,13 +121,13 @@ def run_secure_round(gateway: Any, job: str, client: str | None, update: Mapping
     the model the update was trained from: the change is clipped before it is masked. Raises
     RoundOver if the round ends without this client's input in it."""
     me = SecureClient(client or "")
-    view = gateway.secure_keys(job, *me.advertisement(), client=client)
+    view = gateway.secure_keys(job, *me.advertisement(), client=client, wait_s=STAGE_WAIT_S)
     me.name, round_id = view["client"], view["round"]
     context = context_of(job, view)
     view = _await(gateway, job, client, round_id, "share", view)
     if "peers" not in view:
         raise RoundOver("left_out", "the advertise stage closed without this client's keys")
-    share_with_peers(gateway, job, me, view, client)
+    view = share_with_peers(gateway, job, me, view, client, wait_s=STAGE_WAIT_S)
     view = _await(gateway, job, client, round_id, "collect", view)
     if "inbox" not in view:
         raise RoundOver("left_out", "the share stage closed without this client's shares")
@@ -122,13 +141,24 @@ def run_secure_round(gateway: Any, job: str, client: str | None, update: Mapping
     masked = me.masked_input(context, {p: bytes.fromhex(b) for p, b in view["inbox"].items()}, update, samples, spec,
                              fixed_point, view["clients"])
     gateway.push(job, masked, samples=1, base_version=base_version, client=client)  # its sample count is masked inside
+    view = _await(gateway, job, client, round_id, "consistency", view)
+    if view["stage"] == "consistency":
+        survivors = frozenset(view["survivors"])
+        if me.name not in survivors:
+            raise RoundOver("left_out", "the collect stage closed without this client's masked input")
+        view = gateway.secure_signature(job, me.signature(context, survivors), client=client, wait_s=STAGE_WAIT_S)
     view = _await(gateway, job, client, round_id, "unmask", view)
     if view["stage"] == "unmask":
+        if me.signed is None:
+            raise RoundOver("left_out", "the consistency stage closed without this client's signature")
         request = secagg.ShareRequest(frozenset(view["request"]["survivors"]), frozenset(view["request"]["dropped"]))
-        if me.name not in request.survivors:
-            raise RoundOver("left_out", "the collect stage closed without this client's masked input")
         try:
-            gateway.secure_answer(job, me.answer(request), client=client)
+            signatures = {c: (bytes.fromhex(s["key"]), bytes.fromhex(s["signature"])) for c, s in view["signatures"].items()}
+            answer = me.answer(context, request, signatures, view["signatures_needed"])
+        except (BadRequest, ValueError, KeyError) as e:  # the server showed clients different lists, or forged signatures
+            raise RoundOver("inconsistent", f"the unmask request failed the consistency check, no share given: {e}") from None
+        try:
+            gateway.secure_answer(job, answer, client=client)
         except Conflict:  # the other survivors' answers may have unmasked the sum first: this input is in it
             view = gateway.secure(job, client)
             if view["round"] != round_id or view["stage"] != "done":
@@ -140,10 +170,12 @@ def context_of(job: str, view: dict[str, Any]) -> bytes:
     return secagg.round_context(job, view["round"], bytes.fromhex(view["seed"]))
 
 
-def share_with_peers(gateway: Any, job: str, me: SecureClient, view: dict[str, Any], client: str | None) -> None:
-    """The share stage: ``me``'s shares for the neighbours the round's view lists (its ``peers``)."""
+def share_with_peers(gateway: Any, job: str, me: SecureClient, view: dict[str, Any], client: str | None,
+                     wait_s: float = 0.0) -> dict[str, Any]:
+    """The share stage: ``me``'s shares for the neighbours the round's view lists (its ``peers``);
+    the view the gateway answers with (``wait_s``: once the stage moved on)."""
     peers = {p: (v["point"], bytes.fromhex(v["mask_key"]), bytes.fromhex(v["share_key"])) for p, v in view["peers"].items()}
-    gateway.secure_shares(job, me.shares(context_of(job, view), view["threshold"], peers), client=client)
+    return gateway.secure_shares(job, me.shares(context_of(job, view), view["threshold"], peers), client=client, wait_s=wait_s)
 
 
 def _await(gateway: Any, job: str, client: str | None, round_id: int, stage: str, view: dict[str, Any]) -> dict[str, Any]:

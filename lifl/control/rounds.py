@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from lifl.cluster_types import NO_MODEL, Job, SecureRound, Shard
 from lifl.control.planner import choose_top
-from lifl.secagg_round import ABANDONED, DONE, UNMASK
+from lifl.secagg_round import ABANDONED, CONSISTENCY, DONE, UNMASK
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def duties(job: Job, shard: Shard, now: float, live: Set[str], secure: SecureRou
             return [AbandonRound(job.round, "abandoned", secure.why)]
         if secure.stage != DONE and now * 1000 >= secure.deadline_ms:
             return [AdvanceSecureStage(job.round)]
-        if secure.stage in (UNMASK, DONE) and not job.closed:  # its collect stage ended at the deadline
+        if secure.stage in (CONSISTENCY, UNMASK, DONE) and not job.closed:  # its collect stage ended at the deadline
             return [CloseAtDeadline(job.round, secure.threshold)]
         if job.closed and not shard.finalized:
             return [AbandonRound(job.round, "abandoned", f"{job.accepted} masked inputs arrived, fewer than the "

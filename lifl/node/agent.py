@@ -1950,7 +1950,7 @@ class Agent:
             rebuilt = self._secrets.get(job)
             if rebuilt is None or rebuilt.round != r.round:
                 _, self_seeds, dropped = self.secure.unmask_secrets(job)
-                publics = {c: mask for c, (mask, _) in self.secure.keys(job).items()}
+                publics = {c: keys.mask for c, keys in self.secure.keys(job).items()}
                 rebuilt = self._secrets[job] = RoundSecrets(r.round, self_seeds, dropped, self.secure.graph(r), publics,
                                                             r.context)
             answers: list[list[tuple[int, bytes]] | LiflError] = []
