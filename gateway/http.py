@@ -796,12 +796,11 @@ class HttpConnection(ConnectionProtocol):
                     self._run()
             elif route.kind == UPLOAD:
                 route.handler(req, caller, *self.groups, done=self._ingest_opened)
+            elif route.kind == DEFERRED and route.body_limit:  # a small JSON body, read before the handler runs
+                req.body.check_size(route.body_limit)
+                self._read_body(self._read_json)
             elif route.kind == DEFERRED:
-                if route.body_limit:  # a small JSON body, read before the handler runs
-                    req.body.check_size(route.body_limit)
-                    self._read_body(self._read_json)
-                else:
-                    self._defer()
+                self._defer()
             else:
                 route.handler(req, caller, *self.groups, done=self._model_opened)
         except LiflError as e:
@@ -829,7 +828,10 @@ class HttpConnection(ConnectionProtocol):
         """The route's handler, on the loop: it answers through ``_answered`` when it is ready."""
         route, req = self.route, self.request
         assert route is not None and req is not None
-        route.handler(req, self.caller, *self.groups, done=self._answered)
+        try:
+            route.handler(req, self.caller, *self.groups, done=self._answered)
+        except LiflError as e:
+            self._refuse(e)
 
     def _run(self) -> None:
         """The route's handler, on the pool."""

@@ -267,6 +267,12 @@ def test_a_stage_message_is_answered_when_its_stage_moves(node: RunningNode, pro
     held.join(30)  # answered by the stage's move, long before its 60 s
     assert not held.is_alive() and answered["stage"] == "share" and set(answered["peers"]) == {"c1", "c2"}, answered
     assert sorted(SecureRounds(node.state).keys(job)) == ["c0", "c1", "c2"]  # c3's refused message took nothing
+    if protocol == "grpc":
+        with pytest.raises(BadRequest) as e:
+            gw._secure_rpc(job, "unmask", "c0", {})
+        assert e.value.code == "bad_secure_call" and "keys, shares, signature, answer" in str(e.value)
+    else:
+        assert node.request("POST", f"/v1/jobs/{job}/secure/unmask", b"{}")[0] == 404
 
 
 def test_a_survivor_whose_answer_comes_after_the_sum_was_unmasked_is_accepted(node: RunningNode) -> None:
