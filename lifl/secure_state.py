@@ -359,23 +359,15 @@ class SecureRounds:
                                                    "s", params.signatures])
         elif r.stage == SHARE:
             shared = self.redis.scard(_part(job, "sharing"))
-            self._next_or_abandon(r, SHARE, COLLECT, timeout, shared, "clients shared their keys")
-        elif r.stage == COLLECT:
+            self._next_or_abandon(r, SHARE, COLLECT, timeout, shared, "clients shared their keys", _threshold(r))
+        elif r.stage == COLLECT:  # enough inputs to unmask, and enough survivors to sign
             masked = self.redis.scard(_part(job, "masked"))
-            if r.threshold <= masked < r.signatures:
-                self._move(keys=[_key(job)], args=[r.round, COLLECT, ABANDONED, 0, "why", (
-                    f"{masked} clients sent masked inputs, fewer than the {r.signatures} signatures the consistency "
-                    "check needs")])
-            else:
-                self._next_or_abandon(r, COLLECT, CONSISTENCY, timeout, masked, "clients sent masked inputs")
+            self._next_or_abandon(r, COLLECT, CONSISTENCY, timeout, masked, "clients sent masked inputs", _threshold(r),
+                                  (r.signatures, f"the {r.signatures} signatures the consistency check needs"))
         elif r.stage == CONSISTENCY:
             signed = self.redis.hlen(_part(job, "signed"))
-            if signed < r.signatures:
-                self._move(keys=[_key(job)], args=[r.round, CONSISTENCY, ABANDONED, 0, "why", (
-                    f"{signed} survivors signed the survivor list, fewer than the {r.signatures} the consistency check "
-                    "needs")])
-            else:
-                self._move(keys=[_key(job)], args=[r.round, CONSISTENCY, UNMASK, timeout])
+            self._next_or_abandon(r, CONSISTENCY, UNMASK, timeout, signed, "survivors signed the survivor list",
+                                  (r.signatures, f"the {r.signatures} the consistency check needs"))
         elif r.stage == UNMASK:
             counts = self.redis.hgetall(_part(job, "counts"))
             short = sorted(c for c in self.redis.smembers(_part(job, "sharing")) if int(counts.get(c, 0)) < r.threshold)
@@ -384,10 +376,13 @@ class SecureRounds:
             self._move(keys=[_key(job)], args=[r.round, UNMASK, ABANDONED if short else DONE, 0, "why", why])
         return self.round(job)
 
-    def _next_or_abandon(self, r: Round, stage: str, following: str, timeout: int, count: int, what: str) -> None:
-        if count < r.threshold:
-            self._move(keys=[_key(r.job)], args=[r.round, stage, ABANDONED, 0, "why",
-                                                 f"{count} {what}, fewer than the threshold of {r.threshold}"])
+    def _next_or_abandon(self, r: Round, stage: str, following: str, timeout: int, count: int, what: str,
+                         *needs: tuple[int, str]) -> None:
+        """The stage ends: the round moves on if ``count`` clients (``what`` they did) meet every one
+        of ``needs`` (the least count, and what it is), or is abandoned naming the first unmet."""
+        short = next((label for least, label in needs if count < least), None)
+        if short is not None:
+            self._move(keys=[_key(r.job)], args=[r.round, stage, ABANDONED, 0, "why", f"{count} {what}, fewer than {short}"])
         else:
             self._move(keys=[_key(r.job)], args=[r.round, stage, following, timeout])
 
@@ -397,6 +392,10 @@ class SecureRounds:
             raise Conflict(f"the secure round of {job!r} is at {r.stage if r else 'no'} stage, not {' or '.join(stages)}",
                            code="wrong_stage")
         return r
+
+
+def _threshold(r: Round) -> tuple[int, str]:
+    return r.threshold, f"the threshold of {r.threshold}"
 
 
 def _remember(cache: dict[Any, Any], key: Any, value: Any) -> Any:
